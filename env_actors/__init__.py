@@ -1,0 +1,1 @@
+"""Environments and the supervised env-server actors that run them."""

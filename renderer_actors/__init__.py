@@ -1,0 +1,1 @@
+"""Renderers (tokenizer + chat template) and the autoscaling pool of renderer actors."""

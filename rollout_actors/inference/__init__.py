@@ -1,0 +1,1 @@
+"""Inference servers: the bundled stand-in (CPU) and supervised server actors."""
