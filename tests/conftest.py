@@ -7,6 +7,8 @@ import os
 import pytest
 
 os.environ.setdefault("RAY_ROLLOUTS_TEST", "1")
+# A planted API key: set before Ray starts so every worker inherits it; tests assert it never leaks.
+os.environ.setdefault("RAY_ROLLOUTS_TEST_SECRET", "sk-planted-" + os.urandom(12).hex())
 
 
 @pytest.fixture(scope="session")
@@ -18,3 +20,26 @@ def ray_session():
         ray.init(num_cpus=8, include_dashboard=False, log_to_driver=True, configure_logging=False)
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def standin():
+    """One bundled stand-in inference server process for the whole suite, default options. Tests steer
+    it per request with `X-Standin-*` headers (fault, latency, correct rate), never by restarting it."""
+    from rollout_actors.inference.launch import StandinServer
+
+    with StandinServer() as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def standin_pair():
+    """Two more stand-in servers (endpoint stickiness across servers); started only when asked for."""
+    from rollout_actors.inference.launch import StandinServer
+
+    pair = [StandinServer().start(wait=False), StandinServer().start(wait=False)]  # load in parallel
+    try:
+        yield tuple(server.wait_ready() for server in pair)
+    finally:
+        for server in pair:
+            server.stop()

@@ -1,0 +1,283 @@
+"""Model calls answered in vLLM's shapes: a validated request in, a serialised response body out.
+
+Completions take token ids (the main path) or text; chat renders its messages with the tokenizer's chat
+template (cached: a rollout resends its whole history every turn) and parses the sampled turn back into
+`content` / `reasoning_content` / `tool_calls` the way vLLM's qwen3 reasoning parser and hermes tool
+parser do. Both run the same `ScriptedPolicy` on prompt ids.
+
+End of turn, as vLLM returns it: the close token `<|im_end|>` is the tokenizer's EOS, so when the policy
+ends on it `finish_reason` is "stop", `stop_reason` is None, the id IS the last of `token_ids` (vLLM
+appends the sampled EOS to the output ids before its stop check) and has a logprob, and `text` leaves it
+out (`skip_special_tokens`). When `max_tokens` cuts the turn, `finish_reason` is "length".
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+from rollout_actors.inference.standin_policy import PolicyConfig, Sampled, ScriptedPolicy
+from rollout_actors.inference.standin_wire import (
+    ChatChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogProb,
+    ChatLogProbs,
+    ChatLogProbsContent,
+    ChatMessage,
+    CompletionChoice,
+    CompletionLogProbs,
+    CompletionRequest,
+    CompletionResponse,
+    FunctionCall,
+    ToolCall,
+    UsageInfo,
+)
+
+RENDER_CACHE_SIZE = 1024  # distinct conversations in flight at once, roughly; each entry is its prompt ids
+ALTERNATIVE_STRIDE = 7919  # spreads the made-up top-logprob alternatives over the vocabulary
+_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+
+class RequestError(ValueError):
+    """The request is invalid: a 400 with vLLM's error body."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class Answer:
+    body: bytes
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class Answers:
+    """Builds response bodies. One per server; holds the policy and the render/tokenise caches."""
+
+    def __init__(self, policy: ScriptedPolicy, max_model_len: int) -> None:
+        self.policy = policy
+        self.tokenizer = policy.tokenizer
+        self.max_model_len = max_model_len
+        self.vocab_size = len(self.tokenizer)
+        added = self.tokenizer.added_tokens_decoder
+        self.regular_vocab = min(added) if added else self.vocab_size
+        self._prompts: OrderedDict[str, list[int]] = OrderedDict()
+
+    # ------------------------------------------------------------------------------------ completions
+
+    def completion(self, req: CompletionRequest, model: str, seed: int, config: PolicyConfig) -> Answer:
+        _single_choice(req.n, req.stream)
+        prompts = self._completion_prompts(req.prompt)
+        choices, used, produced = [], 0, 0
+        for index, prompt_ids in enumerate(prompts):
+            max_tokens = self._max_tokens(prompt_ids, req.max_tokens)
+            sampled = self._sample(prompt_ids, req, max_tokens, seed, config)
+            logprobs = None
+            if req.logprobs is not None:
+                logprobs = self._completion_logprobs(sampled, req.logprobs, req.return_tokens_as_token_ids)
+            choices.append(
+                CompletionChoice(
+                    index=index,
+                    text=sampled.text,
+                    logprobs=logprobs,
+                    finish_reason=sampled.finish_reason,
+                    stop_reason=sampled.stop_reason,
+                    token_ids=sampled.ids if req.return_token_ids else None,
+                    prompt_token_ids=prompt_ids if req.return_token_ids else None,
+                )
+            )
+            used, produced = used + len(prompt_ids), produced + len(sampled.ids)
+        usage = UsageInfo(prompt_tokens=used, completion_tokens=produced, total_tokens=used + produced)
+        body = CompletionResponse(model=model, choices=choices, usage=usage).model_dump_json()
+        return Answer(body.encode(), used, produced)
+
+    def _completion_prompts(self, prompt: Any) -> list[list[int]]:
+        if isinstance(prompt, str):
+            prompts = [self._encode(prompt)]
+        elif prompt and isinstance(prompt[0], str):
+            prompts = [self._encode(p) for p in prompt]
+        elif prompt and isinstance(prompt[0], list):
+            prompts = prompt
+        else:
+            prompts = [prompt]
+        for ids in prompts:
+            if not ids:
+                raise RequestError("prompt must not be empty", "prompt")
+            if min(ids) < 0 or max(ids) >= self.vocab_size:
+                raise RequestError(f"Token id out of vocabulary (size {self.vocab_size})", "prompt")
+        return prompts
+
+    def _completion_logprobs(self, sampled: Sampled, top: int, as_ids: bool | None) -> CompletionLogProbs:
+        tokens, offsets, tops, offset = [], [], [], 0
+        for token_id, logprob in zip(sampled.ids, sampled.logprobs, strict=True):
+            token = self._token(token_id, as_ids)
+            tokens.append(token)
+            offsets.append(offset)
+            offset += len(token) if token_id != self.policy.im_end else 0
+            runners_up = _alternatives(token_id, logprob, top, self.regular_vocab)
+            tops.append({token: logprob, **{self._token(a, as_ids): lp for a, lp in runners_up}})
+        return CompletionLogProbs(
+            text_offset=offsets, token_logprobs=list(sampled.logprobs), tokens=tokens, top_logprobs=tops
+        )
+
+    # ------------------------------------------------------------------------------------------- chat
+
+    def chat(self, req: ChatCompletionRequest, model: str, seed: int, config: PolicyConfig) -> Answer:
+        _single_choice(req.n or 1, bool(req.stream))
+        prompt_ids = self._render(req)
+        limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        sampled = self._sample(prompt_ids, req, self._max_tokens(prompt_ids, limit), seed, config)
+        parse_tools = bool(req.tools) and req.tool_choice != "none"
+        message = parse_turn(sampled.text, parse_tools)
+        finish = "tool_calls" if message.tool_calls else sampled.finish_reason
+        logprobs = None
+        if req.logprobs:
+            logprobs = self._chat_logprobs(sampled, req.top_logprobs or 0, req.return_tokens_as_token_ids)
+        choice = ChatChoice(
+            index=0,
+            message=message,
+            logprobs=logprobs,
+            finish_reason=finish,
+            stop_reason=sampled.stop_reason,
+            token_ids=sampled.ids if req.return_token_ids else None,
+        )
+        used, produced = len(prompt_ids), len(sampled.ids)
+        usage = UsageInfo(prompt_tokens=used, completion_tokens=produced, total_tokens=used + produced)
+        response = ChatCompletionResponse(
+            model=model,
+            choices=[choice],
+            usage=usage,
+            prompt_token_ids=prompt_ids if req.return_token_ids else None,
+        )
+        return Answer(response.model_dump_json().encode(), used, produced)
+
+    def _render(self, req: ChatCompletionRequest) -> list[int]:
+        kwargs = dict(req.chat_template_kwargs or {})
+        key = json.dumps([req.messages, req.tools, kwargs, req.add_generation_prompt], sort_keys=True)
+        cached = self._prompts.get(key)
+        if cached is not None:
+            self._prompts.move_to_end(key)
+            return cached
+        try:
+            text = self.tokenizer.apply_chat_template(
+                [_template_message(m) for m in req.messages],
+                tools=req.tools,
+                add_generation_prompt=req.add_generation_prompt,
+                tokenize=False,
+                **kwargs,
+            )
+        except Exception as exc:  # jinja errors on a malformed conversation are the caller's
+            raise RequestError(f"chat template failed: {type(exc).__name__}: {exc}", "messages") from exc
+        ids = self._encode(text)
+        self._prompts[key] = ids
+        if len(self._prompts) > RENDER_CACHE_SIZE:
+            self._prompts.popitem(last=False)
+        return ids
+
+    def _chat_logprobs(self, sampled: Sampled, top: int, as_ids: bool | None) -> ChatLogProbs:
+        content = []
+        for token_id, logprob in zip(sampled.ids, sampled.logprobs, strict=True):
+            entry = self._chat_logprob(token_id, logprob, as_ids)
+            ranked = [entry] + [
+                self._chat_logprob(a, lp, as_ids)
+                for a, lp in _alternatives(token_id, logprob, top, self.regular_vocab)
+            ]
+            content.append(ChatLogProbsContent(**entry.model_dump(), top_logprobs=ranked[:top]))
+        return ChatLogProbs(content=content)
+
+    def _chat_logprob(self, token_id: int, logprob: float, as_ids: bool | None) -> ChatLogProb:
+        raw = list(self.policy.pieces.bytes(token_id))
+        return ChatLogProb(token=self._token(token_id, as_ids), logprob=logprob, bytes=raw)
+
+    # ----------------------------------------------------------------------------------------- shared
+
+    def _sample(
+        self, prompt_ids: list[int], req: Any, max_tokens: int, seed: int, config: PolicyConfig
+    ) -> Sampled:
+        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or ())
+        return self.policy.complete(
+            prompt_ids,
+            max_tokens=max_tokens,
+            seed=seed,
+            temperature=req.temperature,
+            stop=stop,
+            stop_token_ids=req.stop_token_ids or (),
+            include_stop_str_in_output=req.include_stop_str_in_output,
+            config=config,
+        )
+
+    def _max_tokens(self, prompt_ids: list[int], requested: int | None) -> int:
+        room = self.max_model_len - len(prompt_ids)
+        if room <= 0 or (requested is not None and requested > room):
+            raise RequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                f"requested {len(prompt_ids) + (requested or 0)} tokens ({len(prompt_ids)} in the prompt).",
+                "max_tokens",
+            )
+        return room if requested is None else requested
+
+    def _encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def _token(self, token_id: int, as_ids: bool | None) -> str:
+        return f"token_id:{token_id}" if as_ids else self.policy.pieces.text(token_id)
+
+
+def parse_turn(text: str, parse_tools: bool) -> ChatMessage:
+    """Split an assistant turn like vLLM's qwen3 reasoning parser + hermes tool parser: reasoning needs
+    both think tags; tool calls need every `<tool_call>` body to be JSON with a name, else the whole
+    text stays content (hermes' rule)."""
+    reasoning, content = None, text
+    start, end = text.find("<think>"), text.find("</think>")
+    if 0 <= start < end:
+        reasoning = text[start + len("<think>") : end].strip("\n")
+        content = text[end + len("</think>") :].lstrip("\n")
+    calls: list[ToolCall] = []
+    if parse_tools and "<tool_call>" in content:
+        try:
+            for body in _TOOL_CALL.findall(content):
+                call = json.loads(body)
+                arguments = json.dumps(call.get("arguments", {}), ensure_ascii=False)
+                calls.append(ToolCall(function=FunctionCall(name=call["name"], arguments=arguments)))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            calls = []
+        if calls:
+            content = content[: content.find("<tool_call>")].rstrip("\n")
+    return ChatMessage(
+        content=content or None, reasoning_content=reasoning, reasoning=reasoning, tool_calls=calls
+    )
+
+
+def _alternatives(token_id: int, logprob: float, top: int, regular: int) -> list[tuple[int, float]]:
+    """Made-up runners-up for `top_logprobs`: deterministic ordinary-vocabulary ids (below `regular`),
+    each less likely than the sampled token."""
+    return [
+        ((token_id + ALTERNATIVE_STRIDE * k) % regular, round(logprob - 0.75 * k - 0.5, 6))
+        for k in range(1, top)
+    ]
+
+
+def _single_choice(n: int, stream: bool) -> None:
+    if n != 1:
+        raise RequestError("the stand-in server samples one choice per prompt (n=1)", "n")
+    if stream:
+        raise RequestError("the stand-in server does not stream", "stream")
+
+
+def _template_message(message: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI message -> what the chat template reads: text content, `reasoning_content`."""
+    out = dict(message)
+    content = out.get("content")
+    if isinstance(content, list):
+        out["content"] = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    elif content is None and out.get("role") != "assistant":
+        out["content"] = ""
+    if out.get("reasoning_content") is None and out.get("reasoning") is not None:
+        out["reasoning_content"] = out["reasoning"]
+    return out

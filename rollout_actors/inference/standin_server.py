@@ -1,0 +1,378 @@
+"""The bundled stand-in inference server: vLLM's OpenAI-compatible wire format, served on CPU.
+
+    python -m rollout_actors.inference.standin_server --host 127.0.0.1 --port 8000 \\
+        [--model NAME] [--latency-s F] [--per-token-latency-s F] [--seed N] [--correct-rate F] \\
+        [--think-rate F] [--noncanonical-rate F] [--fault-rate F --fault 500|timeout|drop|malformed]
+
+Endpoints: `POST /v1/completions` (token-id or text prompt), `POST /v1/chat/completions`, `GET /v1/models`,
+`GET /health` (200 only once the tokenizer is loaded), `GET /metrics`, `POST /v1/load_lora_adapter`,
+`POST /v1/unload_lora_adapter`, and for tests `GET|POST /admin/faults`, `GET /admin/sessions`.
+Answers come from the seeded `ScriptedPolicy`; latency is a fixed part plus a per-completion-token part,
+slept without blocking the loop. Per request, headers override the server's settings:
+`X-Standin-Fault`, `X-Standin-Fault-Rate` (see `standin_traffic`), `X-Standin-Latency` and
+`X-Standin-Per-Token-Latency` (seconds), `X-Standin-Correct-Rate`, `X-Standin-Think-Rate`,
+`X-Standin-Noncanonical-Rate`. `X-Session-ID` is recorded (`standin_sessions` in /metrics).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+import os
+import resource
+import socket
+import sys
+import time
+import zlib
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, get_args
+
+from pydantic import ValidationError
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.routing import Route
+
+from renderer_actors.tokenizer import BUNDLED_MODEL, load_tokenizer
+from rollout_actors.inference.standin_answers import Answers, RequestError
+from rollout_actors.inference.standin_policy import PolicyConfig, ScriptedPolicy
+from rollout_actors.inference.standin_traffic import FaultPlan, TrafficGate, TrafficStats, error_body
+from rollout_actors.inference.standin_wire import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    FaultKind,
+    FaultSettings,
+    LoadLoRAAdapterRequest,
+    ModelCard,
+    ModelList,
+    UnloadLoRAAdapterRequest,
+)
+
+log = logging.getLogger("rollout_actors.standin")
+
+BACKLOG = 4096  # 2,048 concurrent rollouts connect at once; the kernel queue must hold them all
+KEEP_ALIVE_S = 5  # clients keep idle connections for less (ClientConfig.keepalive_expiry = 4 s)
+GRACEFUL_SHUTDOWN_S = 2  # a `timeout` fault never answers; shutdown must not wait for it
+PARENT_POLL_S = 1.0
+_POLICY_HEADERS = {
+    "x-standin-correct-rate": "correct_rate",
+    "x-standin-think-rate": "think_rate",
+    "x-standin-noncanonical-rate": "noncanonical_rate",
+}
+
+
+@dataclass(frozen=True)
+class StandinOptions:
+    """Everything the stand-in server can be told at start (mirrors the command line)."""
+
+    model: str = BUNDLED_MODEL
+    """Served model name; also the tokenizer loaded with `load_tokenizer`."""
+    latency_s: float = 0.0
+    """Fixed latency of every model call."""
+    per_token_latency_s: float = 0.0
+    """Added latency per completion token."""
+    seed: int = 0
+    """Policy seed for requests that carry none."""
+    correct_rate: float = 0.7
+    think_rate: float = 0.5
+    noncanonical_rate: float = 0.0
+    fault_rate: float = 0.0
+    fault: FaultKind = "500"
+    max_model_len: int = 32768
+    startup_delay_s: float = 0.0
+    """Delay before loading, so a test can watch `/health` answer 503 first. Zero in production."""
+
+    def policy(self) -> PolicyConfig:
+        return PolicyConfig(self.seed, self.correct_rate, self.think_rate, self.noncanonical_rate)
+
+    def to_argv(self) -> list[str]:
+        argv = []
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value != f.default:
+                argv += [f"--{f.name.replace('_', '-')}", str(value)]
+        return argv
+
+
+class StandinState:
+    """What the routes share: settings, the loaded policy (None until ready), adapters, counters."""
+
+    def __init__(self, options: StandinOptions) -> None:
+        self.options = options
+        self.policy_config = options.policy()  # validates the rates before a port is bound
+        self.faults = FaultPlan(FaultSettings(fault_rate=options.fault_rate, fault=options.fault))
+        self.stats = TrafficStats()
+        self.answers: Answers | None = None
+        self.loras: dict[str, str] = {}
+        self.load_error: BaseException | None = None
+        self.on_fatal: Any = None
+        """Asks the HTTP server to exit (set by `main`)."""
+        self.parent_pid: int | None = None
+        """Exit when this process stops being our parent (set by `main` from `--parent-pid`)."""
+
+    async def load(self) -> None:
+        """Readiness means loaded: the tokenizer and the policy's vocabulary index exist."""
+        try:
+            await asyncio.sleep(self.options.startup_delay_s)
+            started = time.monotonic()
+            tokenizer = await asyncio.to_thread(load_tokenizer, self.options.model)
+            policy = await asyncio.to_thread(ScriptedPolicy, tokenizer, self.policy_config)
+            self.answers = Answers(policy, self.options.max_model_len)
+            log.info("stand-in loaded %s in %.1f s", self.options.model, time.monotonic() - started)
+        except Exception as exc:
+            self.load_error = exc
+            log.exception("stand-in failed to load %s", self.options.model)
+            if self.on_fatal is not None:
+                self.on_fatal()
+
+    def served(self, model: str | None) -> str | None:
+        """The name to answer as, or None when the model is not served (404, like vLLM)."""
+        if model is None or model == self.options.model or model in self.loras:
+            return model or self.options.model
+        return None
+
+
+def _error(message: str, err_type: str, code: int, param: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, err_type, code, param), status_code=code)
+
+
+def _not_ready(state: StandinState) -> JSONResponse:
+    return _error(f"model {state.options.model} is still loading", "ServiceUnavailableError", 503)
+
+
+async def _parse(request: Request, model: type) -> Any:
+    try:
+        return model.model_validate_json(await request.body())
+    except ValidationError as exc:
+        raise RequestError(str(exc).splitlines()[0] + ": " + _first_error(exc)) from exc
+
+
+def _first_error(exc: ValidationError) -> str:
+    err = exc.errors()[0]
+    return f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}"
+
+
+def _overrides(state: StandinState, request: Request) -> tuple[PolicyConfig, float, float]:
+    """Per-request policy config and latency from `X-Standin-*` headers; a bad value is a 400."""
+    headers, options = request.headers, state.options
+    changes, latency, per_token = {}, options.latency_s, options.per_token_latency_s
+    try:
+        for header, name in _POLICY_HEADERS.items():
+            if header in headers:
+                changes[name] = float(headers[header])
+        if "x-standin-latency" in headers:
+            latency = float(headers["x-standin-latency"])
+        if "x-standin-per-token-latency" in headers:
+            per_token = float(headers["x-standin-per-token-latency"])
+        config = dataclasses.replace(state.policy_config, **changes) if changes else state.policy_config
+    except ValueError as exc:
+        raise RequestError(f"bad X-Standin-* header: {exc}") from exc
+    if latency < 0 or per_token < 0:
+        raise RequestError("X-Standin latency headers must be >= 0")
+    return config, latency, per_token
+
+
+def _seed_for(state: StandinState, model: str, seed: int | None, config: PolicyConfig) -> int:
+    base = config.seed if seed is None else seed
+    # An adapter is another policy: same prompt, different answers than the base model.
+    return base if model == state.options.model else base * 1_000_003 + zlib.crc32(model.encode())
+
+
+def build_app(state: StandinState) -> TrafficGate:
+    async def model_call(request: Request, kind: str) -> Response:
+        if state.answers is None:
+            return _not_ready(state)
+        try:
+            body = await _parse(
+                request, CompletionRequest if kind == "completions" else ChatCompletionRequest
+            )
+            model = state.served(body.model)
+            if model is None:
+                return _error(f"The model `{body.model}` does not exist.", "NotFoundError", 404, "model")
+            config, latency, per_token = _overrides(state, request)
+            seed = _seed_for(state, model, body.seed, config)
+            if kind == "completions":
+                answer = state.answers.completion(body, model, seed, config)
+            else:
+                answer = state.answers.chat(body, model, seed, config)
+        except RequestError as exc:
+            return _error(str(exc), "BadRequestError", 400, exc.param)
+        except Exception as exc:  # a bug here must still answer in the protocol's error shape
+            log.exception("stand-in failed to answer a %s call", kind)
+            return _error(f"{type(exc).__name__}: {exc}", "InternalServerError", 500)
+        state.stats.prompt_tokens += answer.prompt_tokens
+        state.stats.completion_tokens += answer.completion_tokens
+        delay = latency + per_token * answer.completion_tokens
+        if delay > 0:
+            await asyncio.sleep(delay)
+        return Response(answer.body, media_type="application/json")
+
+    async def completions(request: Request) -> Response:
+        return await model_call(request, "completions")
+
+    async def chat_completions(request: Request) -> Response:
+        return await model_call(request, "chat")
+
+    async def health(request: Request) -> Response:
+        return Response(status_code=200) if state.answers is not None else _not_ready(state)
+
+    async def models(request: Request) -> Response:
+        if state.answers is None:
+            return _not_ready(state)
+        base = state.options.model
+        cards = [ModelCard(id=base, root=base, max_model_len=state.options.max_model_len)]
+        cards += [ModelCard(id=name, root=path, parent=base) for name, path in state.loras.items()]
+        return Response(ModelList(data=cards).model_dump_json(), media_type="application/json")
+
+    async def metrics(request: Request) -> Response:
+        return PlainTextResponse(
+            state.stats.render(state.options.model), media_type="text/plain; version=0.0.4"
+        )
+
+    async def load_lora(request: Request) -> Response:
+        try:
+            body = await _parse(request, LoadLoRAAdapterRequest)
+        except RequestError as exc:
+            return _error(str(exc), "BadRequestError", 400)
+        if not body.lora_name or not body.lora_path:
+            return _error("Both 'lora_name' and 'lora_path' must be provided.", "InvalidUserInput", 400)
+        if body.lora_name in state.loras and not body.load_inplace:
+            msg = f"The lora adapter '{body.lora_name}' has already been loaded."
+            return _error(msg, "InvalidUserInput", 400)
+        if body.lora_name == state.options.model:
+            return _error("A LoRA adapter cannot take the base model's name.", "InvalidUserInput", 400)
+        if not os.path.isfile(os.path.join(body.lora_path, "adapter_config.json")):
+            msg = f"Loading lora {body.lora_name} failed: No adapter found for {body.lora_path}"
+            return _error(msg, "NotFoundError", 404)
+        state.loras[body.lora_name] = body.lora_path
+        log.info("loaded LoRA adapter %s from %s", body.lora_name, body.lora_path)
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+    async def unload_lora(request: Request) -> Response:
+        try:
+            body = await _parse(request, UnloadLoRAAdapterRequest)
+        except RequestError as exc:
+            return _error(str(exc), "BadRequestError", 400)
+        if state.loras.pop(body.lora_name, None) is None:
+            return _error(f"The lora adapter '{body.lora_name}' cannot be found.", "NotFoundError", 404)
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
+
+    async def admin_faults(request: Request) -> Response:
+        if request.method == "POST":
+            try:
+                state.faults.settings = await _parse(request, FaultSettings)
+            except RequestError as exc:
+                return _error(str(exc), "BadRequestError", 400)
+        return Response(state.faults.settings.model_dump_json(), media_type="application/json")
+
+    async def admin_sessions(request: Request) -> Response:
+        return JSONResponse({"sessions": state.stats.sessions, "overflow": state.stats.sessions_overflow})
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> Any:
+        tasks = [asyncio.create_task(state.load())]
+        if state.parent_pid is not None and state.on_fatal is not None:
+            tasks.append(asyncio.create_task(_exit_with_parent(state.parent_pid, state.on_fatal)))
+        try:
+            yield
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    routes = [
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        Route("/v1/load_lora_adapter", load_lora, methods=["POST"]),
+        Route("/v1/unload_lora_adapter", unload_lora, methods=["POST"]),
+        Route("/admin/faults", admin_faults, methods=["GET", "POST"]),
+        Route("/admin/sessions", admin_sessions, methods=["GET"]),
+    ]
+    return TrafficGate(Starlette(routes=routes, lifespan=lifespan), state.stats, state.faults)
+
+
+async def _exit_with_parent(parent_pid: int, exit_now: Any) -> None:
+    """A launcher that dies without stopping us must not leave a server behind (tests crash too)."""
+    while os.getppid() == parent_pid:
+        await asyncio.sleep(PARENT_POLL_S)
+    log.warning("stand-in: parent %d is gone, shutting down", parent_pid)
+    exit_now()
+
+
+# ----------------------------------------------------------------------------------------- command line
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[StandinOptions, argparse.Namespace]:
+    parser = argparse.ArgumentParser(prog="standin_server", description=__doc__.split("\n")[0])
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000, help="0 picks a free port (see --port-file)")
+    parser.add_argument("--port-file", help="write the bound port here once listening")
+    parser.add_argument("--parent-pid", type=int, help="exit when this process is no longer our parent")
+    defaults = StandinOptions()
+    for f in dataclasses.fields(StandinOptions):
+        flag = f"--{f.name.replace('_', '-')}"
+        kind = type(f.default) if f.name != "fault" else str
+        choices = get_args(FaultKind) if f.name == "fault" else None
+        parser.add_argument(flag, type=kind, default=getattr(defaults, f.name), choices=choices)
+    args = parser.parse_args(argv)
+    options = StandinOptions(**{f.name: getattr(args, f.name) for f in dataclasses.fields(StandinOptions)})
+    return options, args
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(BACKLOG)
+    return sock
+
+
+def _raise_open_files_limit() -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = hard if hard == resource.RLIM_INFINITY else min(hard, 65536)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+
+
+def main(argv: list[str] | None = None) -> int:
+    import uvicorn
+
+    options, args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _raise_open_files_limit()
+    state = StandinState(options)
+    sock = _listen(args.host, args.port)
+    port = sock.getsockname()[1]
+    config = uvicorn.Config(
+        build_app(state),
+        log_level="warning",
+        access_log=False,
+        backlog=BACKLOG,
+        timeout_keep_alive=KEEP_ALIVE_S,
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        proxy_headers=False,
+        server_header=False,
+        lifespan="on",
+    )
+    server = uvicorn.Server(config)
+    state.on_fatal = lambda: setattr(server, "should_exit", True)
+    state.parent_pid = args.parent_pid
+    if args.port_file:
+        tmp = f"{args.port_file}.tmp"
+        with open(tmp, "w") as f:
+            f.write(str(port))
+        os.replace(tmp, args.port_file)
+    log.info("stand-in serving %s on http://%s:%d/v1", options.model, args.host, port)
+    asyncio.run(server.serve(sockets=[sock]))
+    return 1 if state.load_error is not None else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

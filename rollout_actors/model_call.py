@@ -1,0 +1,145 @@
+"""One model call, in token mode (`/v1/completions` with a token-id prompt) or chat mode (relayed
+`/v1/chat/completions`), validated into a `Sampled` or rejected as `MalformedResponse`.
+
+Field names follow vLLM's OpenAI protocol: `return_token_ids` asks for `choices[i].token_ids` (and
+`prompt_token_ids`); completions logprobs come as `{tokens, token_logprobs, ...}`, chat logprobs as
+`{content: [{token, logprob, ...}]}`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import openai
+
+from rollout_actors.failures import MalformedResponse
+from rollout_actors.wire import SamplingConfig
+
+
+@dataclass
+class Sampled:
+    """What the server sampled for one turn."""
+
+    completion_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str | None
+    prompt_ids: list[int] | None = None
+    message: dict[str, Any] = field(default_factory=dict)
+    """Chat mode only: the assistant message as the server parsed it."""
+
+
+def _sampling_kwargs(sampling: SamplingConfig) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {
+        "max_tokens": sampling.max_tokens,
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+    }
+    if sampling.seed is not None:
+        kwargs["seed"] = sampling.seed
+    if sampling.stop:
+        kwargs["stop"] = sampling.stop
+    return kwargs
+
+
+def _ids(value: Any, what: str) -> list[int]:
+    if not isinstance(value, list) or not all(isinstance(i, int) for i in value):
+        raise MalformedResponse(f"response has no valid {what} (got {type(value).__name__})")
+    return value
+
+
+def _extra(obj: Any, name: str) -> Any:
+    value = getattr(obj, name, None)
+    if value is None and getattr(obj, "model_extra", None):
+        value = obj.model_extra.get(name)
+    return value
+
+
+async def complete_tokens(
+    client: openai.AsyncOpenAI, model: str, prompt_ids: list[int], sampling: SamplingConfig
+) -> Sampled:
+    response = await client.completions.create(
+        model=model,
+        prompt=prompt_ids,
+        logprobs=1 if sampling.logprobs else None,
+        extra_body={"return_token_ids": True, **sampling.extra_body},
+        **_sampling_kwargs(sampling),
+    )
+    choices = getattr(response, "choices", None)
+    if not choices:
+        raise MalformedResponse("completion response has no choices")
+    choice = choices[0]
+    completion_ids = _ids(_extra(choice, "token_ids"), "choices[0].token_ids")
+    logprobs: list[float] = []
+    if sampling.logprobs:
+        token_logprobs = getattr(getattr(choice, "logprobs", None), "token_logprobs", None)
+        if not isinstance(token_logprobs, list) or len(token_logprobs) != len(completion_ids):
+            raise MalformedResponse("completion logprobs missing or not aligned with token_ids")
+        logprobs = [float(x) for x in token_logprobs]
+    return Sampled(completion_ids, logprobs, choice.finish_reason, prompt_ids=prompt_ids)
+
+
+async def complete_chat(
+    client: openai.AsyncOpenAI,
+    model: str,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    sampling: SamplingConfig,
+) -> Sampled:
+    kwargs = _sampling_kwargs(sampling)
+    if tools:
+        kwargs["tools"] = tools
+    response = await client.chat.completions.create(
+        model=model,
+        messages=messages,
+        logprobs=sampling.logprobs,
+        extra_body={"return_token_ids": True, **sampling.extra_body},
+        **kwargs,
+    )
+    choices = getattr(response, "choices", None)
+    if not choices or getattr(choices[0], "message", None) is None:
+        raise MalformedResponse("chat response has no choices[0].message")
+    choice = choices[0]
+    completion_ids = _ids(_extra(choice, "token_ids"), "choices[0].token_ids")
+    prompt_ids = _ids(_extra(response, "prompt_token_ids"), "prompt_token_ids")
+    logprobs: list[float] = []
+    if sampling.logprobs:
+        content = getattr(getattr(choice, "logprobs", None), "content", None)
+        if not isinstance(content, list) or len(content) != len(completion_ids):
+            raise MalformedResponse("chat logprobs missing or not aligned with token_ids")
+        logprobs = [float(item.logprob) for item in content]
+    return Sampled(
+        completion_ids, logprobs, choice.finish_reason, prompt_ids, _assistant_message(choice.message)
+    )
+
+
+def _assistant_message(message: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {"role": "assistant", "content": message.content}
+    reasoning = _extra(message, "reasoning_content") or _extra(message, "reasoning")
+    if reasoning is not None:
+        out["reasoning_content"] = reasoning
+    if message.tool_calls:
+        out["tool_calls"] = [
+            {
+                "id": call.id,
+                "type": "function",
+                "function": {"name": call.function.name, "arguments": call.function.arguments},
+            }
+            for call in message.tool_calls
+        ]
+    return out
+
+
+def tool_call_views(message: dict[str, Any]) -> list[dict[str, Any]]:
+    """Tool calls of an assistant message as `wire.ToolCall` fields (chat mode: the server parsed them)."""
+    views = []
+    for call in message.get("tool_calls") or []:
+        fn = call.get("function", {})
+        raw = fn.get("arguments")
+        try:
+            args, status = (json.loads(raw) if isinstance(raw, str) else raw), "ok"
+        except (TypeError, ValueError):
+            args, status = raw, "invalid_json"
+        views.append({"name": fn.get("name"), "arguments": args, "status": status, "raw": raw or ""})
+    return views

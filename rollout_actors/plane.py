@@ -1,0 +1,379 @@
+"""`RolloutPlane`: the orchestrator's handle on ray-rollouts.
+
+    plane = RolloutPlane(PlaneConfig(lanes={"train": 512, "eval": 64}))
+    await plane.start()
+    await plane.submit_group(request, n=8)          # waits while the lane is full (back-pressure)
+    async for result in plane.drain():              # one Result per request, as they finish
+        ...
+    await plane.close()
+
+The plane owns every rollout it started: each request gets exactly one `Result` (contract 3), re-dispatched
+under the same lease id when its worker is lost, at most `max_dispatches` times (contract 5). It also owns
+the shared actors it started (renderer pool, env pools, workers) and stops them in `close`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator
+from typing import Any
+
+import ray
+from pydantic import BaseModel, Field, ValidationError
+
+from rollout_actors.lanes import Lanes
+from rollout_actors.naming import PoolNames
+from rollout_actors.rollout import LoopLimits
+from rollout_actors.shared_pools import SharedPools
+from rollout_actors.wire import (
+    DEFAULT_ALLOWED_PREFIXES,
+    CallerError,
+    Failure,
+    Result,
+    RolloutRequest,
+    new_id,
+)
+from rollout_actors.worker_set import WorkerSet, WorkerSlot
+
+log = logging.getLogger(__name__)
+
+
+class PlaneConfig(BaseModel):
+    """How a plane is sized and how patient it is. Defaults are production defaults."""
+
+    lanes: dict[str, int] = Field(default_factory=lambda: {"train": 1024, "eval": 256})
+    """Lane name -> most rollouts in flight at once."""
+    workers: int | None = None
+    """RolloutWorker actors; `None` sizes from the lane bounds and `rollouts_per_worker`."""
+    rollouts_per_worker: int = 1024
+    worker_num_cpus: float = 1.0
+    hang_timeout_s: float = 30.0
+    """A worker that misses liveness probes this long is lost (Ray takes ~65 s to declare a hung node)."""
+    probe_interval_s: float = 2.0
+    max_dispatches: int = Field(default=3, ge=1)
+    """First dispatch plus at most two re-dispatches after a lost worker, then `infrastructure`."""
+    answer_grace_s: float = 60.0
+    """How long past a request's own deadline the plane waits for its worker before giving up."""
+    cancel_grace_s: float = 10.0
+    """How long a cancelled rollout may take to clean up before the plane answers `cancelled` itself."""
+    call_timeout_s: float = 120.0
+    """Ceiling for one renderer or env call inside a rollout."""
+    endpoints: list[str] = Field(default_factory=list)
+    """Inference base URLs to spread rollouts over (each rollout keeps the one it starts on). Empty: every
+    request uses its own `client.base_url`."""
+    env_pool: dict[str, Any] = Field(default_factory=dict)
+    """`env_actors.pool.EnvPoolConfig` fields for every env pool this plane starts."""
+    env_ready_timeout_s: float = 120.0
+    allowed_ref_prefixes: tuple[str, ...] = DEFAULT_ALLOWED_PREFIXES
+    """Module prefixes a request's Refs may name. Widening it is explicit."""
+    name_prefix: str | None = None
+    """Prefix of the named actors this plane starts; `None` picks a unique one."""
+
+
+def _refuse_inside_ray_worker() -> None:
+    from ray._private import worker as ray_worker
+
+    if ray.is_initialized() and ray_worker.global_worker.mode == ray_worker.WORKER_MODE:
+        raise RuntimeError(
+            "RolloutPlane must be built on the driver (the orchestrator process), not inside a Ray task or "
+            "actor: it owns workers and pools whose lifetimes must follow the driver's."
+        )
+
+
+class RolloutPlane:
+    def __init__(self, config: PlaneConfig | None = None) -> None:
+        _refuse_inside_ray_worker()
+        self.config = config or PlaneConfig()
+        prefix = self.config.name_prefix or f"rollouts-{uuid.uuid4().hex[:8]}"
+        self.names = PoolNames(prefix=prefix)
+        self.lanes = Lanes(self.config.lanes)
+        self._pools = SharedPools(self.names, self.config)
+        size = self.config.workers or max(
+            1, math.ceil(self.lanes.total_limit / self.config.rollouts_per_worker)
+        )
+        self._workers = WorkerSet(
+            self.names,
+            size=size,
+            num_cpus=self.config.worker_num_cpus,
+            hang_timeout_s=self.config.hang_timeout_s,
+            probe_interval_s=self.config.probe_interval_s,
+            limits=LoopLimits(call_timeout_s=self.config.call_timeout_s),
+        )
+        self._results: asyncio.Queue[Result] = asyncio.Queue()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._answered: set[str] = set()
+        self._running: dict[str, WorkerSlot] = {}
+        self._cancelled: dict[str, asyncio.Event] = {}
+        self._pending = 0
+        self._endpoint_load: Counter[str] = Counter({url: 0 for url in self.config.endpoints})
+        self.counters: Counter[str] = Counter()
+        self.policy_version: int | None = None
+        self._started = False
+
+    # lifecycle -------------------------------------------------------------------------------------
+    async def start(self) -> RolloutPlane:
+        if not ray.is_initialized():
+            ray.init()
+        await self._pools.start()
+        await self._workers.start()
+        self._started = True
+        return self
+
+    async def close(self) -> None:
+        """Cancel what is still running, then stop workers and pools. Every request still gets its result."""
+        await self.cancel_all()
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=self.config.cancel_grace_s + 5)
+        for task in list(self._tasks):
+            task.cancel()
+        await self._workers.close()
+        await self._pools.close()
+
+    async def __aenter__(self) -> RolloutPlane:
+        return await self.start()
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+    # submission ------------------------------------------------------------------------------------
+    async def submit(self, request: RolloutRequest | dict[str, Any]) -> str:
+        """Queue one rollout; waits while its lane is full. Returns its request id. Never raises for a bad
+        request: that comes back as a `caller` result."""
+        assert self._started, "call `await plane.start()` first"
+        self._pending += 1
+        self.counters["submitted"] += 1
+        try:
+            request = RolloutRequest.model_validate(request)
+            lane = self.lanes.get(request.lane)
+            self._check_refs(request)
+        except (ValidationError, CallerError, KeyError) as exc:
+            request_id = request.get("request_id") if isinstance(request, dict) else None
+            request_id = request_id or (
+                request.request_id if isinstance(request, RolloutRequest) else new_id("req")
+            )
+            self._answer(_caller_result(request, request_id, exc))
+            return request_id
+        self._cancelled[request.request_id] = asyncio.Event()
+        await lane.acquire()
+        task = asyncio.get_running_loop().create_task(self._drive(request, lane))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return request.request_id
+
+    async def submit_group(self, request: RolloutRequest | dict[str, Any], n: int) -> list[str]:
+        """`n` rollouts of the same task under one group id; results still stream one by one."""
+        base = RolloutRequest.model_validate(request)
+        group_id = base.group_id or new_id("group")
+        ids = []
+        for i in range(n):
+            seed = None if base.sampling.seed is None else base.sampling.seed + i
+            member = base.model_copy(
+                update={
+                    "request_id": new_id("req"),
+                    "lease_id": new_id("lease"),
+                    "group_id": group_id,
+                    "sampling": base.sampling.model_copy(update={"seed": seed}),
+                }
+            )
+            ids.append(await self.submit(member))
+        return ids
+
+    def _check_refs(self, request: RolloutRequest) -> None:
+        module = request.env.target.partition(":")[0]
+        if not any(module == p.rstrip(".") or module.startswith(p) for p in self.config.allowed_ref_prefixes):
+            raise CallerError(
+                f"env Ref {request.env.target!r} is outside the allowlist {list(self.config.allowed_ref_prefixes)}"
+            )
+
+    # results ---------------------------------------------------------------------------------------
+    async def next_result(self, timeout: float | None = None) -> Result:
+        return await asyncio.wait_for(self._results.get(), timeout)
+
+    async def drain(self) -> AsyncIterator[Result]:
+        """Yield results until every request submitted so far has been answered."""
+        while self._pending > 0 or not self._results.empty():
+            yield await self._results.get()
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "counters": dict(self.counters),
+            "redispatched": self.counters["redispatched"],
+            "duplicates_dropped": self.counters["duplicates_dropped"],
+            "lanes": self.lanes.snapshot(),
+            "workers": [{"name": s.name, "in_flight": s.in_flight} for s in self._workers.live()],
+            "workers_lost": self._workers.lost_count,
+        }
+
+    # control ---------------------------------------------------------------------------------------
+    async def set_limit(self, lane: str, limit: int) -> None:
+        await self.lanes.get(lane).set_limit(limit)
+
+    async def cancel(self, request_id: str) -> bool:
+        event = self._cancelled.get(request_id)
+        if event is None or event.is_set():
+            return False
+        event.set()
+        slot = self._running.get(request_id)
+        if slot is not None and slot.alive:
+            try:
+                await asyncio.wait_for(slot.handle.cancel.remote(request_id), self.config.cancel_grace_s)
+            except Exception:  # the drive loop still answers `cancelled` after the grace period
+                pass
+        return True
+
+    async def cancel_all(self) -> int:
+        ids = [rid for rid, event in self._cancelled.items() if not event.is_set()]
+        await asyncio.gather(*(self.cancel(rid) for rid in ids))
+        return len(ids)
+
+    # dispatch --------------------------------------------------------------------------------------
+    async def _drive(self, request: RolloutRequest, lane: Any) -> None:
+        try:
+            result = await self._dispatch(request)
+        except Exception as exc:  # a bug of ours must still answer the request
+            log.exception("dispatch of %s failed", request.request_id)
+            result = Result.failed(request, "infrastructure", Failure.from_exception(exc))
+        finally:
+            await lane.release()
+        self._answer(result)
+
+    async def _dispatch(self, request: RolloutRequest) -> Result:
+        cancelled = self._cancelled[request.request_id]
+        try:
+            await self._pools.ensure_env_pool(request.env)
+        except Exception as exc:
+            kind = getattr(exc, "kind", None) or "infrastructure"
+            return Result.failed(request, kind, Failure.from_exception(exc))
+        if request.policy_version is None and self.policy_version is not None:
+            request = request.model_copy(update={"policy_version": self.policy_version})
+        endpoint = self._pick_endpoint()
+        if endpoint is not None:
+            # One endpoint for the rollout's whole life: its turns share one server's prefix cache.
+            request = request.model_copy(
+                update={"client": request.client.model_copy(update={"base_url": endpoint})}
+            )
+            self._endpoint_load[endpoint] += 1
+        try:
+            return await self._dispatch_to_workers(request, cancelled)
+        finally:
+            if endpoint is not None:
+                self._endpoint_load[endpoint] -= 1
+
+    def _pick_endpoint(self) -> str | None:
+        if not self._endpoint_load:
+            return None
+        return min(self._endpoint_load, key=lambda url: self._endpoint_load[url])
+
+    async def _dispatch_to_workers(self, request: RolloutRequest, cancelled: asyncio.Event) -> Result:
+        for attempt in range(1, self.config.max_dispatches + 1):
+            if cancelled.is_set():
+                return _cancelled(request, "before dispatch")
+            slot = self._workers.pick()
+            if slot is None:
+                return Result.failed(
+                    request, "infrastructure", Failure(type="NoLiveWorker", message="no live rollout worker")
+                )
+            outcome = await self._attempt(request, slot, cancelled)
+            if isinstance(outcome, Result):
+                outcome.attempts = attempt
+                outcome.policy_version_end = self.policy_version
+                return outcome
+            if attempt < self.config.max_dispatches:
+                self.counters["redispatched"] += 1
+                log.warning("re-dispatching %s (lease %s): %s", request.request_id, request.lease_id, outcome)
+        return Result.failed(
+            request,
+            "infrastructure",
+            Failure(
+                type="WorkerLost",
+                message=f"rollout worker lost {self.config.max_dispatches} times (last: {outcome})",
+            ),
+            attempts=self.config.max_dispatches,
+        )
+
+    async def _attempt(
+        self, request: RolloutRequest, slot: WorkerSlot, cancelled: asyncio.Event
+    ) -> Result | str:
+        """One dispatch. Returns the result, or the reason the worker was lost."""
+        slot.in_flight += 1
+        self._running[request.request_id] = slot
+        answer = asyncio.wrap_future(slot.handle.run.remote(request, self.policy_version).future())
+        lost = asyncio.ensure_future(slot.lost.wait())
+        cancel = asyncio.ensure_future(cancelled.wait())
+        deadline = request.deadline_s + self.config.answer_grace_s
+        try:
+            done, _ = await asyncio.wait(
+                {answer, lost}, timeout=deadline, return_when=asyncio.FIRST_COMPLETED
+            )
+            if answer not in done and cancel.done():
+                done, _ = await asyncio.wait({answer, lost}, timeout=self.config.cancel_grace_s)
+            if answer in done:
+                try:
+                    return answer.result()
+                except ray.exceptions.RayActorError as exc:
+                    self._workers.declare_lost(slot, f"actor died: {type(exc).__name__}")
+                    return slot.cause
+                except Exception as exc:
+                    return Result.failed(request, "infrastructure", Failure.from_exception(exc))
+            if cancelled.is_set():
+                return _cancelled(request, "worker did not confirm within cancel_grace_s")
+            if lost in done or not slot.alive:
+                # A late answer from the lost attempt, if any, is counted and dropped in `_answer`.
+                answer.add_done_callback(self._late_answer)
+                return slot.cause
+            return Result.failed(
+                request,
+                "infrastructure",
+                Failure(
+                    type="DeadlineExceeded",
+                    message=f"no answer within deadline_s + answer_grace_s = {deadline:g} s",
+                ),
+            )
+        finally:
+            slot.in_flight -= 1
+            self._running.pop(request.request_id, None)
+            lost.cancel()
+            cancel.cancel()
+
+    def _late_answer(self, future: asyncio.Future[Any]) -> None:
+        if not future.cancelled() and future.exception() is None:
+            self._answer(future.result())
+
+    def _answer(self, result: Result) -> None:
+        """Deliver at most one result per lease (contract 5)."""
+        if result.lease_id in self._answered:
+            self.counters["duplicates_dropped"] += 1
+            return
+        self._answered.add(result.lease_id)
+        self._pending -= 1
+        self.counters[f"kind.{result.kind}"] += 1
+        self._cancelled.pop(result.request_id, None)
+        self._results.put_nowait(result)
+
+
+def _cancelled(request: RolloutRequest, why: str) -> Result:
+    return Result.failed(
+        request, "cancelled", Failure(type="Cancelled", message=f"rollout was cancelled ({why})")
+    )
+
+
+def _caller_result(request: Any, request_id: str, exc: Exception) -> Result:
+    lease_id = (request.get("lease_id") if isinstance(request, dict) else None) or new_id("lease")
+    group_id = request.get("group_id") if isinstance(request, dict) else getattr(request, "group_id", None)
+    failure = Failure.from_exception(exc)
+    failure.message = f"invalid request: {failure.message}"
+    now = time.time()
+    return Result(
+        request_id=request_id,
+        lease_id=lease_id,
+        group_id=group_id,
+        kind="caller",
+        error=failure,
+        started_at=now,
+        finished_at=now,
+    )

@@ -1,0 +1,113 @@
+"""`RolloutWorker`: an async actor on which each rollout is one actor task.
+
+A rollout is almost entirely waiting on a model, so one async actor holds thousands of them (DESIGN.md,
+"Why actor tasks"). The worker classifies every failure before it leaves the actor and turns a
+cancellation into a `cancelled` result after the rollout's own cleanup has run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+from typing import Any
+
+import ray
+
+from rollout_actors.client import open_client_count
+from rollout_actors.naming import PoolNames
+from rollout_actors.rollout import LoopLimits, run_rollout
+from rollout_actors.wire import Failure, Result, RolloutRequest
+
+MAX_ROLLOUTS_PER_WORKER = 100_000  # Ray's async-actor concurrency cap; the plane's lanes bound it for real
+
+
+class RolloutWorker:
+    """Runs rollouts. Built by `RolloutPlane`; not meant to be created by hand."""
+
+    def __init__(self, names: PoolNames, limits: LoopLimits | None = None, worker_name: str = "") -> None:
+        self._names = names
+        self._limits = limits or LoopLimits()
+        self._name = worker_name
+        self._running: dict[str, asyncio.Task[Any]] = {}
+        self._handles: dict[str, Any] = {}
+        self._started = time.time()
+        self._done = 0
+
+    # PoolDirectory -----------------------------------------------------------------------------
+    def renderer_pool(self) -> Any:
+        return self._handle(self._names.renderer_pool)
+
+    def env_pool(self, request: RolloutRequest) -> Any:
+        return self._handle(self._names.env_pool(request.env))
+
+    def _handle(self, name: str) -> Any:
+        handle = self._handles.get(name)
+        if handle is None:
+            handle = ray.get_actor(name, namespace=self._names.namespace)
+            self._handles[name] = handle
+        return handle
+
+    # Remote API ----------------------------------------------------------------------------------
+    async def run(self, request: RolloutRequest, policy_version: int | None = None) -> Result:
+        task = asyncio.current_task()
+        assert task is not None
+        self._running[request.request_id] = task
+        try:
+            result = await run_rollout(request, self, self._limits, policy_version)
+        except asyncio.CancelledError:
+            result = Result.failed(
+                request, "cancelled", Failure(type="Cancelled", message="rollout was cancelled")
+            )
+        except Exception as exc:  # run_rollout classifies everything; this is the last line of defence
+            result = Result.failed(request, "infrastructure", Failure.from_exception(exc))
+        finally:
+            self._running.pop(request.request_id, None)
+            self._done += 1
+        result.worker = self._name
+        return result
+
+    async def cancel(self, request_id: str | None = None) -> int:
+        """Cancel one rollout (or all with `None`). Each comes back from `run` as `cancelled`."""
+        targets = list(self._running.values()) if request_id is None else [self._running.get(request_id)]
+        count = 0
+        for task in targets:
+            if task is not None and not task.done():
+                task.cancel()
+                count += 1
+        return count
+
+    async def ping(self) -> dict[str, Any]:
+        """Liveness: answered on the rollout event loop, so a blocked loop misses it (wedge detection)."""
+        return {"in_flight": len(self._running), "done": self._done, "pid": os.getpid()}
+
+    async def resources(self, port: int | None = None) -> dict[str, Any]:
+        """What this process holds: open clients, TCP connections (optionally to one port), threads."""
+        import psutil
+
+        proc = psutil.Process()
+        conns = [
+            c
+            for c in proc.net_connections(kind="tcp")
+            if c.raddr and (port is None or c.raddr.port == port) and c.status == psutil.CONN_ESTABLISHED
+        ]
+        return {
+            "open_clients": open_client_count(),
+            "connections": len(conns),
+            "threads": threading.active_count(),
+            "os_threads": proc.num_threads(),
+            "rss": proc.memory_info().rss,
+            "pid": os.getpid(),
+            "in_flight": len(self._running),
+        }
+
+    async def block_event_loop(self, seconds: float) -> None:
+        """Fault injection for tests and the chaos run: wedge this worker's event loop."""
+        time.sleep(seconds)
+
+
+def remote_worker_class(num_cpus: float) -> Any:
+    return ray.remote(num_cpus=num_cpus, max_concurrency=MAX_ROLLOUTS_PER_WORKER, max_restarts=0)(
+        RolloutWorker
+    )

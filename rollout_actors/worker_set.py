@@ -1,0 +1,160 @@
+"""The plane's set of `RolloutWorker` actors: spawn, probe, declare lost, replace, pick the least loaded.
+
+A worker is lost when Ray says it died, or when it stops answering its liveness probe for `hang_timeout_s`
+(a blocked event loop, a frozen process, a hung node: Ray alone would leave those calls pending). A lost
+worker is killed and replaced, and every rollout waiting on it is told at once through `lost`, so the plane
+can re-dispatch without waiting for Ray to notice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+
+from rollout_actors.naming import PoolNames
+from rollout_actors.rollout import LoopLimits
+from rollout_actors.worker import remote_worker_class
+
+log = logging.getLogger(__name__)
+
+WORKER_READY_TIMEOUT_S = 60.0  # a fresh worker process imports openai, ray and pydantic: seconds, not minutes
+
+
+@dataclass
+class WorkerSlot:
+    name: str
+    handle: Any
+    in_flight: int = 0
+    alive: bool = True
+    lost: asyncio.Event = field(default_factory=asyncio.Event)
+    cause: str = ""
+    last_ok: float = field(default_factory=time.monotonic)
+    probe: asyncio.Task[None] | None = None
+
+
+class WorkerSet:
+    def __init__(
+        self,
+        names: PoolNames,
+        size: int,
+        num_cpus: float,
+        hang_timeout_s: float,
+        probe_interval_s: float,
+        limits: LoopLimits,
+        restart_budget: tuple[int, float] = (10, 60.0),
+    ) -> None:
+        self._names = names
+        self._size = size
+        self._cls = remote_worker_class(num_cpus)
+        self._hang_timeout_s = hang_timeout_s
+        self._probe_interval_s = probe_interval_s
+        self._limits = limits
+        self._max_restarts, self._window_s = restart_budget
+        self._restarts: deque[float] = deque()
+        self._serial = 0
+        self.slots: list[WorkerSlot] = []
+        self.lost_count = 0
+        self._closed = False
+
+    async def start(self) -> None:
+        slots = [self._spawn() for _ in range(self._size)]
+        await asyncio.gather(*(self._wait_ready(slot) for slot in slots))
+        for slot in slots:
+            self._admit(slot)
+
+    def _spawn(self) -> WorkerSlot:
+        self._serial += 1
+        name = f"{self._names.prefix}/worker-{self._serial}"
+        handle = self._cls.options(name=name).remote(self._names, self._limits, name)
+        return WorkerSlot(name=name, handle=handle)
+
+    async def _wait_ready(self, slot: WorkerSlot) -> None:
+        try:
+            await asyncio.wait_for(slot.handle.ping.remote(), WORKER_READY_TIMEOUT_S)
+        except Exception:
+            ray.kill(slot.handle, no_restart=True)
+            raise
+
+    def _admit(self, slot: WorkerSlot) -> None:
+        slot.last_ok = time.monotonic()
+        slot.probe = asyncio.get_running_loop().create_task(self._probe_loop(slot))
+        self.slots.append(slot)
+
+    def live(self) -> list[WorkerSlot]:
+        return [s for s in self.slots if s.alive]
+
+    def pick(self) -> WorkerSlot | None:
+        live = self.live()
+        return min(live, key=lambda s: s.in_flight) if live else None
+
+    async def _probe_loop(self, slot: WorkerSlot) -> None:
+        while slot.alive and not self._closed:
+            try:
+                await asyncio.wait_for(slot.handle.ping.remote(), self._hang_timeout_s)
+                slot.last_ok = time.monotonic()
+            except TimeoutError:
+                self.declare_lost(slot, f"no liveness answer within hang_timeout={self._hang_timeout_s:g} s")
+                return
+            except ray.exceptions.RayActorError as exc:
+                self.declare_lost(slot, f"actor died: {type(exc).__name__}")
+                return
+            except asyncio.CancelledError:
+                return
+            await asyncio.sleep(self._probe_interval_s)
+
+    def declare_lost(self, slot: WorkerSlot, cause: str) -> None:
+        """Retire a worker from dispatch at once, wake everything waiting on it, kill it, replace it."""
+        if not slot.alive:
+            return
+        slot.alive = False
+        slot.cause = cause
+        slot.lost.set()
+        self.lost_count += 1
+        log.warning("rollout worker %s lost: %s", slot.name, cause)
+        try:
+            ray.kill(slot.handle, no_restart=True)
+        except Exception:  # already gone
+            pass
+        self.slots.remove(slot)
+        if not self._closed:
+            asyncio.get_running_loop().create_task(self._replace())
+
+    async def _replace(self) -> None:
+        now = time.monotonic()
+        while self._restarts and now - self._restarts[0] > self._window_s:
+            self._restarts.popleft()
+        if len(self._restarts) >= self._max_restarts:
+            log.error(
+                "rollout worker restart budget spent (%d in %g s): not replacing",
+                self._max_restarts,
+                self._window_s,
+            )
+            return
+        self._restarts.append(now)
+        slot = self._spawn()
+        try:
+            await self._wait_ready(slot)
+        except Exception as exc:
+            log.error("replacement rollout worker %s failed to start: %s", slot.name, exc)
+            return
+        if self._closed:
+            ray.kill(slot.handle, no_restart=True)
+            return
+        self._admit(slot)
+
+    async def close(self) -> None:
+        self._closed = True
+        for slot in list(self.slots):
+            if slot.probe is not None:
+                slot.probe.cancel()
+            try:
+                ray.kill(slot.handle, no_restart=True)
+            except Exception:
+                pass
+        self.slots.clear()

@@ -1,0 +1,177 @@
+"""The plane under faults: real worker actors killed and wedged, real stand-in server, global deadlines."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import ray
+
+from renderer_actors.tokenizer import BUNDLED_MODEL
+from rollout_actors.plane import PlaneConfig, RolloutPlane
+from rollout_actors.wire import ClientConfig, Ref, RolloutRequest, SamplingConfig
+
+MATH = Ref(target="env_actors.examples.math_env:MathEnv")
+DEADLINE_S = 120
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, DEADLINE_S))
+
+
+def plane(**overrides) -> RolloutPlane:
+    config = dict(
+        lanes={"train": 32, "eval": 8},
+        workers=2,
+        worker_num_cpus=0.25,
+        hang_timeout_s=3.0,
+        probe_interval_s=0.5,
+        env_pool={"num_cpus": 0.25},
+    )
+    config.update(overrides)
+    return RolloutPlane(PlaneConfig(**config))
+
+
+def slow_request(standin, latency_s: float, task_index: int = 0, **overrides) -> RolloutRequest:
+    client = ClientConfig(
+        base_url=standin.base_url, model=BUNDLED_MODEL, headers={"X-Standin-Latency": str(latency_s)}
+    )
+    fields = dict(env=MATH, task_index=task_index, client=client, sampling=SamplingConfig(max_tokens=64, seed=1))
+    fields.update(overrides)
+    return RolloutRequest(**fields)
+
+
+async def wait_until(predicate, timeout: float, interval: float = 0.05) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError("condition not reached")
+        await asyncio.sleep(interval)
+
+
+def test_killed_worker_rollouts_are_redispatched_and_answered_once(ray_session, standin):
+    async def scenario():
+        async with plane() as p:
+            ids = [await p.submit(slow_request(standin, 2.0, i)) for i in range(8)]
+            await wait_until(lambda: all(s.in_flight > 0 for s in p._workers.live()), 20)
+            victim = p._workers.live()[0]
+            ray.kill(victim.handle, no_restart=True)
+            results = [await p.next_result(timeout=60) for _ in ids]
+            await asyncio.sleep(0.5)
+            return ids, results, p.stats()
+
+    ids, results, stats = run(scenario())
+    assert sorted(r.request_id for r in results) == sorted(ids)  # each answered exactly once
+    assert all(r.kind == "ok" for r in results), [(r.kind, r.error) for r in results]
+    assert stats["redispatched"] > 0
+    assert any(r.attempts == 2 for r in results)
+
+
+def test_wedged_worker_is_detected_within_hang_timeout(ray_session, standin):
+    async def scenario():
+        async with plane(hang_timeout_s=2.0) as p:
+            ids = [await p.submit(slow_request(standin, 1.0, i)) for i in range(4)]
+            await wait_until(lambda: all(s.in_flight > 0 for s in p._workers.live()), 20)
+            victim = p._workers.live()[0]
+            victim.handle.block_event_loop.remote(30)
+            wedged_at = time.monotonic()
+            await wait_until(lambda: not victim.alive, 10)
+            detected_after = time.monotonic() - wedged_at
+            results = [await p.next_result(timeout=60) for _ in ids]
+            return detected_after, results, p.stats()
+
+    detected_after, results, stats = run(scenario())
+    assert detected_after <= 2.0 + 0.5 + 1.0  # hang_timeout + one probe interval + slack
+    assert all(r.kind == "ok" for r in results), [(r.kind, r.error) for r in results]
+    assert stats["workers_lost"] >= 1
+
+
+def test_three_consecutive_losses_end_as_infrastructure(ray_session, standin):
+    async def scenario():
+        async with plane(workers=1, max_dispatches=3) as p:
+            await p.submit(slow_request(standin, 5.0))
+            killed = 0
+            while killed < 3:
+                await wait_until(lambda: any(s.in_flight > 0 for s in p._workers.live()), 30)
+                slot = next(s for s in p._workers.live() if s.in_flight > 0)
+                ray.kill(slot.handle, no_restart=True)
+                killed += 1
+                await wait_until(lambda: slot not in p._workers.slots, 10)
+            return await p.next_result(timeout=30), p.stats()
+
+    result, stats = run(scenario())
+    assert result.kind == "infrastructure"
+    assert result.error.type == "WorkerLost"
+    assert stats["redispatched"] == 2
+
+
+def test_lane_bounds_and_set_limit_hold(ray_session, standin):
+    async def scenario():
+        async with plane(lanes={"train": 3, "eval": 2}) as p:
+            observed = []
+
+            async def watch():
+                while True:
+                    observed.append(p.lanes.snapshot())
+                    await asyncio.sleep(0.02)
+
+            watcher = asyncio.create_task(watch())
+            submitter = asyncio.create_task(
+                asyncio.gather(*(p.submit(slow_request(standin, 0.3, i)) for i in range(12)))
+            )
+            evals = [await p.submit(slow_request(standin, 0.3, i, lane="eval")) for i in range(2)]
+            await asyncio.sleep(0.6)
+            await p.set_limit("train", 6)
+            await submitter
+            results = [await p.next_result(timeout=60) for _ in range(14)]
+            watcher.cancel()
+            return observed, results, evals, p.lanes.snapshot()
+
+    observed, results, evals, final = run(scenario())
+    assert all(snap["train"]["in_flight"] <= 6 and snap["eval"]["in_flight"] <= 2 for snap in observed)
+    assert max(snap["train"]["in_flight"] for snap in observed[:20]) <= 3
+    assert final["train"]["peak"] > 3  # the raised limit was used
+    assert len({r.request_id for r in results}) == 14
+    assert all(r.kind == "ok" for r in results)
+
+
+def test_sticky_endpoint_per_rollout_across_turns(ray_session, standin, standin_pair):
+    async def scenario():
+        endpoints = [server.base_url for server in standin_pair]
+        async with plane(endpoints=endpoints) as p:
+            calc = Ref(target="env_actors.examples.calculator_env:CalculatorEnv")
+            ids = [await p.submit(slow_request(standin, 0.05, i, env=calc)) for i in range(8)]
+            return ids, [await p.next_result(timeout=60) for _ in ids]
+
+    ids, results = run(scenario())
+    assert all(r.kind == "ok" for r in results), [(r.kind, r.error) for r in results]
+    sessions = [server.session_counts() for server in standin_pair]
+    for request_id in ids:
+        served_by = [i for i, counts in enumerate(sessions) if counts.get(request_id)]
+        assert len(served_by) == 1, (request_id, sessions)
+    assert all(counts for counts in sessions)  # both endpoints got rollouts
+
+
+def test_plane_built_inside_an_actor_is_refused(ray_session):
+    @ray.remote(num_cpus=0)
+    def build() -> str:
+        try:
+            RolloutPlane(PlaneConfig())
+        except RuntimeError as exc:
+            return str(exc)
+        return "built"
+
+    message = ray.get(build.remote(), timeout=60)
+    assert "driver" in message
+
+
+@pytest.mark.parametrize("lane", ["nope"])
+def test_unknown_lane_is_a_caller_result(ray_session, standin, lane):
+    async def scenario():
+        async with plane(workers=1) as p:
+            await p.submit(slow_request(standin, 0.0, lane=lane))
+            return await p.next_result(timeout=30)
+
+    result = run(scenario())
+    assert result.kind == "caller" and "lane" in result.error.message

@@ -1,0 +1,200 @@
+"""End to end: real Ray, real stand-in server process, real env and renderer actors. No mocks."""
+
+from __future__ import annotations
+
+import asyncio
+import glob
+import json
+import os
+
+import openai
+import pytest
+
+from renderer_actors.tokenizer import BUNDLED_MODEL
+from rollout_actors.plane import PlaneConfig, RolloutPlane
+from rollout_actors.wire import ClientConfig, Ref, Result, RolloutRequest, SamplingConfig
+
+MATH = Ref(target="env_actors.examples.math_env:MathEnv")
+CALC = Ref(target="env_actors.examples.calculator_env:CalculatorEnv")
+DEADLINE_S = 90  # every test here answers well inside this, or fails instead of hanging
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, DEADLINE_S))
+
+
+def small_plane(**overrides) -> RolloutPlane:
+    config = dict(lanes={"train": 32, "eval": 8}, workers=1, worker_num_cpus=0.5, env_pool={"num_cpus": 0.25})
+    config.update(overrides)
+    return RolloutPlane(PlaneConfig(**config))
+
+
+def request(standin, env=CALC, **overrides) -> RolloutRequest:
+    fields = dict(
+        env=env,
+        task_index=0,
+        client=ClientConfig(base_url=standin.base_url, model=BUNDLED_MODEL),
+        sampling=SamplingConfig(max_tokens=200, seed=7),
+    )
+    fields.update(overrides)
+    return RolloutRequest(**fields)
+
+
+async def collect(plane: RolloutPlane, n: int) -> list[Result]:
+    return [await plane.next_result(timeout=DEADLINE_S) for _ in range(n)]
+
+
+def test_single_and_multi_turn_token_rollouts_return_exact_sampled_ids(ray_session, standin):
+    async def scenario():
+        async with small_plane() as plane:
+            await plane.submit(request(standin, env=MATH, task_index=3))
+            await plane.submit(request(standin, env=CALC, task_index=5))
+            return {r.request_id: r for r in await collect(plane, 2)}
+
+    results = list(run(scenario()).values())
+    by_env = {len(r.turns) > 1: r for r in results}
+    for result in results:
+        assert result.kind == "ok", result.error
+        assert result.reward is not None and 0.0 <= result.reward <= 1.0
+        for turn in result.turns:
+            assert turn.prompt_ids and turn.completion_ids
+            assert len(turn.logprobs) == len(turn.completion_ids)
+    multi = by_env[True]
+    first, second = multi.turns[0], multi.turns[1]
+    assert second.prompt_ids[: len(first.prompt_ids) + len(first.completion_ids)] == (
+        first.prompt_ids + first.completion_ids
+    )
+
+    # The completion ids are exactly what the server samples for that prompt and seed.
+    async def resample(turn):
+        client = openai.AsyncOpenAI(base_url=standin.base_url, api_key="EMPTY", max_retries=0)
+        try:
+            response = await client.completions.create(
+                model=BUNDLED_MODEL,
+                prompt=turn.prompt_ids,
+                max_tokens=200,
+                seed=7,
+                logprobs=1,
+                extra_body={"return_token_ids": True},
+            )
+        finally:
+            await client.close()
+        return response.choices[0].model_extra["token_ids"]
+
+    for result in results:
+        for turn in result.turns:
+            assert run(resample(turn)) == turn.completion_ids
+
+
+def test_chat_mode_relays_and_records_token_ids(ray_session, standin):
+    async def scenario():
+        async with small_plane() as plane:
+            await plane.submit(request(standin, env=CALC, task_index=2, mode="chat"))
+            return await collect(plane, 1)
+
+    (result,) = run(scenario())
+    assert result.kind == "ok", result.error
+    assert len(result.turns) >= 2
+    assert all(t.completion_ids and t.prompt_ids for t in result.turns)
+    assert result.messages[-1]["role"] == "assistant" or result.messages[-1]["role"] == "tool"
+
+
+def test_bad_refs_and_malformed_tasks_come_back_as_caller_results(ray_session, standin):
+    bad = [
+        request(standin, env=Ref(target="env_actors.no_such_module:Env")),
+        request(standin, env=Ref(target="os:system", config={"command": "true"})),
+        request(standin, env=CALC, task_index=10**9),
+    ]
+    malformed = request(standin).model_dump(mode="json")
+    malformed["sampling"]["temprature"] = 0.5  # typo: refused, not ignored
+
+    async def scenario():
+        async with small_plane() as plane:
+            for item in bad:
+                await plane.submit(item)
+            await plane.submit(malformed)
+            return await collect(plane, 4)
+
+    results = run(scenario())
+    assert [r.kind for r in results] == ["caller"] * 4, [(r.kind, r.error) for r in results]
+    messages = " | ".join(r.error.message for r in results)
+    assert "no_such_module" in messages
+    assert "allowlist" in messages
+    assert "temprature" in messages
+
+
+@pytest.mark.parametrize(
+    ("fault", "expect"),
+    [("500", "500"), ("timeout", "timed out")],
+)
+def test_server_faults_come_back_as_model_results(ray_session, standin, fault, expect):
+    client = ClientConfig(
+        base_url=standin.base_url,
+        model=BUNDLED_MODEL,
+        headers={"X-Standin-Fault": fault},
+        read_timeout=1.0,
+        max_retries=0,
+    )
+
+    async def scenario():
+        async with small_plane() as plane:
+            await plane.submit(request(standin, client=client))
+            return await collect(plane, 1)
+
+    (result,) = run(scenario())
+    assert result.kind == "model"
+    text = f"{result.error.type} {result.error.message} {result.error.status_code}".lower()
+    assert expect in text, text
+    assert result.error.traceback
+
+
+def test_api_key_secret_never_appears_in_results_or_logs(ray_session, standin, tmp_path):
+    secret = os.environ["RAY_ROLLOUTS_TEST_SECRET"]
+    client = ClientConfig(base_url=standin.base_url, model=BUNDLED_MODEL, api_key_var="RAY_ROLLOUTS_TEST_SECRET")
+    missing = ClientConfig(base_url=standin.base_url, model=BUNDLED_MODEL, api_key_var="NOT_SET_ANYWHERE_XYZ")
+
+    async def scenario():
+        async with small_plane() as plane:
+            await plane.submit(request(standin, env=MATH, client=client))
+            await plane.submit(request(standin, env=MATH, client=missing, task_index=1))
+            return await collect(plane, 2)
+
+    results = run(scenario())
+    kinds = sorted(r.kind for r in results)
+    assert kinds == ["caller", "ok"], [(r.kind, r.error) for r in results]
+    dumped = "\n".join(r.model_dump_json() for r in results)
+    assert secret not in dumped
+    import ray
+
+    log_dir = os.path.join(ray._private.worker._global_node.get_session_dir_path(), "logs")
+    for path in glob.glob(os.path.join(log_dir, "*")) + [standin.log_path]:
+        if os.path.isfile(path):
+            with open(path, errors="replace") as handle:
+                assert secret not in handle.read(), path
+
+
+def test_no_client_or_connection_left_open_after_ok_failed_and_cancelled(ray_session, standin):
+    hang = ClientConfig(base_url=standin.base_url, model=BUNDLED_MODEL, headers={"X-Standin-Fault": "timeout"})
+    fail = ClientConfig(base_url=standin.base_url, model=BUNDLED_MODEL, headers={"X-Standin-Fault": "500"}, max_retries=0)
+
+    async def scenario():
+        async with small_plane() as plane:
+            for i in range(6):
+                await plane.submit(request(standin, env=MATH, task_index=i))
+            for i in range(3):
+                await plane.submit(request(standin, env=MATH, task_index=i, client=fail))
+            hung = [await plane.submit(request(standin, env=MATH, task_index=i, client=hang)) for i in range(3)]
+            results = await collect(plane, 9)
+            for request_id in hung:
+                assert await plane.cancel(request_id)
+            results += await collect(plane, 3)
+            worker = plane._workers.live()[0].handle
+            held = await worker.resources.remote(port=standin.port)
+            return results, held
+
+    results, held = run(scenario())
+    kinds = sorted(r.kind for r in results)
+    assert kinds.count("ok") == 6 and kinds.count("model") == 3 and kinds.count("cancelled") == 3, kinds
+    assert held["open_clients"] == 0, held
+    assert held["connections"] == 0, held
+    assert json.loads(results[0].model_dump_json())["lease_id"]
