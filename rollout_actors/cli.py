@@ -1,7 +1,7 @@
 """`rollouts`: the command line, and the `ray job submit` entrypoint.
 
-    rollouts run                          # embedded defaults: local Ray, stand-in server, bundled env
-    rollouts run --base-url http://vllm:8000/v1 --model Qwen/Qwen3-8B --env env_actors.examples.math_env:MathEnv
+rollouts run                          # embedded defaults: local Ray, stand-in server, bundled env
+rollouts run --base-url http://vllm:8000/v1 --model Qwen/Qwen3-8B --env env_actors.examples.math_env:MathEnv
 """
 
 from __future__ import annotations
@@ -46,7 +46,9 @@ def _parser() -> argparse.ArgumentParser:
         help="extra module prefix Refs may name (the project's own packages are always allowed)",
     )
     model = run.add_argument_group("model endpoint")
-    model.add_argument("--base-url", default=None, help="OpenAI-compatible base URL (e.g. a vLLM server's /v1)")
+    model.add_argument(
+        "--base-url", default=None, help="OpenAI-compatible base URL (e.g. a vLLM server's /v1)"
+    )
     model.add_argument("--model", default=None, help="model name at --base-url (default: the bundled model)")
     model.add_argument("--api-key-var", default=None, help="name of the env variable holding the API key")
     model.add_argument("--mode", choices=["token", "chat"], default="token", help="token ids or relayed chat")
@@ -56,15 +58,23 @@ def _parser() -> argparse.ArgumentParser:
     model.add_argument("--seed", type=int, default=0, help="base sampling seed (each rollout adds its index)")
     standin = run.add_argument_group("stand-in server (only without --base-url)")
     standin.add_argument("--latency", type=float, default=0.05, help="fixed latency per model call, seconds")
-    standin.add_argument("--per-token-latency", type=float, default=0.0005, help="seconds per completion token")
-    standin.add_argument("--correct-rate", type=float, default=0.7, help="how often the scripted policy is right")
+    standin.add_argument(
+        "--per-token-latency", type=float, default=0.0005, help="seconds per completion token"
+    )
+    standin.add_argument(
+        "--correct-rate", type=float, default=0.7, help="how often the scripted policy is right"
+    )
     plane = run.add_argument_group("plane")
     plane.add_argument("--concurrency", type=int, default=64, help="rollouts in flight at once (train lane)")
     plane.add_argument("--workers", type=int, default=None, help="RolloutWorker actors (default: sized)")
     plane.add_argument("--deadline", type=float, default=600.0, help="per-rollout deadline, seconds")
-    plane.add_argument("--ray-address", default=None, help="join this Ray cluster (default: $RAY_ADDRESS or local)")
+    plane.add_argument(
+        "--ray-address", default=None, help="join this Ray cluster (default: $RAY_ADDRESS or local)"
+    )
     out = run.add_argument_group("output")
-    out.add_argument("--output", default=None, help="JSON-lines file for results (default: rollouts-<time>.jsonl)")
+    out.add_argument(
+        "--output", default=None, help="JSON-lines file for results (default: rollouts-<time>.jsonl)"
+    )
     out.add_argument("--no-progress", action="store_true", help="no progress bar (e.g. under ray job submit)")
     return parser
 

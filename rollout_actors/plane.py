@@ -273,7 +273,7 @@ class RolloutPlane:
         for attempt in range(1, self.config.max_dispatches + 1):
             if cancelled.is_set():
                 return _cancelled(request, "before dispatch")
-            slot = self._workers.pick()
+            slot = await self._workers.pick_or_wait()
             if slot is None:
                 return Result.failed(
                     request, "infrastructure", Failure(type="NoLiveWorker", message="no live rollout worker")

@@ -179,13 +179,19 @@ class PolicyPublisher:
 
     async def load_current(self, endpoint: str) -> None:
         """Load the active adapter on one server (a replacement joining the set) before it takes
-        traffic. Raises `PublishFailure` naming it."""
-        if not self._published:
-            return
-        policy, path = self._published[-1]
-        failure = await self._load(_server_root(endpoint), policy.name, path)
-        if failure is not None:
-            raise PublishFailure(policy.version, policy.name, "load", {_server_root(endpoint): failure})
+        traffic. Raises `PublishFailure` naming it.
+
+        Waits for a publication in flight: that one read the server list before this server joined,
+        so loading the adapter it replaces would leave this server without the new one.
+        """
+        async with self._order:
+            if not self._published:
+                return
+            policy, path = self._published[-1]
+            server = _server_root(endpoint)
+            failure = await self._load(server, policy.name, path, accept_loaded=True)
+            if failure is not None:
+                raise PublishFailure(policy.version, policy.name, "load", {server: failure})
 
     def _finished(self, version: int, task: asyncio.Task[ActivePolicy]) -> None:
         self._pending.pop(version, None)
@@ -235,8 +241,12 @@ class PolicyPublisher:
             await self._retire(servers)
             return policy
 
-    async def _load(self, server: str, name: str, path: Path) -> Failure | None:
-        """POST load_lora_adapter with bounded attempts; None on success, else the last failure."""
+    async def _load(self, server: str, name: str, path: Path, accept_loaded: bool = False) -> Failure | None:
+        """POST load_lora_adapter with bounded attempts; None on success, else the last failure.
+
+        "Already loaded" is success on a retry (our timed-out attempt landed) or with `accept_loaded`;
+        on a first attempt it is a refusal: some other adapter holds the name.
+        """
         body = {"lora_name": name, "lora_path": str(path)}
         failure: Failure | None = None
         for attempt in range(self.retries + 1):
@@ -250,7 +260,7 @@ class PolicyPublisher:
             if response.status_code == 200:
                 return None
             text = response.text[:2000]
-            if attempt and response.status_code == 400 and ALREADY_LOADED in text:
+            if (attempt or accept_loaded) and response.status_code == 400 and ALREADY_LOADED in text:
                 return None  # an earlier attempt that timed out on our side did land
             failure = Failure(type="LoadRefused", message=text, status_code=response.status_code)
             if response.status_code < 500:

@@ -60,6 +60,8 @@ class WorkerSet:
         self._serial = 0
         self.slots: list[WorkerSlot] = []
         self.lost_count = 0
+        self._replacing = 0
+        self._admitted = asyncio.Condition()
         self._closed = False
 
     async def start(self) -> None:
@@ -85,6 +87,11 @@ class WorkerSet:
         slot.last_ok = time.monotonic()
         slot.probe = asyncio.get_running_loop().create_task(self._probe_loop(slot))
         self.slots.append(slot)
+        asyncio.get_running_loop().create_task(self._notify_admitted())
+
+    async def _notify_admitted(self) -> None:
+        async with self._admitted:
+            self._admitted.notify_all()
 
     def live(self) -> list[WorkerSlot]:
         return [s for s in self.slots if s.alive]
@@ -92,6 +99,22 @@ class WorkerSet:
     def pick(self) -> WorkerSlot | None:
         live = self.live()
         return min(live, key=lambda s: s.in_flight) if live else None
+
+    async def pick_or_wait(self) -> WorkerSlot | None:
+        """The least-loaded live worker. With none live, wait for a replacement already being started
+        (bounded by its readiness deadline); with none coming, answer `None` at once rather than queue."""
+        slot = self.pick()
+        if slot is not None or self._replacing == 0:
+            return slot
+        async with self._admitted:
+            try:
+                await asyncio.wait_for(
+                    self._admitted.wait_for(lambda: bool(self.live()) or self._replacing == 0),
+                    WORKER_READY_TIMEOUT_S,
+                )
+            except TimeoutError:
+                return None
+        return self.pick()
 
     async def _probe_loop(self, slot: WorkerSlot) -> None:
         while slot.alive and not self._closed:
@@ -122,10 +145,11 @@ class WorkerSet:
         except Exception:  # already gone
             pass
         self.slots.remove(slot)
-        if not self._closed:
+        if not self._closed and self._budget_allows_restart():
+            self._replacing += 1
             asyncio.get_running_loop().create_task(self._replace())
 
-    async def _replace(self) -> None:
+    def _budget_allows_restart(self) -> bool:
         now = time.monotonic()
         while self._restarts and now - self._restarts[0] > self._window_s:
             self._restarts.popleft()
@@ -135,18 +159,27 @@ class WorkerSet:
                 self._max_restarts,
                 self._window_s,
             )
-            return
+            return False
         self._restarts.append(now)
-        slot = self._spawn()
+        return True
+
+    async def _replace(self) -> None:
+        """Counted in `_replacing` from the moment the loss is declared, so a re-dispatch issued in the
+        same tick waits for this replacement instead of failing for want of a live worker."""
         try:
-            await self._wait_ready(slot)
-        except Exception as exc:
-            log.error("replacement rollout worker %s failed to start: %s", slot.name, exc)
-            return
-        if self._closed:
-            ray.kill(slot.handle, no_restart=True)
-            return
-        self._admit(slot)
+            slot = self._spawn()
+            try:
+                await self._wait_ready(slot)
+            except Exception as exc:
+                log.error("replacement rollout worker %s failed to start: %s", slot.name, exc)
+                return
+            if self._closed:
+                ray.kill(slot.handle, no_restart=True)
+                return
+            self._admit(slot)
+        finally:
+            self._replacing -= 1
+            await self._notify_admitted()
 
     async def close(self) -> None:
         self._closed = True

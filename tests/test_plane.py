@@ -117,7 +117,7 @@ def test_lane_bounds_and_set_limit_hold(ray_session, standin):
                     await asyncio.sleep(0.02)
 
             watcher = asyncio.create_task(watch())
-            submitter = asyncio.create_task(
+            submitter = asyncio.ensure_future(
                 asyncio.gather(*(p.submit(slow_request(standin, 0.3, i)) for i in range(12)))
             )
             evals = [await p.submit(slow_request(standin, 0.3, i, lane="eval")) for i in range(2)]
