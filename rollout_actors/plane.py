@@ -28,6 +28,7 @@ from pydantic import BaseModel, Field, ValidationError
 
 from rollout_actors.lanes import Lanes
 from rollout_actors.naming import PoolNames
+from rollout_actors.publish import PolicyPublisher, PublishHandle
 from rollout_actors.rollout import LoopLimits
 from rollout_actors.shared_pools import SharedPools
 from rollout_actors.wire import (
@@ -71,6 +72,8 @@ class PlaneConfig(BaseModel):
     env_ready_timeout_s: float = 120.0
     allowed_ref_prefixes: tuple[str, ...] = DEFAULT_ALLOWED_PREFIXES
     """Module prefixes a request's Refs may name. Widening it is explicit."""
+    policy_storage_dir: str | None = None
+    """Where published LoRA adapters are written; every server must read it under the same path."""
     name_prefix: str | None = None
     """Prefix of the named actors this plane starts; `None` picks a unique one."""
 
@@ -112,7 +115,7 @@ class RolloutPlane:
         self._pending = 0
         self._endpoint_load: Counter[str] = Counter({url: 0 for url in self.config.endpoints})
         self.counters: Counter[str] = Counter()
-        self.policy_version: int | None = None
+        self._publisher: PolicyPublisher | None = None
         self._started = False
 
     # lifecycle -------------------------------------------------------------------------------------
@@ -133,6 +136,8 @@ class RolloutPlane:
             task.cancel()
         await self._workers.close()
         await self._pools.close()
+        if self._publisher is not None:
+            await self._publisher.aclose()
 
     async def __aenter__(self) -> RolloutPlane:
         return await self.start()
@@ -209,6 +214,37 @@ class RolloutPlane:
             "workers_lost": self._workers.lost_count,
         }
 
+    # policy ----------------------------------------------------------------------------------------
+    @property
+    def policy_version(self) -> int | None:
+        current = self._publisher.current() if self._publisher is not None else None
+        return current.version if current is not None else None
+
+    async def publish_policy(self, adapter: Any, version: int) -> PublishHandle:
+        """Publish a LoRA adapter (arrays or a directory) to every endpoint. Returns once an immutable CPU
+        capture exists; `await handle.wait()` for the servers. New rollouts switch to it atomically when
+        every server has loaded it; rollouts in flight keep the policy they started with."""
+        if self._publisher is None:
+            if not self.config.endpoints or self.config.policy_storage_dir is None:
+                raise ValueError(
+                    "publish_policy needs PlaneConfig.endpoints and PlaneConfig.policy_storage_dir"
+                )
+            self._publisher = PolicyPublisher(self.config.endpoints, self.config.policy_storage_dir)
+        return await self._publisher.publish(adapter, version)
+
+    def _with_policy(self, request: RolloutRequest) -> RolloutRequest:
+        current = self._publisher.current() if self._publisher is not None else None
+        if current is None or request.policy_version is not None:
+            return request
+        client = request.client.model_copy(update={"model": current.name})
+        # The renderer keeps the base model's tokenizer: an adapter does not change the vocabulary.
+        renderer = request.renderer
+        if renderer.tokenizer is None:
+            renderer = renderer.model_copy(update={"tokenizer": request.client.model})
+        return request.model_copy(
+            update={"client": client, "renderer": renderer, "policy_version": current.version}
+        )
+
     # control ---------------------------------------------------------------------------------------
     async def set_limit(self, lane: str, limit: int) -> None:
         await self.lanes.get(lane).set_limit(limit)
@@ -249,8 +285,7 @@ class RolloutPlane:
         except Exception as exc:
             kind = getattr(exc, "kind", None) or "infrastructure"
             return Result.failed(request, kind, Failure.from_exception(exc))
-        if request.policy_version is None and self.policy_version is not None:
-            request = request.model_copy(update={"policy_version": self.policy_version})
+        request = self._with_policy(request)
         endpoint = self._pick_endpoint()
         if endpoint is not None:
             # One endpoint for the rollout's whole life: its turns share one server's prefix cache.
@@ -302,7 +337,7 @@ class RolloutPlane:
         """One dispatch. Returns the result, or the reason the worker was lost."""
         slot.in_flight += 1
         self._running[request.request_id] = slot
-        answer = asyncio.wrap_future(slot.handle.run.remote(request, self.policy_version).future())
+        answer = asyncio.wrap_future(slot.handle.run.remote(request).future())
         lost = asyncio.ensure_future(slot.lost.wait())
         cancel = asyncio.ensure_future(cancelled.wait())
         deadline = request.deadline_s + self.config.answer_grace_s

@@ -14,7 +14,6 @@ from typing import Any, Protocol
 
 from env_actors.session import EnvSession
 from renderer_actors.session import RendererSession
-
 from rollout_actors.client import build_client
 from rollout_actors.failures import DeadlineExceeded, classify
 from rollout_actors.model_call import Sampled, complete_chat, complete_tokens, tool_call_views
@@ -53,7 +52,6 @@ async def run_rollout(
     request: RolloutRequest,
     pools: PoolDirectory,
     limits: LoopLimits = LoopLimits(),
-    policy_version: int | None = None,
 ) -> Result:
     """Run one rollout to its single result. Never raises, except `CancelledError` when cancelled
     (the caller turns that into a `cancelled` result after cleanup has run)."""
@@ -84,7 +82,7 @@ async def run_rollout(
         turns=state.turns,
         messages=state.messages,
         forked=state.forked,
-        policy_version_start=request.policy_version if request.policy_version is not None else policy_version,
+        policy_version_start=request.policy_version,
         started_at=started,
         finished_at=time.time(),
     )

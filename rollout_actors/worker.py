@@ -50,12 +50,12 @@ class RolloutWorker:
         return handle
 
     # Remote API ----------------------------------------------------------------------------------
-    async def run(self, request: RolloutRequest, policy_version: int | None = None) -> Result:
+    async def run(self, request: RolloutRequest) -> Result:
         task = asyncio.current_task()
         assert task is not None
         self._running[request.request_id] = task
         try:
-            result = await run_rollout(request, self, self._limits, policy_version)
+            result = await run_rollout(request, self, self._limits)
         except asyncio.CancelledError:
             result = Result.failed(
                 request, "cancelled", Failure(type="Cancelled", message="rollout was cancelled")

@@ -37,7 +37,9 @@ def slow_request(standin, latency_s: float, task_index: int = 0, **overrides) ->
     client = ClientConfig(
         base_url=standin.base_url, model=BUNDLED_MODEL, headers={"X-Standin-Latency": str(latency_s)}
     )
-    fields = dict(env=MATH, task_index=task_index, client=client, sampling=SamplingConfig(max_tokens=64, seed=1))
+    fields = dict(
+        env=MATH, task_index=task_index, client=client, sampling=SamplingConfig(max_tokens=64, seed=1)
+    )
     fields.update(overrides)
     return RolloutRequest(**fields)
 
@@ -175,3 +177,53 @@ def test_unknown_lane_is_a_caller_result(ray_session, standin, lane):
 
     result = run(scenario())
     assert result.kind == "caller" and "lane" in result.error.message
+
+
+def test_published_policy_reaches_new_rollouts_while_in_flight_ones_keep_theirs(
+    ray_session, standin_pair, tmp_path
+):
+    import numpy as np
+
+    from rollout_actors.lora import LoraAdapter, lora_config
+
+    rng = np.random.default_rng(0)
+    tensors = {
+        f"base_model.model.layers.0.self_attn.q_proj.lora_{ab}.weight": rng.standard_normal(
+            (8, 8), dtype=np.float32
+        )
+        for ab in ("A", "B")
+    }
+    adapter = LoraAdapter(tensors, lora_config(8, 16, ["q_proj"], BUNDLED_MODEL))
+    endpoints = [server.base_url for server in standin_pair]
+
+    async def scenario():
+        async with plane(endpoints=endpoints, policy_storage_dir=str(tmp_path)) as p:
+            early = await p.submit(slow_request(standin_pair[0], 3.0, 0))
+            await wait_until(lambda: any(s.in_flight > 0 for s in p._workers.live()), 20)
+            handle = await p.publish_policy(adapter, version=1)
+            active = await handle.wait(timeout=30)
+            late = await p.submit(slow_request(standin_pair[0], 0.0, 1))
+            results = {r.request_id: r for r in [await p.next_result(timeout=60) for _ in range(2)]}
+            return active, results[early], results[late]
+
+    try:
+        active, early, late = run(scenario())
+    finally:
+        unload_adapters(endpoints)
+    assert early.kind == "ok" and late.kind == "ok", (early.error, late.error)
+    assert (early.policy_version_start, early.policy_version_end) == (None, 1)
+    assert (late.policy_version_start, late.policy_version_end) == (1, 1)
+    assert active.version == 1
+
+
+def unload_adapters(endpoints: list[str]) -> None:
+    """Leave the shared stand-in servers serving only the base model."""
+    import httpx2
+
+    with httpx2.Client(timeout=5, trust_env=False) as client:
+        for url in endpoints:
+            for card in client.get(f"{url}/models").json()["data"]:
+                if card["id"] != BUNDLED_MODEL:
+                    client.post(
+                        f"{url.removesuffix('/v1')}/v1/unload_lora_adapter", json={"lora_name": card["id"]}
+                    )

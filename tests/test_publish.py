@@ -29,10 +29,8 @@ def run(coro, deadline: float = DEADLINE_S):
 
 
 @pytest.fixture(scope="module")
-def servers():
-    first, second = StandinServer(), StandinServer()
-    with first, second:
-        yield [first.base_url, second.base_url]
+def servers(standin_pair):
+    return [server.base_url for server in standin_pair]
 
 
 @pytest.fixture(autouse=True)
