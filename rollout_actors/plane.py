@@ -283,8 +283,14 @@ class RolloutPlane:
         try:
             await self._pools.ensure_env_pool(request.env)
         except Exception as exc:
-            kind = getattr(exc, "kind", None) or "infrastructure"
-            return Result.failed(request, kind, Failure.from_exception(exc))
+            # The env's own failure (import error, bad Ref) says whose fault it was; keep its traceback.
+            failure = getattr(exc, "failure", None) or Failure.from_exception(exc)
+            kind = (
+                "caller"
+                if isinstance(exc, CallerError) or failure.type == "CallerError"
+                else "infrastructure"
+            )
+            return Result.failed(request, kind, failure)
         request = self._with_policy(request)
         endpoint = self._pick_endpoint()
         if endpoint is not None:

@@ -12,9 +12,9 @@ import logging
 from typing import Any
 
 import ray
+
 from env_actors.pool import EnvPoolConfig, start_env_pool
 from renderer_actors.pool import get_or_create_renderer_pool
-
 from rollout_actors.naming import PoolNames, env_key
 from rollout_actors.wire import Ref
 
@@ -39,7 +39,9 @@ class SharedPools:
                 start_env_pool(
                     self._names.env_pool(env),
                     env,
-                    EnvPoolConfig(**self._config.env_pool),
+                    EnvPoolConfig(
+                        **{"allowed_ref_prefixes": self._config.allowed_ref_prefixes, **self._config.env_pool}
+                    ),
                     ready_timeout=self._config.env_ready_timeout_s,
                 )
             )

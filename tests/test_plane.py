@@ -99,7 +99,7 @@ def test_three_consecutive_losses_end_as_infrastructure(ray_session, standin):
                 slot = next(s for s in p._workers.live() if s.in_flight > 0)
                 ray.kill(slot.handle, no_restart=True)
                 killed += 1
-                await wait_until(lambda: slot not in p._workers.slots, 10)
+                await wait_until(lambda s=slot: s not in p._workers.slots, 10)
             return await p.next_result(timeout=30), p.stats()
 
     result, stats = run(scenario())

@@ -12,7 +12,6 @@ import pytest
 from safetensors.numpy import load_file
 
 from renderer_actors.tokenizer import BUNDLED_MODEL
-from rollout_actors.inference.launch import StandinServer
 from rollout_actors.lora import CONFIG_FILE, WEIGHTS_FILE, LoraAdapter, lora_config
 from rollout_actors.publish import ActivePolicy, PolicyPublisher, PublishFailure
 

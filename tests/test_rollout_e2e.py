@@ -150,7 +150,9 @@ def test_server_faults_come_back_as_model_results(ray_session, standin, fault, e
 
 def test_api_key_secret_never_appears_in_results_or_logs(ray_session, standin, tmp_path):
     secret = os.environ["RAY_ROLLOUTS_TEST_SECRET"]
-    client = ClientConfig(base_url=standin.base_url, model=BUNDLED_MODEL, api_key_var="RAY_ROLLOUTS_TEST_SECRET")
+    client = ClientConfig(
+        base_url=standin.base_url, model=BUNDLED_MODEL, api_key_var="RAY_ROLLOUTS_TEST_SECRET"
+    )
     missing = ClientConfig(base_url=standin.base_url, model=BUNDLED_MODEL, api_key_var="NOT_SET_ANYWHERE_XYZ")
 
     async def scenario():
@@ -174,8 +176,12 @@ def test_api_key_secret_never_appears_in_results_or_logs(ray_session, standin, t
 
 
 def test_no_client_or_connection_left_open_after_ok_failed_and_cancelled(ray_session, standin):
-    hang = ClientConfig(base_url=standin.base_url, model=BUNDLED_MODEL, headers={"X-Standin-Fault": "timeout"})
-    fail = ClientConfig(base_url=standin.base_url, model=BUNDLED_MODEL, headers={"X-Standin-Fault": "500"}, max_retries=0)
+    hang = ClientConfig(
+        base_url=standin.base_url, model=BUNDLED_MODEL, headers={"X-Standin-Fault": "timeout"}
+    )
+    fail = ClientConfig(
+        base_url=standin.base_url, model=BUNDLED_MODEL, headers={"X-Standin-Fault": "500"}, max_retries=0
+    )
 
     async def scenario():
         async with small_plane() as plane:
@@ -183,7 +189,9 @@ def test_no_client_or_connection_left_open_after_ok_failed_and_cancelled(ray_ses
                 await plane.submit(request(standin, env=MATH, task_index=i))
             for i in range(3):
                 await plane.submit(request(standin, env=MATH, task_index=i, client=fail))
-            hung = [await plane.submit(request(standin, env=MATH, task_index=i, client=hang)) for i in range(3)]
+            hung = [
+                await plane.submit(request(standin, env=MATH, task_index=i, client=hang)) for i in range(3)
+            ]
             results = await collect(plane, 9)
             for request_id in hung:
                 assert await plane.cancel(request_id)
@@ -198,3 +206,35 @@ def test_no_client_or_connection_left_open_after_ok_failed_and_cancelled(ray_ses
     assert held["open_clients"] == 0, held
     assert held["connections"] == 0, held
     assert json.loads(results[0].model_dump_json())["lease_id"]
+
+
+def test_env_worker_killed_mid_rollout_ends_infrastructure_and_others_finish(ray_session, standin):
+    import ray
+
+    from rollout_actors.naming import PoolNames
+
+    slow = ClientConfig(base_url=standin.base_url, model=BUNDLED_MODEL, headers={"X-Standin-Latency": "2.0"})
+
+    async def scenario():
+        async with small_plane(env_pool={"num_cpus": 0.25, "min_workers": 2}) as plane:
+            for i in range(4):
+                await plane.submit(request(standin, env=CALC, task_index=i, client=slow))
+            await plane._pools.ensure_env_pool(CALC)  # started by the first dispatch; wait for it
+            pool = ray.get_actor(PoolNames(plane.names.prefix).env_pool(CALC))
+            deadline = asyncio.get_running_loop().time() + 30
+            while True:
+                stats = await pool.stats.remote()
+                busy = [w for w in stats.workers if w.sessions > 0]
+                if stats.sessions == 4 and len(busy) == 2:
+                    break
+                assert asyncio.get_running_loop().time() < deadline, stats
+                await asyncio.sleep(0.1)
+            victim = busy[0]
+            ray.kill(ray.get_actor(victim.worker), no_restart=True)
+            return victim.sessions, await collect(plane, 4)
+
+    killed_sessions, results = run(scenario())
+    kinds = sorted(r.kind for r in results)
+    assert kinds.count("infrastructure") == killed_sessions, [(r.kind, r.error) for r in results]
+    assert kinds.count("ok") == 4 - killed_sessions
+    assert all("EnvServer" in r.error.message or r.error.type for r in results if r.kind != "ok")

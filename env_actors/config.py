@@ -1,0 +1,88 @@
+"""Configuration and observable state of an `EnvPool`: small typed objects with production defaults."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from env_actors.budget import RestartIntensity
+
+
+class EnvPoolConfig(BaseModel):
+    """How one environment's pool is sized, timed and supervised. One pool per environment Ref."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    min_workers: int = Field(default=1, ge=1)
+    """Workers started with the pool (no restart budget spent) and kept through idle periods."""
+    max_workers: int = Field(default=8, ge=1)
+    multiplex: int = Field(default=64, ge=1)
+    """Concurrent sessions one worker is meant to hold; the growth threshold is measured in these."""
+    grow_fraction: float = Field(default=0.75, gt=0.0, le=1.0)
+    """Grow by one worker when open sessions reach this fraction of ready workers x multiplex."""
+    idle_timeout: float = Field(default=300.0, gt=0)
+    """A worker above `min_workers` with no session for this long is retired."""
+    num_cpus: float = Field(default=0.25, ge=0)
+    """CPU reservation of each EnvServer: environments mostly wait, so a fraction of a core."""
+    resources: dict[str, float] = Field(default_factory=dict)
+    """Extra Ray resources each EnvServer needs (e.g. `{"sandbox": 1}`)."""
+
+    reset_timeout: float = Field(default=60.0, gt=0)
+    step_timeout: float = Field(default=120.0, gt=0)
+    score_timeout: float = Field(default=60.0, gt=0)
+    close_timeout: float = Field(default=10.0, gt=0)
+    spawn_timeout: float = Field(default=300.0, gt=0)
+    """Readiness deadline of a worker spawned while serving (load included); then it is killed."""
+
+    hang_timeout: float = Field(default=30.0, gt=0)
+    """A worker with no sign of life (probe answered, event loop turning) for this long is wedged: it is
+    retired, its calls fail and it is killed. Ray alone would wait ~65 s for a hung node, forever for a
+    frozen process."""
+    probe_interval: float = Field(default=0.5, gt=0)
+    probe_timeout: float = Field(default=2.0, gt=0)
+    restart: RestartIntensity = Field(default_factory=RestartIntensity)
+    session_idle_timeout: float = Field(default=3600.0, gt=0)
+    """A session untouched this long is closed by the pool (its owner is presumed gone)."""
+    allowed_ref_prefixes: tuple[str, ...] | None = None
+    """Module prefixes the environment Ref may name; None means the project's own packages."""
+
+    @model_validator(mode="after")
+    def _sizes(self) -> EnvPoolConfig:
+        if self.max_workers < self.min_workers:
+            raise ValueError(f"max_workers ({self.max_workers}) < min_workers ({self.min_workers})")
+        return self
+
+
+class WorkerInfo(BaseModel):
+    worker: str
+    """The EnvServer's actor name (reachable with `ray.get_actor`)."""
+    state: Literal["starting", "ready"]
+    sessions: int
+    inflight: int
+    pid: int | None = None
+    node_id: str | None = None
+
+
+class EnvPoolStats(BaseModel):
+    """What the supervisor knows, for tests, logs and the plane's status line."""
+
+    name: str
+    workers: list[WorkerInfo]
+    ready: int
+    starting: int
+    sessions: int
+    num_tasks: int | None = None
+    spawns: int
+    """EnvServer actors created, initial ones included."""
+    spawn_failures: int
+    """Spawns that never became ready (load error, died while loading, readiness deadline)."""
+    deaths: int
+    """Ready workers lost: died or wedged."""
+    restarts_left: int
+    budget_denials: int
+    """Spawns wanted (replacement or growth) but refused because the restart budget was spent."""
+    spawning_stopped: str | None = None
+    """Set when the pool gave up spawning (a crash loop); why."""
+    retired: list[str] = Field(default_factory=list)
+    """The most recent retirements, newest last: `"<worker>: <reason>"`."""

@@ -1,0 +1,167 @@
+"""A tiny healthy environment (`EchoEnv`) and variants of it that fail in one specific way each.
+
+Process-level faults (`os._exit`, blocking sleeps) are the point: they are what model-authored code,
+sandboxes and dataset loaders do to an env worker in production.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from env_actors.interface import Environment, Message, Reset, ScoreOut, StepOut, check_index
+from rollout_actors.wire import CallerError
+
+FOREVER_S = 3600.0
+
+
+@dataclass
+class _Episode:
+    index: int
+    turns: int = 0
+
+
+class EchoEnv(Environment):
+    """Healthy: `turns` steps per episode, each answered with one user message; reward 1.0 when finished.
+    `step_delay` makes each step take that long (awaited, so the worker stays responsive)."""
+
+    def __init__(self, num_tasks: int = 16, turns: int = 2, step_delay: float = 0.0):
+        self.count, self.turns, self.step_delay = num_tasks, turns, step_delay
+        self.steps_answered = 0
+
+    def num_tasks(self) -> int:
+        return self.count
+
+    def task(self, index: int) -> dict[str, Any]:
+        return {"index": check_index(index, self.count)}
+
+    async def reset(self, task: dict[str, Any]) -> Reset:
+        if not isinstance(task.get("index"), int):
+            raise CallerError("an EchoEnv task is {'index': int}")
+        messages = [{"role": "user", "content": f"Task {task['index']}: reply with anything."}]
+        return Reset(messages=messages, state=_Episode(index=task["index"]))
+
+    async def step(self, state: _Episode, assistant_message: Message) -> StepOut:
+        if state.turns >= self.turns:
+            raise CallerError("the episode is already over")
+        if self.step_delay:
+            await asyncio.sleep(self.step_delay)
+        state.turns += 1
+        self.steps_answered += 1
+        done = state.turns >= self.turns
+        return StepOut(
+            messages=[] if done else [{"role": "user", "content": f"Turn {state.turns} noted."}], done=done
+        )
+
+    async def score(self, state: _Episode) -> ScoreOut:
+        finished = state.turns >= self.turns
+        return ScoreOut(
+            reward=float(finished), components={"finished": float(finished)}, metrics={"pid": os.getpid()}
+        )
+
+
+def _record(directory: str | None, prefix: str) -> int:
+    """Claim the next `prefix-N` file in `directory` (atomic across processes); return N, or -1."""
+    if directory is None:
+        return -1
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    for n in range(10_000):
+        try:
+            os.close(os.open(Path(directory) / f"{prefix}-{n}", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            return n
+        except FileExistsError:
+            continue
+    raise RuntimeError(f"too many {prefix} records in {directory}")
+
+
+class LoadRaisesEnv(EchoEnv):
+    """`load()` raises: a missing dataset shard. The traceback must reach whoever started the pool."""
+
+    async def load(self) -> None:
+        raise FileNotFoundError("dataset shard 'train-00000-of-00001.parquet' is missing")
+
+
+class DiesOnLoadEnv(EchoEnv):
+    """The worker process exits during `load()` (think: OOM-killed while loading), every time.
+    Each attempt is recorded in `attempts_dir` so a test can count spawns from outside."""
+
+    def __init__(self, attempts_dir: str | None = None, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.attempts_dir = attempts_dir
+
+    async def load(self) -> None:
+        _record(self.attempts_dir, "load")
+        os._exit(3)
+
+
+class FlakyLoadEnv(EchoEnv):
+    """The first `good_loads` loads (counted across processes in `state_dir`) succeed, later ones raise:
+    a replacement spawned mid-serve fails while the original workers keep serving."""
+
+    def __init__(self, state_dir: str, good_loads: int = 1, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.state_dir, self.good_loads = state_dir, good_loads
+
+    async def load(self) -> None:
+        if _record(self.state_dir, "load") >= self.good_loads:
+            raise RuntimeError("the sandbox image registry refused the pull")
+
+
+class HangsInConstructorEnv(EchoEnv):
+    """The constructor never returns, and blocks the worker's event loop while at it."""
+
+    def __init__(self, **kwargs: Any):
+        super().__init__(**kwargs)
+        time.sleep(FOREVER_S)
+
+
+class ExitsMidCallEnv(EchoEnv):
+    """Answers `answer_steps` steps, then the process exits in the middle of the next step."""
+
+    def __init__(self, answer_steps: int = 0, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.answer_steps = answer_steps
+
+    async def step(self, state: _Episode, assistant_message: Message) -> StepOut:
+        if self.steps_answered >= self.answer_steps:
+            await asyncio.sleep(0.05)  # the call is in flight on the caller's side
+            os._exit(7)
+        return await super().step(state, assistant_message)
+
+
+class ExitsAfterAnsweringEnv(EchoEnv):
+    """Answers `answer_steps` steps, then exits on its own shortly after the last answer left."""
+
+    def __init__(self, answer_steps: int = 3, exit_delay: float = 0.2, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.answer_steps, self.exit_delay = answer_steps, exit_delay
+
+    async def step(self, state: _Episode, assistant_message: Message) -> StepOut:
+        out = await super().step(state, assistant_message)
+        if self.steps_answered == self.answer_steps:
+            threading.Timer(self.exit_delay, os._exit, args=(0,)).start()
+        return out
+
+
+class BlocksLoopEnv(EchoEnv):
+    """Each step blocks the worker's event loop (a synchronous call where an await belonged)."""
+
+    def __init__(self, block_s: float = FOREVER_S, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.block_s = block_s
+
+    async def step(self, state: _Episode, assistant_message: Message) -> StepOut:
+        time.sleep(self.block_s)
+        return await super().step(state, assistant_message)
+
+
+class StepRaisesEnv(EchoEnv):
+    """Each step raises an ordinary exception: a bug in environment code (an `infrastructure` failure)."""
+
+    async def step(self, state: _Episode, assistant_message: Message) -> StepOut:
+        raise KeyError("reward_model_url")

@@ -1,0 +1,186 @@
+"""The environment interface: what an environment implements, and what its answers look like on the wire.
+
+An environment is a class named by a `Ref` (`Ref("pkg.module:MyEnv", {json config})`). The `EnvServer`
+actor resolves the Ref (the config becomes keyword arguments of the constructor), awaits `load()`, and only
+then counts as ready: heavy loading (datasets, sandboxes, models) belongs in `load()`, never in the
+constructor or in the first `reset`.
+
+A session is one rollout's episode. It lives on one `EnvServer` for its whole life::
+
+    env = MathEnv()                       # cheap: keep config, no I/O
+    await env.load()                      # heavy: read the dataset
+    task = env.task(7)                    # a JSON dict; index in [0, env.num_tasks())
+    start = await env.reset(task)         # Reset(messages, state, tools)
+    out = await env.step(start.state, {"role": "assistant", "content": "... \\boxed{42}"})
+    # out: StepOut(messages=[...new user/tool messages...], done=True)
+    score = await env.score(start.state)  # ScoreOut(reward=1.0, components={...}, metrics={...})
+    await env.close(start.state)
+
+Rules an environment follows:
+
+- `reset`, `step`, `score`, `close` are coroutines and run on the server's event loop; CPU-heavy work
+  belongs in `asyncio.to_thread`, because a loop blocked for `hang_timeout` is treated as wedged and killed.
+- `state` is whatever the environment likes (it never leaves the server); everything returned is JSON.
+- A problem with the request itself (task index out of range, malformed task, a step after `done`) raises
+  `rollout_actors.wire.CallerError`, which the rollout reports as a `caller` result. Any other exception is
+  the environment's fault and is reported as `infrastructure`, with its traceback.
+- Messages use the OpenAI chat format. Assistant messages arrive as
+  `{"role": "assistant", "content": ..., "tool_calls": [{"id", "type": "function", "function": {"name",
+  "arguments"}}]}` where `arguments` is a JSON string (or already a dict). Tools, if any, are OpenAI
+  function tools: `{"type": "function", "function": {"name", "description", "parameters": {json schema}}}`;
+  the environment answers a tool call with `{"role": "tool", "tool_call_id": ..., "content": "..."}`.
+"""
+
+from __future__ import annotations
+
+import abc
+import json
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+from rollout_actors.wire import CallerError, Failure
+
+Message = dict[str, Any]
+"""One chat message in OpenAI format."""
+
+
+@dataclass
+class Reset:
+    """What `Environment.reset` returns: the opening messages, the per-session state, the tools."""
+
+    messages: list[Message]
+    """Opening messages (system and user) that the model sees first."""
+    state: Any
+    """Per-session state; stays on the server, handed back to `step`, `score` and `close`."""
+    tools: list[dict[str, Any]] | None = None
+    """OpenAI function tools offered to the model, or None."""
+
+
+class ResetOut(BaseModel):
+    """The wire form of a started session."""
+
+    session_id: str
+    messages: list[Message]
+    tools: list[dict[str, Any]] | None = None
+    worker: str | None = None
+    """Which env worker holds the session (for logs and fault tests)."""
+
+
+class StepOut(BaseModel):
+    """The environment's answer to one assistant message."""
+
+    messages: list[Message] = Field(default_factory=list)
+    """New messages to append (tool results, a follow-up user turn); empty when nothing is added."""
+    done: bool
+    """True when the episode is over; the next call is `score`."""
+
+
+class ScoreOut(BaseModel):
+    """The reward of a finished (or abandoned) episode."""
+
+    reward: float
+    components: dict[str, float] = Field(default_factory=dict)
+    """Named parts of the reward, e.g. `{"correct": 1.0, "format": 1.0}`."""
+    metrics: dict[str, Any] = Field(default_factory=dict)
+    """Anything else worth logging (turns taken, tool calls); JSON values."""
+
+
+EnvCallKind = Literal["ok", "infrastructure", "caller"]
+
+
+class EnvResponse(BaseModel):
+    """The answer to every env call on the pool side: values and failures alike travel as data.
+
+    `kind` is classified where the failure happened: `caller` for a `CallerError` raised by the environment
+    (or a session the caller got wrong), `infrastructure` for everything else (the environment's own bugs,
+    a dead or wedged worker, a missed deadline, no live worker).
+    """
+
+    success: bool
+    value: Any = None
+    """`ResetOut`/`StepOut`/`ScoreOut` as a dict, a task count, or None."""
+    error: Failure | None = None
+    kind: EnvCallKind = "ok"
+    worker_exit: str | None = None
+    """How the worker that held the call ended (Ray's exit detail, or why it was judged wedged)."""
+    worker: str | None = None
+
+    @classmethod
+    def ok(cls, value: Any = None, worker: str | None = None) -> EnvResponse:
+        return cls(success=True, value=value, worker=worker)
+
+    @classmethod
+    def failed(
+        cls,
+        failure: Failure,
+        kind: EnvCallKind = "infrastructure",
+        worker: str | None = None,
+        worker_exit: str | None = None,
+    ) -> EnvResponse:
+        return cls(success=False, error=failure, kind=kind, worker=worker, worker_exit=worker_exit)
+
+    @classmethod
+    def from_exception(cls, exc: BaseException, worker: str | None = None) -> EnvResponse:
+        kind: EnvCallKind = "caller" if isinstance(exc, CallerError) else "infrastructure"
+        return cls.failed(Failure.from_exception(exc), kind, worker=worker)
+
+
+class Environment(abc.ABC):
+    """Base class of environments served by `EnvServer`. Subclasses take their config as keyword
+    arguments and implement the dataset view (`num_tasks`, `task`) and the session calls."""
+
+    async def load(self) -> None:  # noqa: B027 - optional hook, empty by default
+        """Load what the environment serves (dataset, sandbox pool). Readiness waits for this."""
+
+    @abc.abstractmethod
+    def num_tasks(self) -> int:
+        """How many tasks the dataset view holds (valid after `load`)."""
+
+    @abc.abstractmethod
+    def task(self, index: int) -> dict[str, Any]:
+        """The task at `index` as a JSON dict; raises `CallerError` when out of range."""
+
+    @abc.abstractmethod
+    async def reset(self, task: dict[str, Any]) -> Reset:
+        """Start a session for `task`; raises `CallerError` for a malformed task."""
+
+    @abc.abstractmethod
+    async def step(self, state: Any, assistant_message: Message) -> StepOut:
+        """Answer one assistant message."""
+
+    @abc.abstractmethod
+    async def score(self, state: Any) -> ScoreOut:
+        """Score the session as it stands (finished or not)."""
+
+    async def close(self, state: Any) -> None:  # noqa: B027 - optional hook, empty by default
+        """Release what the session holds. Called exactly once per started session, even after failures."""
+
+
+def check_index(index: int, count: int) -> int:
+    """Validate a task index against a dataset of `count` tasks (bool is not an index)."""
+    if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < count:
+        raise CallerError(f"task index {index!r} is out of range: this environment has {count} tasks")
+    return index
+
+
+def tool_arguments(call: dict[str, Any]) -> dict[str, Any]:
+    """The arguments of an OpenAI tool call as a dict; `arguments` may be a JSON string or a dict.
+
+    Raises `ValueError` with a short reason the environment can show the model as the tool's answer.
+    """
+    raw = (call.get("function") or {}).get("arguments")
+    if isinstance(raw, dict):
+        return raw
+    if raw is None or raw == "":
+        return {}
+    if not isinstance(raw, str):
+        raise ValueError(f"arguments must be a JSON object, got {type(raw).__name__}")
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"arguments are not valid JSON: {exc.msg}") from None
+    if not isinstance(value, dict):
+        raise ValueError("arguments must be a JSON object")
+    return value

@@ -1,0 +1,357 @@
+"""`EnvPool`: one environment served by supervised `EnvServer` actors, and how to start, find and stop one.
+
+    pool = await start_env_pool("math", Ref("env_actors.examples.math_env:MathEnv"), EnvPoolConfig(), 120)
+    session = await EnvSession.open(pool, task_index=3, task=None, timeout=60)   # see session.py
+    ...
+    await stop_env_pool(pool)
+
+The pool is an async actor that only waits (num_cpus=0). Every session call goes through it: it places a
+new session on the least-busy ready worker, sends the session's later calls to that worker, and answers
+each call with an `EnvResponse` within the call's deadline, whatever happens to the worker meanwhile.
+Worker lifecycle (readiness, probes, budget, scaling) is the supervisor's job (`supervisor.py`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+from ray.exceptions import ActorDiedError
+
+from env_actors.config import EnvPoolConfig, EnvPoolStats
+from env_actors.interface import EnvResponse
+from env_actors.server import DEADLINE_FAILURE
+from env_actors.supervisor import Supervisor, WorkerSlot, exit_detail, resolve
+from rollout_actors.wire import Failure, Ref
+
+__all__ = ["EnvPool", "EnvPoolConfig", "EnvStartupError", "get_env_pool", "start_env_pool", "stop_env_pool"]
+
+POOL_CALL_SLACK_S = 0.5
+"""The server enforces each call's deadline itself; the pool waits this much longer, which only matters
+when the server cannot answer at all (blocked loop, frozen process)."""
+DEAD_WORKER_GRACE_S = 1.0
+"""Ray fails a dead actor's in-flight calls itself within ~10-60 ms, and its answer is authoritative (a
+value the worker returned before dying is kept), so a call whose worker died waits this long for it."""
+POOL_MAX_CONCURRENCY = 10_000  # every in-flight env call of every rollout waits inside this actor
+POOL_STARTUP_SLACK_S = 10.0  # the pool actor's own process start, on top of the environment's deadline
+LOST_SESSION_MEMORY = 10_000  # sessions remembered as lost (so their calls say why), oldest forgotten first
+SESSION_REAP_EVERY_S = 1.0
+
+
+class EnvStartupError(RuntimeError):
+    """The environment could not be brought up: import or load failure (with its traceback), a worker that
+    died while loading past the restart budget, or the readiness deadline."""
+
+    def __init__(self, message: str, failure: Failure | None = None):
+        super().__init__(message)
+        self.failure = failure
+
+
+@dataclass
+class _Session:
+    worker: str
+    last_used: float
+    started: bool = False
+    """False while the reset is in flight; a close then only marks `closing` and the reset ends it."""
+    closing: bool = False
+    calls: set[Any] = field(default_factory=set)
+    """ObjectRefs of this session's calls in flight on its worker; cancelled when the session closes."""
+
+
+class EnvPool:
+    """The supervisor actor of one environment. Use it through `start_env_pool` and `EnvSession`."""
+
+    def __init__(self, name: str, env: Ref, config: EnvPoolConfig):
+        self._name, self._config = name, config
+        self._sessions: dict[str, _Session] = {}
+        self._lost: OrderedDict[str, str] = OrderedDict()
+        self._supervisor = Supervisor(name, env, config, self._on_retire)
+        self._started = False
+        self._closed = False
+
+    async def start(self, ready_timeout: float) -> EnvResponse:
+        """Bring up the first worker (readiness handshake) and start supervising. Idempotent."""
+        if not self._started and not self._closed:
+            failure = await self._supervisor.start(ready_timeout)
+            if failure is not None:
+                self._closed = True
+                return EnvResponse.failed(failure)
+            self._started = True
+            self._supervisor.own(self._reap_idle_sessions())
+        if self._closed:
+            return self._closed_response()
+        return EnvResponse.ok({"num_tasks": self._supervisor.num_tasks})
+
+    # ----------------------------------------------------------------------------- session calls
+
+    async def reset(
+        self, session_id: str, task_index: int | None, task: dict[str, Any] | None, timeout: float
+    ) -> EnvResponse:
+        """Start a session on the least-busy ready worker; the value is a `ResetOut` dict."""
+        if self._closed:
+            return self._closed_response()
+        if session_id in self._sessions or session_id in self._lost:
+            return _caller_failure("DuplicateEnvSession", f"session id {session_id!r} is already in use")
+        slot = self._supervisor.least_busy()
+        if slot is None:
+            return self._no_live_worker()
+        session = _Session(worker=slot.name, last_used=time.monotonic())
+        self._sessions[session_id] = session
+        slot.sessions.add(session_id)
+        deadline = min(timeout, self._config.reset_timeout)
+        response = await self._call(slot, session, "reset", (session_id, task_index, task), deadline)
+        if response.success and not session.closing:
+            session.started = True
+            return response
+        self._forget(session_id)
+        maybe_on_worker = response.success or (response.error and response.error.type == DEADLINE_FAILURE)
+        if maybe_on_worker and slot.state == "ready":
+            # The worker holds (or, after an overrun, may yet hold) the session: end it there.
+            self._supervisor.own(self._call(slot, None, "close", (session_id,), self._config.close_timeout))
+        if response.success:
+            return _caller_failure("EnvSessionClosed", f"session {session_id!r} was closed while starting")
+        return response
+
+    async def step(self, session_id: str, message: dict[str, Any], timeout: float) -> EnvResponse:
+        """Send one assistant message to the session; the value is a `StepOut` dict."""
+        found = self._lookup(session_id)
+        if isinstance(found, EnvResponse):
+            return found
+        session, slot = found
+        deadline = min(timeout, self._config.step_timeout)
+        return await self._call(slot, session, "step", (session_id, message), deadline)
+
+    async def score(self, session_id: str, timeout: float) -> EnvResponse:
+        """Score the session; the value is a `ScoreOut` dict."""
+        found = self._lookup(session_id)
+        if isinstance(found, EnvResponse):
+            return found
+        session, slot = found
+        return await self._call(
+            slot, session, "score", (session_id,), min(timeout, self._config.score_timeout)
+        )
+
+    async def close(self, session_id: str, timeout: float) -> EnvResponse:
+        """End the session on its worker. Idempotent; a lost or unknown session is already ended."""
+        self._lost.pop(session_id, None)
+        session = self._sessions.get(session_id)
+        if session is None:
+            return EnvResponse.ok()
+        if not session.started:
+            session.closing = True
+            return EnvResponse.ok()
+        self._forget(session_id)
+        for ref in session.calls:  # a cancelled rollout's step or score stops running on the worker
+            _cancel(ref)
+        slot = self._supervisor.workers.get(session.worker)
+        if slot is None or slot.state != "ready":
+            return EnvResponse.ok()
+        return await self._call(slot, None, "close", (session_id,), min(timeout, self._config.close_timeout))
+
+    async def num_tasks(self, timeout: float = 0.0) -> EnvResponse:
+        """How many tasks the environment has (learned at readiness; `timeout` is unused)."""
+        if self._supervisor.num_tasks is None:
+            return self._no_live_worker()
+        return EnvResponse.ok(self._supervisor.num_tasks)
+
+    async def stats(self) -> EnvPoolStats:
+        sup = self._supervisor
+        return EnvPoolStats(
+            name=self._name,
+            workers=[w.info() for w in sup.workers.values()],
+            ready=len(sup.ready()),
+            starting=len(sup.starting()),
+            sessions=len(self._sessions),
+            num_tasks=sup.num_tasks,
+            spawns=sup.spawns,
+            spawn_failures=sup.spawn_failures,
+            deaths=sup.deaths,
+            restarts_left=sup.budget.remaining(),
+            budget_denials=sup.budget_denials,
+            spawning_stopped=sup.spawning_stopped,
+            retired=list(sup.retired),
+        )
+
+    async def shutdown(self) -> EnvPoolStats:
+        """Stop supervising and kill every worker; in-flight calls fail at once. Idempotent."""
+        self._closed = True
+        await self._supervisor.shutdown()
+        return await self.stats()
+
+    # ---------------------------------------------------------------------------------- internals
+
+    async def _call(
+        self, slot: WorkerSlot, session: _Session | None, method: str, args: tuple, deadline: float
+    ) -> EnvResponse:
+        """One call on one worker, answered within `deadline` + slack whatever the worker does."""
+        ref = getattr(slot.handle, method).remote(*args, deadline)
+        call = asyncio.ensure_future(resolve(ref))
+        slot.inflight += 1
+        if session is not None:
+            session.calls.add(ref)
+        try:
+            await asyncio.wait(
+                {call, slot.gone}, timeout=deadline + POOL_CALL_SLACK_S, return_when=asyncio.FIRST_COMPLETED
+            )
+            if not call.done() and slot.gone.done() and slot.gone.result()[1] == "died":
+                await asyncio.wait({call}, timeout=DEAD_WORKER_GRACE_S)
+            if call.done():
+                return self._answer(slot, method, call)
+            call.cancel()
+            if slot.gone.done():
+                reason = slot.gone.result()[0]
+                message = f"env worker {slot.name} was retired during {method}: {reason}"
+                return EnvResponse.failed(
+                    Failure(type="EnvWorkerLost", message=message), worker=slot.name, worker_exit=reason
+                )
+            message = f"{method} got no answer from env worker {slot.name} within its {deadline:g} s deadline"
+            return EnvResponse.failed(Failure(type=DEADLINE_FAILURE, message=message), worker=slot.name)
+        finally:
+            slot.inflight -= 1
+            if session is not None:
+                session.calls.discard(ref)
+                session.last_used = time.monotonic()
+
+    def _answer(self, slot: WorkerSlot, method: str, call: asyncio.Future) -> EnvResponse:
+        exc = call.exception()
+        if exc is None:
+            return call.result()
+        if isinstance(exc, ActorDiedError):
+            detail = exit_detail(exc)
+            self._supervisor.retire(slot, f"died: {detail}", "died")
+            failure = Failure(
+                type=type(exc).__name__, message=f"env worker {slot.name} died during {method}: {detail}"
+            )
+            return EnvResponse.failed(failure, worker=slot.name, worker_exit=detail)
+        return EnvResponse.failed(Failure.from_exception(exc), worker=slot.name)
+
+    def _lookup(self, session_id: str) -> tuple[_Session, WorkerSlot] | EnvResponse:
+        session = self._sessions.get(session_id)
+        if session is not None:
+            slot = self._supervisor.workers.get(session.worker)
+            if slot is not None and slot.state == "ready":
+                session.last_used = time.monotonic()
+                return session, slot
+        lost = self._lost.get(session_id)
+        if lost is not None:
+            failure = Failure(type="EnvWorkerLost", message=f"session {session_id!r} is gone: {lost}")
+            return EnvResponse.failed(failure, worker_exit=lost)
+        return _caller_failure("UnknownEnvSession", f"no session {session_id!r} in env pool {self._name!r}")
+
+    def _on_retire(self, slot: WorkerSlot, reason: str) -> None:
+        for session_id in slot.sessions:
+            self._sessions.pop(session_id, None)
+            self._lost[session_id] = f"its env worker {slot.name} was retired: {reason}"
+        slot.sessions.clear()
+        while len(self._lost) > LOST_SESSION_MEMORY:
+            self._lost.popitem(last=False)
+
+    def _forget(self, session_id: str) -> None:
+        self._lost.pop(session_id, None)
+        session = self._sessions.pop(session_id, None)
+        slot = self._supervisor.workers.get(session.worker) if session else None
+        if slot is not None:
+            slot.sessions.discard(session_id)
+            if not slot.sessions:
+                slot.idle_since = time.monotonic()
+
+    async def _reap_idle_sessions(self) -> None:
+        """Close sessions untouched for `session_idle_timeout`: their owner is gone without closing."""
+        while not self._closed:
+            await asyncio.sleep(SESSION_REAP_EVERY_S)
+            cutoff = time.monotonic() - self._config.session_idle_timeout
+            for session_id, session in list(self._sessions.items()):
+                if session.started and not session.calls and session.last_used < cutoff:
+                    self._supervisor.own(self.close(session_id, self._config.close_timeout))
+
+    def _no_live_worker(self) -> EnvResponse:
+        sup = self._supervisor
+        detail = f"{len(sup.starting())} starting, {sup.budget.remaining()} restarts left"
+        if sup.spawning_stopped:
+            detail += f"; spawning stopped: {sup.spawning_stopped}"
+        message = (
+            f"no live env worker in pool {self._name!r} ({detail}); failing at once rather than queueing"
+        )
+        return EnvResponse.failed(Failure(type="NoLiveEnvWorker", message=message))
+
+    def _closed_response(self) -> EnvResponse:
+        return EnvResponse.failed(
+            Failure(type="EnvPoolClosed", message=f"env pool {self._name!r} is shut down")
+        )
+
+
+def _caller_failure(type_: str, message: str) -> EnvResponse:
+    return EnvResponse.failed(Failure(type=type_, message=message), kind="caller")
+
+
+_EnvPoolActor = ray.remote(max_restarts=0, max_task_retries=0)(EnvPool)
+
+
+async def start_env_pool(
+    name: str, env: Ref | dict, config: EnvPoolConfig | None = None, ready_timeout: float = 300.0
+) -> Any:
+    """Create the named EnvPool actor and wait until its first worker is ready; return its handle.
+
+    Raises `EnvStartupError` (the environment's own traceback in the message) on an import or load
+    failure, as soon as it happens, or when nothing is ready within `ready_timeout`.
+    """
+    env = env if isinstance(env, Ref) else Ref.model_validate(env)
+    config = config or EnvPoolConfig()
+    try:
+        handle = _EnvPoolActor.options(name=name, num_cpus=0, max_concurrency=POOL_MAX_CONCURRENCY).remote(
+            name, env, config
+        )
+    except ValueError as exc:  # the name is taken
+        raise EnvStartupError(f"cannot create env pool {name!r}: {exc}") from exc
+    try:
+        response = await asyncio.wait_for(
+            resolve(handle.start.remote(ready_timeout)), ready_timeout + POOL_STARTUP_SLACK_S
+        )
+    except asyncio.CancelledError:
+        _kill(handle)
+        raise
+    except Exception as exc:
+        _kill(handle)
+        raise EnvStartupError(f"env pool {name!r} ({env.target}) did not start: {exc!r}") from exc
+    if not response.success:
+        _kill(handle)
+        failure = response.error or Failure(type="EnvStartupError", message="unknown")
+        message = f"env pool {name!r} could not start {env.target}: {failure.type}: {failure.message}"
+        if failure.traceback:
+            message += f"\n--- environment traceback ---\n{failure.traceback}"
+        raise EnvStartupError(message, failure)
+    return handle
+
+
+def get_env_pool(name: str) -> Any:
+    """The handle of a running env pool, by name (for rollout workers)."""
+    return ray.get_actor(name)
+
+
+async def stop_env_pool(handle: Any, timeout: float = 10.0) -> EnvPoolStats | None:
+    """Shut the pool down (its workers are killed) and kill the pool actor. Never raises."""
+    stats = None
+    try:
+        stats = await asyncio.wait_for(resolve(handle.shutdown.remote()), timeout)
+    except Exception:  # a dead or wedged pool is killed below all the same
+        pass
+    _kill(handle)
+    return stats
+
+
+def _cancel(ref: Any) -> None:
+    try:
+        ray.cancel(ref)
+    except Exception:  # already finished
+        pass
+
+
+def _kill(handle: Any) -> None:
+    try:
+        ray.kill(handle, no_restart=True)
+    except Exception:  # already dead
+        pass

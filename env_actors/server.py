@@ -1,0 +1,199 @@
+"""`EnvServer`: the actor that loads one environment and holds the sessions placed on it.
+
+It is "let it crash" code: it classifies every failure of environment code into an `EnvResponse` (the
+traceback is formatted here, before Ray strips it at the actor boundary) and otherwise makes no decisions.
+Deciding what a death or a stall means belongs to the supervisor (`supervisor.py`).
+
+Two event loops, by design: env calls run on the default concurrency group; `health` and `pid` run on the
+`probe` group, whose loop is its own thread. A probe therefore answers while environment code blocks the
+default loop, and reports how long that loop has been stalled (`loop_stall_s`): the supervisor treats a
+stall past `hang_timeout` like a frozen process. A frozen (SIGSTOPped) or lost process answers nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import Awaitable
+from typing import Any
+
+import ray
+
+from env_actors.config import EnvPoolConfig
+from env_actors.interface import EnvResponse, ResetOut, ScoreOut, StepOut, check_index
+from rollout_actors.wire import DEFAULT_ALLOWED_PREFIXES, CallerError, Failure, Ref, resolve_ref
+
+PROBE_GROUP = "probe"
+PROBE_GROUP_SIZE = 4  # a probe, a pid query and slack for a probe that outlived its caller's timeout
+HEARTBEAT_S = 0.1  # resolution of `loop_stall_s`; far below any sane hang_timeout
+MIN_SERVER_CONCURRENCY = 64
+DEADLINE_FAILURE = "EnvDeadline"
+"""`Failure.type` of a call that missed its deadline (raised here or by the pool)."""
+
+_SESSION_METHODS = ("reset", "step", "score", "close")
+
+
+class EnvServer:
+    """Serves one environment to many sessions. Created (unready) by the supervisor, which then awaits
+    `start()` (construct + load) and one `health()` answer: only then does the worker take traffic.
+
+    Every call takes the deadline the pool computed and answers an `EnvResponse`; it never raises.
+    """
+
+    def __init__(self, env: Ref, worker: str, allowed_prefixes: tuple[str, ...] = DEFAULT_ALLOWED_PREFIXES):
+        self._ref = env
+        self._worker = worker
+        self._prefixes = allowed_prefixes
+        self._env: Any = None
+        self._phase = "created"
+        """created -> constructing -> loading -> ready | failed; shown in readiness diagnostics."""
+        self._sessions: dict[str, Any] = {}
+        self._last_tick = time.monotonic()
+        self._heartbeat: asyncio.Task | None = None
+
+    async def start(self) -> EnvResponse:
+        """Construct the environment from its Ref and load it. Idempotent once ready."""
+        if self._env is not None:
+            return EnvResponse.ok(self._ready_info(), self._worker)
+        self._last_tick = time.monotonic()
+        if self._heartbeat is None:
+            self._heartbeat = asyncio.create_task(self._beat())
+        try:
+            self._phase = "constructing"
+            env = resolve_ref(self._ref, self._prefixes)
+            missing = [m for m in ("num_tasks", "task", *_SESSION_METHODS[:3]) if not hasattr(env, m)]
+            if missing:
+                raise CallerError(f"{self._ref.target} is not an environment: it lacks {', '.join(missing)}")
+            self._phase = "loading"
+            if hasattr(env, "load"):
+                await env.load()
+            self._env = env
+            info = self._ready_info()
+        except Exception as exc:
+            self._phase = "failed"
+            self._env = None
+            return EnvResponse.from_exception(exc, self._worker)
+        self._phase = "ready"
+        return EnvResponse.ok(info, self._worker)
+
+    def _ready_info(self) -> dict[str, Any]:
+        return {
+            "pid": os.getpid(),
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "num_tasks": int(self._env.num_tasks()),
+        }
+
+    async def _beat(self) -> None:
+        while True:
+            self._last_tick = time.monotonic()
+            await asyncio.sleep(HEARTBEAT_S)
+
+    @ray.method(concurrency_group=PROBE_GROUP)
+    async def health(self) -> dict[str, Any]:
+        """Liveness, answered from the probe loop even while env code blocks the default loop."""
+        stall = time.monotonic() - self._last_tick - HEARTBEAT_S
+        return {
+            "phase": self._phase,
+            "loop_stall_s": max(0.0, stall) if self._heartbeat is not None else 0.0,
+            "sessions": len(self._sessions),
+            "pid": os.getpid(),
+        }
+
+    @ray.method(concurrency_group=PROBE_GROUP)
+    def pid(self) -> int:
+        return os.getpid()
+
+    # ------------------------------------------------------------------------------ session calls
+
+    async def reset(
+        self, session_id: str, task_index: int | None, task: dict[str, Any] | None, timeout: float
+    ) -> EnvResponse:
+        return await self._guard("reset", timeout, self._reset(session_id, task_index, task))
+
+    async def step(self, session_id: str, message: dict[str, Any], timeout: float) -> EnvResponse:
+        return await self._guard("step", timeout, self._step(session_id, message))
+
+    async def score(self, session_id: str, timeout: float) -> EnvResponse:
+        return await self._guard("score", timeout, self._score(session_id))
+
+    async def close(self, session_id: str, timeout: float) -> EnvResponse:
+        return await self._guard("close", timeout, self._close(session_id))
+
+    async def _guard(self, method: str, timeout: float, work: Awaitable[Any]) -> EnvResponse:
+        started = time.monotonic()
+        try:
+            return EnvResponse.ok(await asyncio.wait_for(work, timeout), self._worker)
+        except TimeoutError as exc:
+            if time.monotonic() - started < timeout:  # the environment's own TimeoutError, not our deadline
+                return EnvResponse.from_exception(exc, self._worker)
+            message = f"{method} exceeded its {timeout:g} s deadline on env worker {self._worker}"
+            return EnvResponse.failed(Failure(type=DEADLINE_FAILURE, message=message), worker=self._worker)
+        except Exception as exc:
+            return EnvResponse.from_exception(exc, self._worker)
+
+    def _loaded(self) -> Any:
+        if self._env is None:
+            raise RuntimeError(f"env worker {self._worker} is not loaded (phase {self._phase})")
+        return self._env
+
+    def _state(self, session_id: str) -> Any:
+        if session_id not in self._sessions:
+            raise CallerError(
+                f"no session {session_id!r} on env worker {self._worker} (closed or never started)"
+            )
+        return self._sessions[session_id]
+
+    async def _reset(self, session_id: str, task_index: int | None, task: dict[str, Any] | None) -> dict:
+        env = self._loaded()
+        if session_id in self._sessions:
+            raise CallerError(f"session {session_id!r} already exists")
+        if (task_index is None) == (task is None):
+            raise CallerError("give exactly one of task_index and task")
+        if task is None:
+            task = env.task(check_index(task_index, env.num_tasks()))
+        elif not isinstance(task, dict):
+            raise CallerError(f"a task is a JSON object, got {type(task).__name__}")
+        start = await env.reset(task)
+        out = ResetOut(session_id=session_id, messages=start.messages, tools=start.tools, worker=self._worker)
+        self._sessions[session_id] = start.state
+        return out.model_dump()
+
+    async def _step(self, session_id: str, message: dict[str, Any]) -> dict:
+        state = self._state(session_id)
+        if not isinstance(message, dict) or message.get("role") != "assistant":
+            raise CallerError("step takes an assistant message: a dict with role 'assistant'")
+        return StepOut.model_validate(await self._loaded().step(state, message)).model_dump()
+
+    async def _score(self, session_id: str) -> dict:
+        state = self._state(session_id)
+        return ScoreOut.model_validate(await self._loaded().score(state)).model_dump()
+
+    async def _close(self, session_id: str) -> None:
+        # Idempotent: closing an unknown session is a no-op, so a retried or late close is harmless.
+        if session_id not in self._sessions:
+            return None
+        state = self._sessions.pop(session_id)
+        if hasattr(self._env, "close"):
+            await self._env.close(state)
+        return None
+
+
+def create_env_server(name: str, env: Ref, config: EnvPoolConfig) -> ray.actor.ActorHandle:
+    """Create (not await) one EnvServer actor for a pool; the caller runs the readiness handshake."""
+    prefixes = config.allowed_ref_prefixes or DEFAULT_ALLOWED_PREFIXES
+    actor = _EnvServerActor.options(
+        name=name,
+        num_cpus=config.num_cpus,
+        resources=dict(config.resources) or None,
+        max_concurrency=max(MIN_SERVER_CONCURRENCY, 2 * config.multiplex),
+    )
+    return actor.remote(env, name, tuple(prefixes))
+
+
+# Concurrency groups can only be declared here, not in `.options()`. No Ray-level restarts: the
+# supervisor replaces workers under its restart budget; Ray restarting them behind its back would hide
+# deaths and spend no budget.
+_EnvServerActor = ray.remote(
+    concurrency_groups={PROBE_GROUP: PROBE_GROUP_SIZE}, max_restarts=0, max_task_retries=0
+)(EnvServer)

@@ -1,0 +1,159 @@
+"""`EnvSession`: the in-process client a rollout uses to run one episode on an `EnvPool`.
+
+    session = await EnvSession.open(pool, task_index=3, task=None, timeout=60)
+    try:
+        messages = session.messages            # opening messages; session.tools: OpenAI tools or None
+        while True:
+            out = await session.step(assistant_message, timeout=120)   # StepOut(messages, done)
+            ...
+            if out.done:
+                break
+        score = await session.score(timeout=60)  # ScoreOut(reward, components, metrics)
+    finally:
+        await session.close()                   # idempotent, never raises
+
+Every call has a deadline. A failed call raises `EnvCallFailed` carrying the pool's `Failure` and its
+kind: `caller` when the request was at fault (a `CallerError` in the environment: bad task index, malformed
+task), `infrastructure` for everything else (the environment's code raised, its worker died or wedged,
+a deadline passed, no live worker, the pool itself is gone). A rollout maps the kind onto its `Result`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from ray.exceptions import RayError
+
+from env_actors.interface import EnvResponse, ResetOut, ScoreOut, StepOut
+from env_actors.server import DEADLINE_FAILURE
+from env_actors.supervisor import resolve
+from rollout_actors.wire import Failure, new_id
+
+logger = logging.getLogger(__name__)
+
+SESSION_CALL_SLACK_S = 3.0
+"""Beyond the pool's own deadline (which already has its slack): only a dead or wedged pool needs it."""
+
+FailureKind = Literal["infrastructure", "caller"]
+
+
+class EnvCallFailed(Exception):
+    """An env call failed; `.failure` says how and where, `.kind` whose fault it was."""
+
+    def __init__(
+        self, failure: Failure, kind: FailureKind = "infrastructure", worker_exit: str | None = None
+    ):
+        super().__init__(f"{failure.type}: {failure.message}")
+        self.failure = failure
+        self.kind: FailureKind = kind
+        self.worker_exit = worker_exit
+
+
+@dataclass
+class EnvSession:
+    """One episode of one environment, pinned to one env worker for its whole life."""
+
+    pool: Any
+    """The EnvPool actor handle."""
+    session_id: str
+    messages: list[dict[str, Any]]
+    """The opening messages from `reset`."""
+    tools: list[dict[str, Any]] | None
+    worker: str | None = None
+    """The env worker holding this session."""
+    closed: bool = False
+
+    @classmethod
+    async def open(
+        cls,
+        pool: Any,
+        task_index: int | None = None,
+        task: dict[str, Any] | None = None,
+        timeout: float = 60.0,
+    ) -> EnvSession:
+        """Start a session for a task (by index, or the task itself) on the least-busy ready worker."""
+        session_id = new_id("envsess")
+        try:
+            value = await _call(
+                lambda: pool.reset.remote(session_id, task_index, task, timeout), timeout, "reset"
+            )
+        except EnvCallFailed as exc:
+            if exc.failure.type in (DEADLINE_FAILURE, "PoolUnreachable"):
+                _submit_close(pool, session_id)  # the pool may yet start it: make sure it is ended
+            raise
+        except asyncio.CancelledError:
+            _submit_close(pool, session_id)
+            raise
+        out = ResetOut.model_validate(value)
+        return cls(
+            pool=pool, session_id=session_id, messages=out.messages, tools=out.tools, worker=out.worker
+        )
+
+    async def step(self, assistant_message: dict[str, Any], timeout: float) -> StepOut:
+        self._check_open("step")
+        value = await _call(
+            lambda: self.pool.step.remote(self.session_id, assistant_message, timeout), timeout, "step"
+        )
+        return StepOut.model_validate(value)
+
+    async def score(self, timeout: float) -> ScoreOut:
+        self._check_open("score")
+        value = await _call(lambda: self.pool.score.remote(self.session_id, timeout), timeout, "score")
+        return ScoreOut.model_validate(value)
+
+    async def close(self, timeout: float = 5.0) -> None:
+        """End the session on its worker. Idempotent; never raises. The close request is submitted before
+        the first await, so a rollout cancelled while closing still ends its session."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            await _call(lambda: self.pool.close.remote(self.session_id, timeout), timeout, "close")
+        except EnvCallFailed as exc:
+            logger.debug("closing env session %s failed: %s", self.session_id, exc)
+
+    async def __aenter__(self) -> EnvSession:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    @staticmethod
+    async def num_tasks(pool: Any, timeout: float) -> int:
+        return int(await _call(lambda: pool.num_tasks.remote(timeout), timeout, "num_tasks"))
+
+    def _check_open(self, method: str) -> None:
+        if self.closed:
+            failure = Failure(
+                type="EnvSessionClosed", message=f"{method} on closed env session {self.session_id}"
+            )
+            raise EnvCallFailed(failure, "caller")
+
+
+async def _call(submit: Any, timeout: float, method: str) -> Any:
+    """Submit one pool call and turn every way it can fail into `EnvCallFailed`."""
+    try:
+        response: EnvResponse = await asyncio.wait_for(resolve(submit()), timeout + SESSION_CALL_SLACK_S)
+    except TimeoutError:
+        message = f"env pool gave no answer to {method} within {timeout + SESSION_CALL_SLACK_S:g} s"
+        raise EnvCallFailed(Failure(type=DEADLINE_FAILURE, message=message)) from None
+    except RayError as exc:  # the pool actor itself died or is unreachable
+        failure = Failure.from_exception(exc)
+        raise EnvCallFailed(
+            Failure(type="PoolUnreachable", message=failure.message, traceback=failure.traceback)
+        ) from exc
+    if not response.success:
+        failure = response.error or Failure(type="EnvCallFailed", message=f"{method} failed")
+        kind: FailureKind = "caller" if response.kind == "caller" else "infrastructure"
+        raise EnvCallFailed(failure, kind, response.worker_exit)
+    return response.value
+
+
+def _submit_close(pool: Any, session_id: str) -> None:
+    try:
+        pool.close.remote(session_id, 5.0)
+    except Exception:  # a dead pool has no sessions to end
+        pass

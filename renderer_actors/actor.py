@@ -1,0 +1,112 @@
+"""`RendererActor`: one renderer (tokenizer + template for one `RendererKey`) as an async Ray actor.
+
+Created by `RendererPool`, never by hand. Construction is instant; the tokenizer loads on the first
+`ready` (or first render call), in a thread so health calls keep answering, under a process-wide lock
+because concurrent `from_pretrained` calls have corrupted tokenizers elsewhere. Ready means loaded and
+answering (contract 8): `ready` returns only after the renderer is built, and a load failure is raised
+to every caller of `ready`, with this side's traceback.
+
+Render calls run inline on the event loop: each is short (linear in the turn) and CPU-bound, so a thread
+hop would cost more than it saves. Calls carry no rollout state, so any renderer of the key can serve any
+call, and a dead one loses nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+from typing import Any
+
+from renderer_actors.key import RendererKey
+from renderer_actors.parse import ParsedCompletion
+from renderer_actors.renderer import (
+    BridgeReply,
+    BridgeRequest,
+    Rendered,
+    Renderer,
+    RendererInfo,
+    StartReply,
+    build_renderer,
+)
+
+_BUILD_LOCK = threading.Lock()
+"""Serialises tokenizer builds in this process (one renderer per actor today; cheap insurance if not)."""
+
+
+def _build_serialised(key: RendererKey) -> Renderer:
+    with _BUILD_LOCK:
+        return build_renderer(key)
+
+
+class RendererActor:
+    """Serves render / bridge / parse for one key. Methods are coroutines: this is an async actor."""
+
+    def __init__(self, key_json: str, renderer_id: str = "") -> None:
+        self._key = RendererKey.from_json(key_json)
+        self._key_json = key_json
+        self._renderer_id = renderer_id
+        self._renderer: Renderer | None = None
+        self._info: RendererInfo | None = None
+        self._load_task: asyncio.Task[None] | None = None
+        self._calls = 0
+
+    async def ready(self) -> RendererInfo:
+        """Load (once; concurrent callers share the load) and describe the renderer."""
+        await self._loaded()
+        assert self._info is not None
+        return self._info
+
+    async def health(self) -> dict[str, Any]:
+        """Answers even while loading: liveness, not readiness."""
+        return {
+            "renderer_id": self._renderer_id,
+            "loaded": self._renderer is not None,
+            "calls": self._calls,
+            "pid": os.getpid(),
+        }
+
+    async def start(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> StartReply:
+        renderer = await self._loaded()
+        self._calls += 1
+        return renderer.start(messages, tools)
+
+    async def bridge(self, request: BridgeRequest) -> BridgeReply:
+        renderer = await self._loaded()
+        self._calls += 1
+        return renderer.bridge(request)
+
+    async def parse(self, completion_ids: list[int], tools: list[dict[str, Any]] | None) -> ParsedCompletion:
+        renderer = await self._loaded()
+        self._calls += 1
+        return renderer.parse(completion_ids, tools)
+
+    async def render(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, add_generation_prompt: bool
+    ) -> Rendered:
+        renderer = await self._loaded()
+        self._calls += 1
+        return renderer.render(messages, tools, add_generation_prompt)
+
+    async def _loaded(self) -> Renderer:
+        if self._renderer is not None:
+            return self._renderer
+        if self._load_task is None:
+            self._load_task = asyncio.get_running_loop().create_task(self._load())
+        # Shielded: one caller's timeout must not cancel the load every other caller is waiting on.
+        await asyncio.shield(self._load_task)
+        assert self._renderer is not None
+        return self._renderer
+
+    async def _load(self) -> None:
+        started = time.monotonic()
+        renderer = await asyncio.to_thread(_build_serialised, self._key)
+        self._info = RendererInfo(
+            key=self._key_json,
+            family=renderer.family,
+            always_needs_history=renderer.always_needs_history,
+            load_s=time.monotonic() - started,
+            pid=os.getpid(),
+        )
+        self._renderer = renderer

@@ -1,0 +1,377 @@
+"""`RendererPool`: one named async actor that leases renderer slots to every rollout worker.
+
+Usage (the session does this for a rollout; see `renderer_actors.session`)::
+
+    pool = get_or_create_renderer_pool("plane-1/renderer-pool")
+    lease = await pool.lease.remote(key.to_json(), multiplex=256)
+    ids = await lease["renderer"].start.remote(messages, tools)
+    await pool.release.remote(lease["lease_id"])
+
+Policy, per `RendererKey` (model, family, template kwargs, history policy):
+
+- The first lease for a key returns at once and warms one renderer in the background; callers wait for
+  its readiness themselves (`renderer.ready`), within their own deadlines.
+- A lease takes a slot on the least-loaded renderer with a free slot (ready ones first). A renderer is
+  added only when every renderer of the key holds `multiplex` leases.
+- `multiplex` is not part of the key: configs that differ only in multiplex share one pool of renderers,
+  and the first lease for a key fixes its multiplex (later values are ignored, and `stats` shows the
+  one in force).
+- Idle renderers beyond one per key are retired after `idle_timeout_s`.
+- A dead renderer (reported by a session that saw it die, or missed health checks) is replaced; its
+  leases are orphaned and their holders re-lease. A startup failure fails every lease for that key at
+  once for `failure_hold_s`, with the renderer's traceback, instead of spawning a doomed renderer per call.
+
+The pool owns its background loops (health, reaper) and every renderer's warm-up; `shutdown` stops them
+and kills the renderers. Renderers are created by the pool, so they fate-share with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+from pydantic import BaseModel, ConfigDict, Field
+from ray.exceptions import RayActorError
+
+from renderer_actors.actor import RendererActor
+from renderer_actors.key import RendererKey
+from rollout_actors.wire import new_id
+
+log = logging.getLogger(__name__)
+
+POOL_MAX_CONCURRENCY = 10_000  # leases are instant; this only bounds how many callers may queue at once
+RENDERER_MIN_CONCURRENCY = 64  # health checks and readiness waits on top of `multiplex` rollouts
+
+
+class RendererStartupError(RuntimeError):
+    """A renderer for this key failed to start recently; the message carries its traceback."""
+
+
+class PoolConfig(BaseModel):
+    """Pool sizing and timing. The defaults are production defaults; tests inject short ones."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    renderer_num_cpus: float = Field(default=0.5, ge=0)
+    """Logical CPUs per renderer actor: half a core, as rendering is bursts between model calls."""
+    idle_timeout_s: float = 300.0
+    """An idle renderer beyond the first of its key retires after this long without leases."""
+    reap_interval_s: float = 5.0
+    health_interval_s: float = 10.0
+    health_timeout_s: float = 30.0
+    """A renderer that cannot answer a health call this long is wedged: replaced like a dead one."""
+    startup_timeout_s: float = 300.0
+    """Tokenizer load budget (a hub download on first use can take minutes)."""
+    failure_hold_s: float = 10.0
+    """After a startup failure, leases for that key fail at once for this long."""
+    max_renderers_per_key: int = Field(default=64, ge=1)
+    """Beyond this, leases overfill the least-loaded renderer instead of growing the pool."""
+    max_lease_s: float = 6 * 3600.0
+    """A lease never released (its holder's process died) stops counting as load after this."""
+
+
+@dataclass
+class _Renderer:
+    renderer_id: str
+    handle: Any
+    created: float
+    leases: set[str] = field(default_factory=set)
+    ready: bool = False
+    idle_since: float = 0.0
+    warm_task: asyncio.Task[None] | None = None
+
+
+@dataclass
+class _KeyPool:
+    key_json: str
+    multiplex: int
+    renderers: dict[str, _Renderer] = field(default_factory=dict)
+    startup_failure: str | None = None
+    failed_at: float = 0.0
+
+
+@dataclass
+class _Lease:
+    key_json: str
+    renderer_id: str
+    expires: float
+
+
+class RendererPool:
+    """Leases renderer slots per `RendererKey`. Run as a named async actor: `get_or_create_renderer_pool`."""
+
+    def __init__(self, config: PoolConfig | dict[str, Any] | None = None) -> None:
+        self._config = config if isinstance(config, PoolConfig) else PoolConfig(**(config or {}))
+        self._keys: dict[str, _KeyPool] = {}
+        self._leases: dict[str, _Lease] = {}
+        self._loops: list[asyncio.Task[None]] = []
+        self._closed = False
+        self._counters = {
+            "spawned": 0,
+            "retired": 0,
+            "replaced": 0,
+            "startup_failures": 0,
+            "expired_leases": 0,
+        }
+
+    # ----------------------------------------------------------------------------------- leases
+
+    async def lease(
+        self,
+        key_json: str,
+        multiplex: int = 256,
+        *,
+        dead_renderer_id: str | None = None,
+        release_lease_id: str | None = None,
+    ) -> dict[str, Any]:
+        """A slot on a renderer for `key_json`: `{lease_id, renderer, renderer_id, ready}`. Never waits.
+
+        `dead_renderer_id`: the caller saw this renderer die (it is replaced before the lease is placed);
+        `release_lease_id`: the caller's previous lease, released in the same call."""
+        if release_lease_id is not None:
+            self._release(release_lease_id)
+        if dead_renderer_id is not None:
+            self._replace(dead_renderer_id, "reported dead by a session")
+        return self._lease_one(self._key_pool(key_json, multiplex))
+
+    async def lease_many(self, key_json: str, multiplex: int, count: int) -> list[dict[str, Any]]:
+        """`count` leases placed one after another, exactly as `count` calls to `lease` would be (a
+        process's concurrent sessions ask in one call: see `renderer_actors.batching`)."""
+        pool = self._key_pool(key_json, multiplex)
+        return [self._lease_one(pool) for _ in range(count)]
+
+    async def release(self, lease_id: str) -> bool:
+        """Give a slot back. Idempotent; False for an unknown lease (already released, or orphaned by a
+        renderer's death)."""
+        return self._release(lease_id)
+
+    async def release_many(self, lease_ids: list[str]) -> int:
+        """Release several leases; returns how many were held."""
+        return sum(self._release(lease_id) for lease_id in lease_ids)
+
+    async def report_dead(self, renderer_id: str) -> None:
+        """A caller saw this renderer die: replace it now rather than at the next health check."""
+        self._replace(renderer_id, "reported dead")
+
+    async def stats(self) -> dict[str, Any]:
+        now = time.monotonic()
+        keys = {}
+        for key_json, pool in self._keys.items():
+            renderers = sorted(pool.renderers.values(), key=lambda r: r.created)
+            keys[key_json] = {
+                "multiplex": pool.multiplex,
+                "loads": [len(r.leases) for r in renderers],
+                "renderers": [
+                    {
+                        "renderer_id": r.renderer_id,
+                        "load": len(r.leases),
+                        "ready": r.ready,
+                        "idle_s": (now - r.idle_since) if not r.leases else 0.0,
+                    }
+                    for r in renderers
+                ],
+                "startup_failure": pool.startup_failure,
+            }
+        return {"keys": keys, "leases": len(self._leases), **self._counters}
+
+    async def shutdown(self) -> None:
+        """Stop the background loops and warm-ups, kill every renderer. Idempotent."""
+        self._closed = True
+        tasks = list(self._loops)
+        for pool in self._keys.values():
+            for renderer in list(pool.renderers.values()):
+                if renderer.warm_task is not None:
+                    tasks.append(renderer.warm_task)
+                self._drop(pool, renderer)
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(BaseException):
+                await task
+        self._loops.clear()
+        self._leases.clear()
+
+    # -------------------------------------------------------------------------------- placement
+
+    def _key_pool(self, key_json: str, multiplex: int) -> _KeyPool:
+        if self._closed:
+            raise RuntimeError("renderer pool is shut down")
+        self._ensure_loops()
+        key_json = RendererKey.from_json(key_json).to_json()  # canonical, whatever the caller sent
+        pool = self._keys.get(key_json)
+        if pool is None:
+            pool = self._keys[key_json] = _KeyPool(key_json, max(1, int(multiplex)))
+        return pool
+
+    def _lease_one(self, pool: _KeyPool) -> dict[str, Any]:
+        now = time.monotonic()
+        live = list(pool.renderers.values())
+        if pool.startup_failure and now - pool.failed_at < self._config.failure_hold_s:
+            if not any(r.ready for r in live):
+                raise RendererStartupError(pool.startup_failure)
+        free = [r for r in live if len(r.leases) < pool.multiplex]
+        if free:
+            renderer = min(free, key=lambda r: (not r.ready, len(r.leases), r.created))
+        elif len(live) < self._config.max_renderers_per_key:
+            renderer = self._spawn(pool)
+        else:
+            renderer = min(live, key=lambda r: (not r.ready, len(r.leases), r.created))
+        lease_id = new_id("rlease")
+        renderer.leases.add(lease_id)
+        self._leases[lease_id] = _Lease(pool.key_json, renderer.renderer_id, now + self._config.max_lease_s)
+        return {
+            "lease_id": lease_id,
+            "renderer": renderer.handle,
+            "renderer_id": renderer.renderer_id,
+            "ready": renderer.ready,
+        }
+
+    # -------------------------------------------------------------------------------- renderers
+
+    def _spawn(self, pool: _KeyPool) -> _Renderer:
+        renderer_id = new_id("renderer")
+        handle = _REMOTE_RENDERER.options(
+            num_cpus=self._config.renderer_num_cpus,
+            max_concurrency=2 * pool.multiplex + RENDERER_MIN_CONCURRENCY,
+        ).remote(pool.key_json, renderer_id)
+        now = time.monotonic()
+        renderer = _Renderer(renderer_id, handle, created=now, idle_since=now)
+        renderer.warm_task = asyncio.get_running_loop().create_task(self._warm(pool, renderer))
+        pool.renderers[renderer_id] = renderer
+        self._counters["spawned"] += 1
+        return renderer
+
+    async def _warm(self, pool: _KeyPool, renderer: _Renderer) -> None:
+        try:
+            await asyncio.wait_for(renderer.handle.ready.remote(), self._config.startup_timeout_s)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            if renderer.renderer_id not in pool.renderers:
+                return  # retired or replaced meanwhile: not a startup failure
+            what = (
+                f"timed out after {self._config.startup_timeout_s:g} s"
+                if isinstance(exc, TimeoutError)
+                else str(exc)
+            )
+            pool.startup_failure = f"renderer for {pool.key_json} failed to start: {what}"
+            pool.failed_at = time.monotonic()
+            self._counters["startup_failures"] += 1
+            log.warning("%s", pool.startup_failure)
+            self._drop(pool, renderer)
+            return
+        renderer.ready = True
+        pool.startup_failure = None
+
+    def _drop(self, pool: _KeyPool, renderer: _Renderer) -> None:
+        """Forget a renderer and kill it. Its leases are orphaned: releasing them is a no-op."""
+        pool.renderers.pop(renderer.renderer_id, None)
+        for lease_id in renderer.leases:
+            self._leases.pop(lease_id, None)
+        renderer.leases.clear()
+        if renderer.warm_task is not None and renderer.warm_task is not asyncio.current_task():
+            renderer.warm_task.cancel()
+        with contextlib.suppress(Exception):
+            ray.kill(renderer.handle, no_restart=True)
+
+    def _replace(self, renderer_id: str, why: str) -> None:
+        for pool in self._keys.values():
+            renderer = pool.renderers.get(renderer_id)
+            if renderer is None:
+                continue
+            log.warning("renderer %s %s; replacing it", renderer_id, why)
+            self._drop(pool, renderer)
+            self._counters["replaced"] += 1
+            if not self._closed:
+                self._spawn(pool)
+            return
+
+    def _release(self, lease_id: str) -> bool:
+        lease = self._leases.pop(lease_id, None)
+        if lease is None:
+            return False
+        pool = self._keys.get(lease.key_json)
+        renderer = pool.renderers.get(lease.renderer_id) if pool else None
+        if renderer is not None:
+            renderer.leases.discard(lease_id)
+            if not renderer.leases:
+                renderer.idle_since = time.monotonic()
+        return True
+
+    # --------------------------------------------------------------------------- background loops
+
+    def _ensure_loops(self) -> None:
+        if self._loops or self._closed:
+            return
+        loop = asyncio.get_running_loop()
+        self._loops = [loop.create_task(self._reap_loop()), loop.create_task(self._health_loop())]
+
+    async def _reap_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._config.reap_interval_s)
+            try:
+                self._reap(time.monotonic())
+            except Exception:  # a bug here must not stop the loop that keeps the pool small
+                log.exception("renderer pool reaper")
+
+    def _reap(self, now: float) -> None:
+        for lease_id, lease in list(self._leases.items()):
+            if lease.expires <= now:
+                self._release(lease_id)
+                self._counters["expired_leases"] += 1
+        for pool in self._keys.values():
+            idle = [
+                r
+                for r in pool.renderers.values()
+                if not r.leases and now - r.idle_since >= self._config.idle_timeout_s
+            ]
+            # Retire warming ones first, then the newest: the survivor should be a warm, old renderer.
+            idle.sort(key=lambda r: (r.ready, -r.created))
+            for renderer in idle:
+                if len(pool.renderers) <= 1:
+                    break
+                self._drop(pool, renderer)
+                self._counters["retired"] += 1
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._config.health_interval_s)
+            # Warming renderers are covered by their warm-up's startup timeout.
+            renderers = [r for pool in self._keys.values() for r in pool.renderers.values() if r.ready]
+            results = await asyncio.gather(*(self._check(r) for r in renderers), return_exceptions=True)
+            for renderer, alive in zip(renderers, results, strict=True):
+                if alive is not True:
+                    self._replace(renderer.renderer_id, f"failed its health check ({alive!r})")
+
+    async def _check(self, renderer: _Renderer) -> bool | str:
+        try:
+            await asyncio.wait_for(renderer.handle.health.remote(), self._config.health_timeout_s)
+        except TimeoutError:
+            return f"no answer in {self._config.health_timeout_s:g} s"
+        except RayActorError as exc:
+            return f"died: {type(exc).__name__}"
+        return True
+
+
+def get_or_create_renderer_pool(
+    name: str, config: PoolConfig | dict[str, Any] | None = None, namespace: str | None = None
+) -> Any:
+    """The named `RendererPool` actor, created on first call (num_cpus=0: it only waits). `config`
+    applies only when this call creates it. Created without `lifetime="detached"`, so it fate-shares with
+    the process that created it (the plane's driver); its owner stops it with `shutdown` + `ray.kill`."""
+    return _REMOTE_POOL.options(
+        name=name,
+        namespace=namespace,
+        get_if_exists=True,
+        num_cpus=0,
+        max_concurrency=POOL_MAX_CONCURRENCY,
+    ).remote(config)
+
+
+_REMOTE_RENDERER = ray.remote(RendererActor)
+_REMOTE_POOL = ray.remote(RendererPool)

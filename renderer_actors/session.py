@@ -1,0 +1,299 @@
+"""`RendererSession`: the in-process client a rollout uses to render, parse and bridge its turns.
+
+Usage (inside a rollout; every call has a deadline, `close` runs in `finally`)::
+
+    session = await RendererSession.open(pool, model, config, timeout=30)
+    try:
+        prompt = await session.start(messages, tools, timeout=30)
+        ...                                             # sample `completion` from the server
+        parsed = await session.parse(completion, tools, timeout=30)
+        step = await session.bridge(completion, finish_reason, env_messages, tools, timeout=30)
+        prompt = step.prompt_ids                        # == prompt + completion + delta, unless forked
+    finally:
+        await session.close()
+
+The session keeps the trajectory (prompt ids, messages, branch) in this process and sends the renderer
+only what a turn adds, so a call costs the same at turn 100 as at turn 1. The whole history travels only
+when a renderer asks for it (a fork, or a generic template that cannot render a delta).
+
+Renderers hold no rollout state: when the renderer a call went to has died, the session re-leases (the
+pool replaces the dead one) and retries the call once, within the caller's timeout. Anything else that
+keeps a call from answering raises `RendererUnavailable` (classified `infrastructure`, with the
+renderer-side traceback); a request the renderer rejects raises `RendererCallerError` (`caller`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import ray
+from pydantic import BaseModel
+from ray.exceptions import RayActorError, RayTaskError
+
+from renderer_actors.batching import pool_calls
+from renderer_actors.key import RendererKey
+from renderer_actors.parse import ParsedCompletion
+from renderer_actors.renderer import (
+    BridgeReply,
+    BridgeRequest,
+    History,
+    RendererInfo,
+    StartReply,
+    TrajectoryState,
+    check_new_messages,
+)
+from rollout_actors.wire import CallerError, Failure, RendererConfig
+
+CLOSE_TIMEOUT_S = 5.0  # returning a lease must not hold a finished rollout hostage
+
+
+class RendererUnavailable(Exception):
+    """No renderer answered in time (or its replacement died too, or it failed to start)."""
+
+    kind = "infrastructure"
+
+    def __init__(self, message: str, traceback: str | None = None) -> None:
+        super().__init__(message)
+        self.failure = Failure(type="RendererUnavailable", message=message, traceback=traceback)
+
+
+class RendererCallerError(CallerError):
+    """The renderer refused the request itself (an assistant message to bridge, a bad message shape)."""
+
+    kind = "caller"
+
+    def __init__(self, message: str, traceback: str | None = None) -> None:
+        super().__init__(message)
+        self.failure = Failure(type="RendererCallerError", message=message, traceback=traceback)
+
+
+class BridgeStep(BaseModel):
+    prompt_ids: list[int]
+    """The full next prompt. Starts with exactly the previous prompt + previous completion, unless forked."""
+    branch: int = 0
+    forked: bool = False
+    """This step started a new branch: `prompt_ids` is a full re-render, not an extension."""
+    synthetic_close: bool = False
+    """A close token was appended after a completion cut by `length` (prompt, never sampled)."""
+
+
+class RendererSession:
+    """One rollout's lease on a renderer plus its trajectory. Not shared between rollouts."""
+
+    def __init__(self, pool: Any, key: RendererKey, multiplex: int) -> None:
+        self._pool = pool
+        self._key = key
+        self._key_json = key.to_json()
+        self._multiplex = multiplex
+        self._lease_id: str | None = None
+        self._renderer: Any = None
+        self.renderer_id: str | None = None
+        self._info: RendererInfo | None = None
+        # The trajectory: kept here, never shipped whole unless a renderer asks.
+        self._prompt: list[int] | None = None
+        self._messages: list[dict[str, Any]] = []
+        self._state = TrajectoryState()
+        self.branch = 0
+
+    @classmethod
+    async def open(cls, pool: Any, model: str, config: RendererConfig, timeout: float) -> RendererSession:
+        """Lease a slot on the least-loaded renderer for (model, config) and wait until it is ready."""
+        session = cls(pool, RendererKey.from_config(model, config), config.multiplex)
+        deadline = time.monotonic() + timeout
+        try:
+            try:
+                await session._acquire(deadline)
+            except RayActorError as exc:  # the renderer died while starting: one more, on a replacement
+                await session._recover(exc, deadline)
+        except BaseException:
+            await session.close()
+            raise
+        return session
+
+    @property
+    def key(self) -> RendererKey:
+        return self._key
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        """The current prompt (a copy)."""
+        return list(self._prompt or [])
+
+    @property
+    def messages(self) -> list[dict[str, Any]]:
+        """Every message of the trajectory so far, parsed assistant turns included (a copy)."""
+        return list(self._messages)
+
+    async def start(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, timeout: float
+    ) -> list[int]:
+        """The first prompt (with the generation prompt); starts the trajectory."""
+        reply: StartReply = await self._call("start", timeout, messages, tools)
+        self._prompt = list(reply.prompt_ids)
+        self._messages = list(messages)
+        self._state = reply.state
+        self.branch = 0
+        return list(self._prompt)
+
+    async def parse(
+        self, completion_ids: list[int], tools: list[dict[str, Any]] | None, timeout: float
+    ) -> ParsedCompletion:
+        return await self._call("parse", timeout, list(completion_ids), tools)
+
+    async def bridge(
+        self,
+        completion_ids: list[int],
+        finish_reason: str | None,
+        new_messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        timeout: float,
+    ) -> BridgeStep:
+        """The next prompt: previous prompt + completion + (synthetic close) + rendered new messages."""
+        if self._prompt is None:
+            raise RuntimeError("bridge() before start(): the session has no trajectory yet")
+        try:
+            check_new_messages(new_messages)
+        except ValueError as exc:
+            raise RendererCallerError(str(exc)) from exc
+        deadline = time.monotonic() + timeout
+        request = BridgeRequest(
+            completion_ids=list(completion_ids),
+            finish_reason=finish_reason,
+            new_messages=list(new_messages),
+            tools=tools,
+            state=self._state,
+        )
+        if self._info is not None and self._info.always_needs_history:
+            request.history = self._history()
+        reply: BridgeReply = await self._call("bridge", deadline - time.monotonic(), request)
+        if reply.needs_history:
+            request.history = self._history()
+            reply = await self._call("bridge", deadline - time.monotonic(), request)
+            if reply.needs_history:
+                raise RendererUnavailable("renderer asked for the history although it was sent")
+        if reply.forked:
+            assert reply.prompt_ids is not None
+            self._prompt = list(reply.prompt_ids)
+            self.branch += 1
+        else:
+            self._prompt.extend(completion_ids)
+            self._prompt.extend(reply.appended_ids)
+        self._messages.append(reply.assistant_message)
+        self._messages.extend(new_messages)
+        self._state = reply.state
+        # model_construct: the ids are ours and already ints; validating 100k of them per turn is waste.
+        return BridgeStep.model_construct(
+            prompt_ids=list(self._prompt),
+            branch=self.branch,
+            forked=reply.forked,
+            synthetic_close=reply.synthetic_close,
+        )
+
+    async def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
+        """Release the lease. Idempotent; never raises (the pool may already be gone)."""
+        lease_id, self._lease_id = self._lease_id, None
+        self._renderer = None
+        if lease_id is None:
+            return
+        try:
+            await pool_calls().release(self._pool, lease_id, timeout)
+        except Exception:
+            pass  # an unreleased lease expires in the pool (`max_lease_s`)
+
+    # ------------------------------------------------------------------------------- internals
+
+    def _history(self) -> History:
+        return History(messages=self._messages, prompt_ids=self._prompt or [])
+
+    async def _acquire(self, deadline: float, dead_renderer_id: str | None = None) -> None:
+        calls = pool_calls()
+        try:
+            if dead_renderer_id is None and self._lease_id is None:
+                # The common case, batched with every other session this process opens in this tick.
+                left = deadline - time.monotonic()
+                lease = await self._remote(
+                    calls.lease(self._pool, self._key_json, self._multiplex, left),
+                    deadline,
+                    "lease from the renderer pool",
+                )
+            else:
+                ref = self._pool.lease.remote(
+                    self._key_json,
+                    self._multiplex,
+                    dead_renderer_id=dead_renderer_id,
+                    release_lease_id=self._lease_id,
+                )
+                lease = await self._remote(ref, deadline, "lease from the renderer pool")
+        except RayActorError as exc:
+            raise RendererUnavailable(f"the renderer pool is unavailable: {exc}") from exc
+        self._lease_id = lease["lease_id"]
+        self._renderer = lease["renderer"]
+        self.renderer_id = lease["renderer_id"]
+        # A startup failure is infrastructure (or a model name nobody can load), never a bad request.
+        self._info = await self._remote(
+            calls.ready(lease["renderer_id"], lease["renderer"], deadline - time.monotonic()),
+            deadline,
+            f"renderer {self.renderer_id} startup",
+            caller_errors=False,
+        )
+
+    async def _recover(self, exc: RayActorError, deadline: float) -> None:
+        """The renderer died: re-lease (the pool replaces it) and wait for the new one. A second death
+        here is not retried: the caller gets `RendererUnavailable`."""
+        dead = self.renderer_id
+        try:
+            await self._acquire(deadline, dead_renderer_id=dead)
+        except RayActorError as again:
+            raise RendererUnavailable(
+                f"renderer {dead} died ({exc}) and its replacement {self.renderer_id} died too: {again}"
+            ) from again
+
+    async def _call(self, method: str, timeout: float | int, *args: Any) -> Any:
+        """One renderer call; if the renderer died, once more on a replacement, within the same deadline."""
+        deadline = time.monotonic() + timeout
+        for attempt in range(2):
+            if self._renderer is None:
+                raise RendererUnavailable("renderer session is closed")
+            ref = getattr(self._renderer, method).remote(*args)
+            try:
+                return await self._remote(ref, deadline, f"renderer {method}")
+            except RayActorError as exc:
+                if attempt:
+                    raise RendererUnavailable(
+                        f"renderer {self.renderer_id} died during {method} after a retry: {exc}"
+                    ) from exc
+                await self._recover(exc, deadline)
+        raise AssertionError("unreachable")
+
+    async def _remote(self, call: Any, deadline: float, what: str, caller_errors: bool = True) -> Any:
+        """Await one remote call (an ObjectRef, or a batched call's coroutine) within the deadline and
+        classify what went wrong. RayActorError (the actor died) propagates for the caller to recover."""
+        left = deadline - time.monotonic()
+        try:
+            if left <= 0:
+                raise TimeoutError
+            return await asyncio.wait_for(call, left)
+        except TimeoutError as exc:
+            _cancel(call)
+            raise RendererUnavailable(f"{what} did not answer within its deadline") from exc
+        except RayActorError:
+            raise
+        except RayTaskError as exc:
+            cause = exc.cause if getattr(exc, "cause", None) is not None else exc
+            if caller_errors and isinstance(cause, ValueError):
+                raise RendererCallerError(f"{what}: {cause}", traceback=str(exc)) from None
+            raise RendererUnavailable(
+                f"{what} failed: {type(cause).__name__}: {cause}", traceback=str(exc)
+            ) from None
+
+
+def _cancel(call: Any) -> None:
+    if isinstance(call, ray.ObjectRef):
+        try:
+            ray.cancel(call)
+        except Exception:
+            pass  # already finished, or not cancellable: the late answer is dropped with the ref
+    elif asyncio.iscoroutine(call):
+        call.close()  # never started (deadline already passed): close it so it is not "never awaited"

@@ -1,0 +1,216 @@
+"""EnvPool + EnvSession on real actors, healthy paths: episodes, dispatch, deadlines, caller errors,
+cancellation, elastic size. The fault cases live in test_env_faults.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from contextlib import asynccontextmanager
+
+import pytest
+import ray
+
+from env_actors.pool import EnvPoolConfig, get_env_pool, start_env_pool, stop_env_pool
+from env_actors.session import EnvCallFailed, EnvSession
+from rollout_actors.wire import Ref
+
+pytestmark = pytest.mark.usefixtures("ray_session")
+
+ECHO = "env_actors.faults.envs:EchoEnv"
+
+
+def run(coro, deadline: float):
+    """Each test's own global deadline: a hang fails fast instead of waiting for pytest-timeout."""
+    return asyncio.run(asyncio.wait_for(coro, deadline))
+
+
+@asynccontextmanager
+async def env_pool(target: str, config: EnvPoolConfig | None = None, **env_config):
+    name = f"test-env-{uuid.uuid4().hex[:8]}"
+    pool = await start_env_pool(name, Ref(target=target, config=env_config), config or EnvPoolConfig(), 30)
+    try:
+        yield pool
+    finally:
+        await stop_env_pool(pool)
+
+
+async def eventually(check, timeout: float, interval: float = 0.1):
+    """Poll an async predicate until it returns a truthy value; fail at the deadline."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        value = await check()
+        if value:
+            return value
+        assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
+        await asyncio.sleep(interval)
+
+
+def assistant(content, tool_calls=None):
+    return {"role": "assistant", "content": content, **({"tool_calls": tool_calls} if tool_calls else {})}
+
+
+@pytest.mark.timeout(60)
+def test_math_episode_through_the_pool_scores_the_boxed_answer():
+    async def body():
+        async with env_pool("env_actors.examples.math_env:MathEnv") as pool:
+            assert await EnvSession.num_tasks(pool, 5) == 300
+            async with await EnvSession.open(pool, task_index=0, timeout=10) as session:
+                assert session.messages[-1]["role"] == "user" and session.tools is None
+                out = await session.step(assistant("\\boxed{4}"), timeout=10)
+                assert out.done
+                score = await session.score(timeout=10)
+            assert score.reward == 1.0 and score.components == {"correct": 1.0, "format": 1.0}
+            assert get_env_pool((await pool.stats.remote()).name) is not None
+
+    run(body(), 50)
+
+
+@pytest.mark.timeout(60)
+def test_calculator_multi_turn_episode_through_the_pool():
+    async def body():
+        async with env_pool("env_actors.examples.calculator_env:CalculatorEnv", seed=2) as pool:
+            task = {"expression": "(17 * 23) + 45"}
+            session = await EnvSession.open(pool, task=task, timeout=10)
+            try:
+                call = {
+                    "id": "c1",
+                    "type": "function",
+                    "function": {"name": "calculator", "arguments": json.dumps(task)},
+                }
+                out = await session.step(assistant(None, [call]), timeout=10)
+                assert not out.done and out.messages == [
+                    {"role": "tool", "tool_call_id": "c1", "content": "436"}
+                ]
+                out = await session.step(assistant("So \\boxed{436}."), timeout=10)
+                assert out.done
+                score = await session.score(timeout=10)
+            finally:
+                await session.close()
+            assert score.reward == 1.0 and score.components == {"correct": 1.0, "used_tool": 1.0}
+
+    run(body(), 50)
+
+
+@pytest.mark.timeout(60)
+def test_caller_mistakes_fail_as_caller_and_env_bugs_as_infrastructure():
+    async def body():
+        async with env_pool("env_actors.faults.envs:StepRaisesEnv") as pool:
+            with pytest.raises(EnvCallFailed) as bad_index:
+                await EnvSession.open(pool, task_index=10_000, timeout=10)
+            assert bad_index.value.kind == "caller" and bad_index.value.failure.type == "CallerError"
+            with pytest.raises(EnvCallFailed) as bad_task:
+                await EnvSession.open(pool, task={"index": "seven"}, timeout=10)
+            assert bad_task.value.kind == "caller"
+
+            session = await EnvSession.open(pool, task_index=1, timeout=10)
+            with pytest.raises(EnvCallFailed) as bug:
+                await session.step(assistant("hi"), timeout=10)
+            assert bug.value.kind == "infrastructure" and bug.value.failure.type == "KeyError"
+            assert "reward_model_url" in bug.value.failure.traceback
+            await session.close()
+            await session.close()  # idempotent
+            with pytest.raises(EnvCallFailed) as closed:
+                await session.step(assistant("again"), timeout=10)
+            assert closed.value.kind == "caller"
+
+    run(body(), 50)
+
+
+@pytest.mark.timeout(60)
+def test_a_call_past_its_deadline_fails_naming_it_and_the_worker_keeps_serving():
+    async def body():
+        config = EnvPoolConfig(step_timeout=0.5)
+        async with env_pool(ECHO, config, step_delay=5.0) as pool:
+            session = await EnvSession.open(pool, task_index=0, timeout=10)
+            with pytest.raises(EnvCallFailed) as late:
+                await session.step(assistant("hi"), timeout=30)  # the pool's 0.5 s wins
+            assert late.value.kind == "infrastructure" and late.value.failure.type == "EnvDeadline"
+            assert "0.5 s deadline" in late.value.failure.message
+            stats = await pool.stats.remote()
+            assert stats.ready == 1 and stats.deaths == 0
+            assert (await session.score(timeout=10)).reward == 0.0
+            await session.close()
+
+    run(body(), 50)
+
+
+@pytest.mark.timeout(60)
+def test_new_sessions_go_to_the_least_busy_ready_worker():
+    async def body():
+        async with env_pool(ECHO, EnvPoolConfig(min_workers=2, max_workers=2)) as pool:
+            await eventually(lambda: _ready(pool, 2), 20)
+            sessions = [await EnvSession.open(pool, task_index=i, timeout=10) for i in range(4)]
+            placed = [s.worker for s in sessions]
+            assert len(set(placed)) == 2 and all(placed.count(w) == 2 for w in placed)
+            for s in sessions:
+                await s.close()
+
+    run(body(), 50)
+
+
+@pytest.mark.timeout(60)
+def test_closing_or_cancelling_a_session_ends_it_on_its_worker():
+    async def body():
+        async with env_pool(ECHO, step_delay=30.0) as pool:
+            session = await EnvSession.open(pool, task_index=0, timeout=10)
+            worker = ray.get_actor(session.worker)
+            assert (await worker.health.remote())["sessions"] == 1
+
+            async def rollout():
+                try:
+                    await session.step(assistant("thinking"), timeout=60)
+                finally:
+                    await session.close()
+
+            task = asyncio.ensure_future(rollout())
+            await asyncio.sleep(0.5)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert await eventually(lambda: _worker_sessions(worker, 0), 5)
+            assert (await pool.stats.remote()).sessions == 0
+            assert await eventually(lambda: _nothing_in_flight(pool), 5)  # the step was cancelled too
+
+    run(body(), 50)
+
+
+@pytest.mark.timeout(60)
+def test_pool_grows_with_open_sessions_and_shrinks_back_when_idle():
+    async def body():
+        config = EnvPoolConfig(min_workers=1, max_workers=2, multiplex=2, grow_fraction=0.5, idle_timeout=0.5)
+        async with env_pool(ECHO, config) as pool:
+            session = await EnvSession.open(pool, task_index=0, timeout=10)
+            await eventually(lambda: _ready(pool, 2), 20)  # 1 session >= 0.5 x 1 worker x 2
+            stats = await pool.stats.remote()
+            assert stats.spawns == 2 and stats.restarts_left == 2  # growth spends the restart budget
+            await session.close()
+            await eventually(lambda: _ready(pool, 1, exact=True), 20)
+            assert (await pool.stats.remote()).deaths == 0
+
+    run(body(), 50)
+
+
+@pytest.mark.timeout(60)
+def test_a_session_its_owner_abandoned_is_closed_after_the_idle_timeout():
+    async def body():
+        async with env_pool(ECHO, EnvPoolConfig(session_idle_timeout=0.5)) as pool:
+            session = await EnvSession.open(pool, task_index=0, timeout=10)
+            worker = ray.get_actor(session.worker)
+            assert await eventually(lambda: _worker_sessions(worker, 0), 10)
+            assert (await pool.stats.remote()).sessions == 0
+
+    run(body(), 50)
+
+
+async def _ready(pool, count: int, exact: bool = False) -> bool:
+    ready = (await pool.stats.remote()).ready
+    return ready == count if exact else ready >= count
+
+
+async def _worker_sessions(worker, count: int) -> bool:
+    return (await worker.health.remote())["sessions"] == count
+
+
+async def _nothing_in_flight(pool) -> bool:
+    return all(w.inflight == 0 for w in (await pool.stats.remote()).workers)

@@ -1,0 +1,109 @@
+"""Coalesced pool calls: one call per tick, answers routed to the right waiters, nothing leaked when a
+waiter gives up. A stand-in pool object (no Ray) makes the timing deterministic."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+
+from renderer_actors.batching import pool_calls
+
+
+class _Method:
+    def __init__(self, fn):
+        self.remote = fn
+
+
+class FakePool:
+    """Answers `lease_many` after `delay` seconds; records every call."""
+
+    def __init__(self, delay: float = 0.0) -> None:
+        self.delay = delay
+        self.calls: list[tuple] = []
+        self.released: list[str] = []
+        self._ids = itertools.count()
+        self.lease_many = _Method(self._lease_many)
+        self.release_many = _Method(self._release_many)
+
+    async def _lease_many(self, key_json, multiplex, count):
+        self.calls.append(("lease_many", key_json, multiplex, count))
+        await asyncio.sleep(self.delay)
+        return [
+            {"lease_id": f"l{next(self._ids)}", "renderer": None, "renderer_id": "r"} for _ in range(count)
+        ]
+
+    async def _release_many(self, lease_ids):
+        self.calls.append(("release_many", list(lease_ids)))
+        self.released += lease_ids
+        return len(lease_ids)
+
+
+def test_concurrent_leases_in_one_tick_become_one_pool_call_per_key():
+    pool = FakePool()
+
+    async def scenario():
+        calls = pool_calls()
+        leases = await asyncio.gather(
+            *(calls.lease(pool, "k1", 4, timeout=5) for _ in range(5)),
+            *(calls.lease(pool, "k2", 4, timeout=5) for _ in range(2)),
+        )
+        assert len({lease["lease_id"] for lease in leases}) == 7
+        assert sorted(c for c in pool.calls) == [("lease_many", "k1", 4, 5), ("lease_many", "k2", 4, 2)]
+        await asyncio.gather(*(calls.release(pool, lease["lease_id"], timeout=5) for lease in leases))
+        assert pool.calls[-1][0] == "release_many" and sorted(pool.released) == sorted(
+            lease["lease_id"] for lease in leases
+        )
+
+    asyncio.run(asyncio.wait_for(scenario(), 10))
+
+
+def test_a_lease_whose_waiter_gave_up_is_handed_back():
+    pool = FakePool(delay=0.3)
+
+    async def scenario():
+        calls = pool_calls()
+        patient = asyncio.ensure_future(calls.lease(pool, "k", 4, timeout=5))
+        impatient = asyncio.ensure_future(calls.lease(pool, "k", 4, timeout=0.05))
+        lease = await patient
+        try:
+            await impatient
+            raise AssertionError("the impatient waiter should have timed out")
+        except TimeoutError:
+            pass
+        for _ in range(50):
+            if pool.released:
+                break
+            await asyncio.sleep(0.02)
+        assert len(pool.released) == 1 and pool.released[0] != lease["lease_id"]
+
+    asyncio.run(asyncio.wait_for(scenario(), 10))
+
+
+def test_readiness_is_asked_once_per_renderer_and_failures_are_not_cached():
+    asked: list[str] = []
+
+    class Handle:
+        def __init__(self, name: str, fail: bool) -> None:
+            self.ready = _Method(lambda: self._ready(name, fail))
+
+        async def _ready(self, name: str, fail: bool):
+            asked.append(name)
+            await asyncio.sleep(0.01)
+            if fail:
+                raise OSError(f"{name} cannot load")
+            return name
+
+    async def scenario():
+        calls = pool_calls()
+        good, bad = Handle("good", False), Handle("bad", True)
+        answers = await asyncio.gather(*(calls.ready("good", good, timeout=5) for _ in range(20)))
+        assert answers == ["good"] * 20 and asked == ["good"]
+        for _ in range(2):
+            try:
+                await calls.ready("bad", bad, timeout=5)
+                raise AssertionError("expected the load failure")
+            except OSError:
+                pass
+        assert asked == ["good", "bad", "bad"]
+
+    asyncio.run(asyncio.wait_for(scenario(), 10))

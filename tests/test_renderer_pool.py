@@ -1,0 +1,243 @@
+"""RendererPool and RendererSession against real Ray actors: growth, release, reuse, retirement,
+replacement of a killed renderer, startup failure, and a multi-turn trajectory through the session."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+import pytest
+import ray
+
+from renderer_actors.key import RendererKey
+from renderer_actors.pool import get_or_create_renderer_pool
+from renderer_actors.session import RendererCallerError, RendererSession, RendererUnavailable
+from renderer_actors.tokenizer import BUNDLED_MODEL
+from rollout_actors.wire import RendererConfig
+
+FAST = {"idle_timeout_s": 600.0, "reap_interval_s": 0.2, "health_interval_s": 0.5, "health_timeout_s": 10.0}
+IM_END = 151645
+
+
+def run(coro, timeout: float = 60.0):
+    """Every test carries its own deadline, well inside the suite's global one."""
+    return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+@pytest.fixture
+def make_pool(ray_session):
+    pools = []
+
+    def make(**config):
+        pool = get_or_create_renderer_pool(f"test-renderer-pool-{uuid.uuid4().hex[:8]}", {**FAST, **config})
+        pools.append(pool)
+        return pool
+
+    yield make
+    for pool in pools:
+        try:
+            ray.get(pool.shutdown.remote(), timeout=10)
+        finally:
+            ray.kill(pool, no_restart=True)
+
+
+def key_json(**config) -> str:
+    return RendererKey.from_config(BUNDLED_MODEL, RendererConfig(**config)).to_json()
+
+
+async def key_stats(pool, key: str) -> dict:
+    return (await pool.stats.remote())["keys"][key]
+
+
+async def wait_until_ready(pool, key: str, within: float = 30.0) -> None:
+    deadline = time.monotonic() + within
+    while not all(r["ready"] for r in (await key_stats(pool, key))["renderers"]):
+        assert time.monotonic() < deadline, "renderers did not become ready"
+        await asyncio.sleep(0.1)
+
+
+def test_pool_grows_one_renderer_per_multiplex_leases_and_reuses_released_slots(make_pool):
+    pool = make_pool()
+    key = key_json()
+
+    async def scenario():
+        leases = await asyncio.gather(*(pool.lease.remote(key, 4) for _ in range(10)))
+        stats = await key_stats(pool, key)
+        assert stats["loads"] == [4, 4, 2]
+        assert len({lease["renderer_id"] for lease in leases}) == 3
+        released = await asyncio.gather(*(pool.release.remote(lease["lease_id"]) for lease in leases))
+        assert all(released)
+        assert (await key_stats(pool, key))["loads"] == [0, 0, 0]
+        assert await pool.release.remote(leases[0]["lease_id"]) is False  # idempotent
+        await wait_until_ready(pool, key)  # a lease prefers ready renderers; compare like with like
+        again = await asyncio.gather(*(pool.lease.remote(key, 4) for _ in range(10)))
+        assert (await key_stats(pool, key))["loads"] == [4, 3, 3]  # least-loaded first: spread
+        assert {lease["renderer_id"] for lease in again} <= {lease["renderer_id"] for lease in leases}
+        assert (await pool.stats.remote())["spawned"] == 3
+
+    run(scenario())
+
+
+def test_ten_concurrent_sessions_at_multiplex_four_grow_the_pool_to_four_four_two(make_pool):
+    """The same through sessions: their leases are coalesced into one pool call, placed identically."""
+    pool = make_pool()
+
+    async def scenario():
+        config = RendererConfig(multiplex=4)
+        sessions = await asyncio.gather(
+            *(RendererSession.open(pool, BUNDLED_MODEL, config, timeout=40) for _ in range(10))
+        )
+        try:
+            assert (await key_stats(pool, key_json()))["loads"] == [4, 4, 2]
+            prompts = await asyncio.gather(
+                *(
+                    s.start([{"role": "user", "content": f"hi {i}"}], None, timeout=10)
+                    for i, s in enumerate(sessions)
+                )
+            )
+            assert len({tuple(p) for p in prompts}) == 10
+        finally:
+            await asyncio.gather(*(s.close() for s in sessions))
+        assert (await key_stats(pool, key_json()))["loads"] == [0, 0, 0]
+
+    run(scenario())
+
+
+def test_configs_differing_only_in_multiplex_share_one_pool_and_the_first_policy_wins(make_pool):
+    pool = make_pool()
+
+    async def scenario():
+        first = await pool.lease.remote(key_json(multiplex=2), 2)
+        second = await pool.lease.remote(key_json(multiplex=64), 64)
+        third = await pool.lease.remote(key_json(multiplex=64), 64)
+        assert first["renderer_id"] == second["renderer_id"] != third["renderer_id"]
+        stats = await key_stats(pool, key_json())
+        assert stats["multiplex"] == 2 and stats["loads"] == [2, 1]
+
+    run(scenario())
+
+
+def test_idle_renderers_beyond_one_are_retired(make_pool):
+    pool = make_pool(idle_timeout_s=0.5)
+    key = key_json()
+
+    async def scenario():
+        leases = await asyncio.gather(*(pool.lease.remote(key, 2) for _ in range(6)))
+        assert (await key_stats(pool, key))["loads"] == [2, 2, 2]
+        await asyncio.gather(*(pool.release.remote(lease["lease_id"]) for lease in leases))
+        deadline = time.monotonic() + 15
+        while len((await key_stats(pool, key))["loads"]) > 1:
+            assert time.monotonic() < deadline, "idle renderers were not retired"
+            await asyncio.sleep(0.2)
+        assert (await pool.stats.remote())["retired"] == 2
+
+    run(scenario())
+
+
+def test_session_runs_a_token_exact_multi_turn_trajectory(make_pool):
+    pool = make_pool()
+    tools = [{"type": "function", "function": {"name": "search", "parameters": {"type": "object"}}}]
+
+    async def scenario():
+        session = await RendererSession.open(pool, BUNDLED_MODEL, RendererConfig(), timeout=30)
+        try:
+            prompt = await session.start([{"role": "user", "content": "find json"}], tools, timeout=10)
+            completion = await encode(
+                session, '<think>\nsearch\n</think>\n\n<tool_call>\n{"name": "search", '
+            )
+            completion += await encode(session, '"arguments": {"q": "js') + await encode(
+                session, 'on"}}\n</tool_call>'
+            )
+            completion.append(IM_END)
+            parsed = await session.parse(completion, tools, timeout=10)
+            assert parsed.reasoning == "search" and parsed.tool_calls[0].arguments == {"q": "json"}
+            assert parsed.message["tool_calls"][0]["function"]["arguments"] == '{"q": "json"}'
+            step = await session.bridge(completion, "stop", [{"role": "tool", "content": "found"}], tools, 10)
+            assert step.prompt_ids[: len(prompt) + len(completion)] == prompt + completion
+            assert not step.forked and not step.synthetic_close and step.branch == 0
+            with pytest.raises(RendererCallerError):
+                await session.bridge([IM_END], "stop", [{"role": "assistant", "content": "x"}], tools, 10)
+            cut = step.prompt_ids + [1, 2, 3]
+            step2 = await session.bridge(
+                [1, 2, 3], "length", [{"role": "user", "content": "more"}], tools, 10
+            )
+            assert step2.prompt_ids[: len(cut)] == cut and step2.synthetic_close
+            assert step2.prompt_ids[len(cut)] == IM_END
+        finally:
+            await session.close()
+            await session.close()  # idempotent
+        assert (await pool.stats.remote())["leases"] == 0
+
+    run(scenario())
+
+
+async def encode(session: RendererSession, text: str) -> list[int]:
+    """Tokenise through the renderer (a user message's content span), as a sampler would."""
+    rendered = await session._renderer.render.remote([{"role": "user", "content": text}], None, False)
+    return rendered.ids[3:-2]  # drop "<|im_start|>user\n" and "<|im_end|>\n"
+
+
+def test_rewriting_template_forks_through_the_session(make_pool):
+    pool = make_pool()
+    config = RendererConfig(template_kwargs={"drop_past_reasoning": True}, history="fork_on_rewrite")
+
+    async def scenario():
+        session = await RendererSession.open(pool, BUNDLED_MODEL, config, timeout=30)
+        try:
+            prompt = await session.start([{"role": "user", "content": "2+2"}], None, timeout=10)
+            completion = await encode(session, "<think>\nadd\n</think>\n\n4")
+            step = await session.bridge(
+                completion + [IM_END], "stop", [{"role": "user", "content": "3+3"}], None, 10
+            )
+            assert step.forked and step.branch == 1
+            assert step.prompt_ids[: len(prompt)] == prompt and completion[0] not in step.prompt_ids
+            assert [m["role"] for m in session.messages] == ["user", "assistant", "user"]
+        finally:
+            await session.close()
+
+    run(scenario())
+
+
+def test_killed_renderer_is_replaced_and_the_rollout_using_it_finishes(make_pool):
+    pool = make_pool()
+
+    async def scenario():
+        session = await RendererSession.open(pool, BUNDLED_MODEL, RendererConfig(multiplex=4), timeout=30)
+        try:
+            prompt = await session.start([{"role": "user", "content": "hi"}], None, timeout=10)
+            completion = await encode(session, "hello") + [IM_END]
+            dead = session.renderer_id
+            ray.kill(session._renderer, no_restart=True)
+            step = await session.bridge(completion, "stop", [{"role": "user", "content": "again"}], None, 40)
+            assert step.prompt_ids[: len(prompt) + 2] == prompt + completion
+            assert session.renderer_id != dead
+            stats = await pool.stats.remote()
+            assert stats["replaced"] >= 1 and stats["leases"] == 1
+            ids = [r["renderer_id"] for r in stats["keys"][session.key.to_json()]["renderers"]]
+            assert dead not in ids and session.renderer_id in ids
+        finally:
+            await session.close()
+
+    run(scenario())
+
+
+def test_startup_failure_reaches_the_caller_within_seconds_with_the_renderer_traceback(make_pool):
+    pool = make_pool()
+
+    async def scenario():
+        started = time.monotonic()
+        with pytest.raises(RendererUnavailable) as failure:
+            await RendererSession.open(pool, "/nonexistent/tokenizer", RendererConfig(), timeout=30)
+        assert time.monotonic() - started < 20
+        assert "/nonexistent/tokenizer" in str(failure.value)
+        assert failure.value.kind == "infrastructure" and failure.value.failure.traceback
+        # Within the hold, the next lease fails at once instead of spawning another doomed renderer.
+        await asyncio.sleep(0.5)
+        started = time.monotonic()
+        with pytest.raises(RendererUnavailable, match="failed to start"):
+            await RendererSession.open(pool, "/nonexistent/tokenizer", RendererConfig(), timeout=30)
+        assert time.monotonic() - started < 2
+        assert (await pool.stats.remote())["startup_failures"] == 1
+
+    run(scenario())
