@@ -1,0 +1,240 @@
+"""`ray job submit` end to end: a real head started with `ray start --head`, the `rollouts run` entrypoint
+submitted through Ray's Job Submission API, its final status, logs and output file read back.
+
+The head is this test's own: its own ports and its own `--temp-dir` (so its `ray_current_cluster` file
+never redirects another process's `ray.init()` to it), never `ray stop` (which kills every Ray process of
+the user, the suite's session Ray included). Its token auth is pinned on with a private token rather than
+inferred from whether `~/.ray/auth_token` exists, so the test takes the same path on every machine and
+never writes into the user's home. Every process the head starts, the job driver (its own session) and
+the stand-in server under it included, inherits a marker variable; teardown kills exactly those.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from rollout_actors.wire import Result
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+BIN_DIR = Path(sys.executable).parent
+"""`ray` and `rollouts` of this interpreter: a pyenv shim on PATH could pick another Python by cwd."""
+
+TEST_BUDGET_S = 100.0  # head start + job + teardown; the job takes ~15 s and the head ~7 s on 2 idle cores
+HEAD_START_TIMEOUT_S = 45.0  # one `ray start --head`; a port lost to a race is retried once
+TEARDOWN_RESERVE_S = 15.0  # SIGTERM grace + SIGKILL + sweep, kept out of the job's share of the budget
+TERM_GRACE_S = 5.0  # gcs_server and raylet ignore SIGTERM for 10 s+ here; the agents outlive the raylet
+MARKER_VAR = "RAY_ROLLOUTS_JOB_TEST_HEAD"
+CLIENT_ONLY_VARS = ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS", "RAY_AUTH_TOKEN", "RAY_AUTH_MODE")
+"""Dropped from the head's environment: a caller's cluster address or token must not leak into it."""
+KINDS = ("ok", "model", "infrastructure", "caller", "cancelled")
+TASKS, GROUP_SIZE = 4, 2
+
+_direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback never goes via a proxy
+
+
+@dataclass
+class LocalHead:
+    dashboard_url: str
+    token: str
+    temp_dir: Path
+    deadline: float
+    """time.monotonic() by which the test must be done, teardown reserve excluded."""
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.token}"}
+
+    def remaining(self) -> float:
+        return self.deadline - time.monotonic()
+
+
+def _free_ports(count: int) -> list[int]:
+    """Distinct ports free on every interface (gcs_server binds 0.0.0.0). Racy by nature: see the retry."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind(("", 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def _head_pids(marker: bytes, session_id: int | None) -> list[int]:
+    """Live processes carrying the marker (read raw: psutil returns {} for retitled `ray::` processes)."""
+    pids = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        pid = int(entry.name)
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as environ:
+                marked = marker in environ.read().split(b"\0")
+            with open(f"/proc/{pid}/stat", "rb") as stat:
+                zombie = stat.read().rsplit(b")", 1)[1].split()[0] == b"Z"
+            in_session = session_id is not None and os.getsid(pid) == session_id
+        except OSError:
+            continue
+        if (marked or in_session) and not zombie:
+            pids.append(pid)
+    return pids
+
+
+def _kill_head(marker: bytes, session_id: int | None) -> list[int]:
+    """SIGTERM, a short grace, then SIGKILL until nothing marked is left; returns the survivors."""
+    for sig, wait_s in ((signal.SIGTERM, TERM_GRACE_S), (signal.SIGKILL, 5.0), (signal.SIGKILL, 5.0)):
+        for pid in _head_pids(marker, session_id):
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        until = time.monotonic() + wait_s
+        while _head_pids(marker, session_id) and time.monotonic() < until:
+            time.sleep(0.2)
+    return _head_pids(marker, session_id)
+
+
+def _start_head(temp_dir: Path, env: dict[str, str]) -> tuple[int, int]:
+    """`ray start --head` once; returns (its pid = the session id of every daemon, dashboard port)."""
+    gcs, dashboard, agent_http, agent_grpc, client, runtime_env, metrics = _free_ports(7)
+    command = [str(BIN_DIR / "ray"), "start", "--head", f"--port={gcs}", "--num-cpus=4"]
+    # Ray maps a loopback --node-ip-address to the machine's address anyway; the job API is what must
+    # stay on loopback, and the dashboard agent's default port (52365) is taken by any other local Ray.
+    command += ["--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}"]
+    command += [f"--dashboard-agent-listen-port={agent_http}", f"--dashboard-agent-grpc-port={agent_grpc}"]
+    command += [f"--ray-client-server-port={client}", f"--runtime-env-agent-port={runtime_env}"]
+    command += [f"--metrics-export-port={metrics}", f"--temp-dir={temp_dir}", "--disable-usage-stats"]
+    with open(temp_dir / "ray-start.log", "ab") as log:
+        process = subprocess.Popen(
+            command,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+    try:
+        rc = process.wait(timeout=HEAD_START_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        rc = None
+    if rc != 0:
+        tail = (temp_dir / "ray-start.log").read_text(errors="replace")[-3000:]
+        raise RuntimeError(f"`ray start --head` {'timed out' if rc is None else f'exited {rc}'}:\n{tail}")
+    return process.pid, dashboard
+
+
+def _wait_for_job_api(head: LocalHead) -> None:
+    request = urllib.request.Request(f"{head.dashboard_url}/api/version", headers=head.headers)
+    while True:
+        try:
+            with _direct.open(request, timeout=2) as response:
+                if response.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        if head.remaining() < 0:
+            raise TimeoutError(f"job API at {head.dashboard_url} never answered")
+        time.sleep(0.25)
+
+
+@pytest.fixture
+def local_head() -> Iterator[LocalHead]:
+    started = time.monotonic()
+    # Short: the head's unix sockets live under it, and their paths may not exceed ~107 bytes.
+    temp_dir = Path(tempfile.mkdtemp(prefix="rj", dir="/tmp"))
+    marker = f"{MARKER_VAR}={temp_dir}".encode()
+    token = secrets.token_hex(32)
+    (temp_dir / "auth_token").write_text(token)
+    env = {k: v for k, v in os.environ.items() if k not in CLIENT_ONLY_VARS}
+    env |= {
+        "RAY_AUTH_MODE": "token",
+        "RAY_AUTH_TOKEN_PATH": str(temp_dir / "auth_token"),
+        MARKER_VAR: str(temp_dir),
+        "PATH": os.pathsep.join((str(BIN_DIR), env.get("PATH", ""))),
+    }
+    session_id = None
+    try:
+        for attempt in range(2):
+            try:
+                session_id, dashboard_port = _start_head(temp_dir, env)
+                break
+            except RuntimeError:
+                _kill_head(marker, session_id=None)  # a half-started head, before its ports are retried
+                if attempt == 1:
+                    raise
+        head = LocalHead(
+            dashboard_url=f"http://127.0.0.1:{dashboard_port}",
+            token=token,
+            temp_dir=temp_dir,
+            deadline=started + TEST_BUDGET_S - TEARDOWN_RESERVE_S,
+        )
+        _wait_for_job_api(head)
+        yield head
+    finally:
+        survivors = _kill_head(marker, session_id)
+        if not survivors:
+            shutil.rmtree(temp_dir, ignore_errors=True)
+        assert not survivors, f"processes of the test head outlived SIGKILL: {survivors}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(TEST_BUDGET_S + 50)  # backstop only: the test's own deadline fails it first
+def test_rollouts_job_submitted_to_a_local_head_succeeds_and_logs_its_summary(local_head):
+    from ray.job_submission import JobStatus, JobSubmissionClient
+
+    # The head enforces token auth: the client side must send the token (README, "Token authentication").
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        _direct.open(f"{local_head.dashboard_url}/api/jobs/", timeout=10)
+    assert refused.value.code == 401
+
+    output = local_head.temp_dir / "results.jsonl"
+    entrypoint = shlex.join(
+        ["rollouts", "run", "--tasks", str(TASKS), "--group-size", str(GROUP_SIZE), "--no-progress"]
+        + ["--output", str(output)]
+    )
+    client = JobSubmissionClient(address=local_head.dashboard_url, headers=local_head.headers)
+    job_id = client.submit_job(entrypoint=entrypoint, runtime_env={"working_dir": str(REPO_ROOT)})
+
+    status = client.get_job_status(job_id)
+    while not status.is_terminal():
+        if local_head.remaining() < 0:
+            client.stop_job(job_id)
+            pytest.fail(f"job {job_id} still {status} at the deadline; logs:\n{client.get_job_logs(job_id)}")
+        time.sleep(0.5)
+        status = client.get_job_status(job_id)
+    logs = client.get_job_logs(job_id)
+    info = client.get_job_info(job_id)
+    assert status == JobStatus.SUCCEEDED, f"{status}: {info.message}\n{logs}"
+    assert info.driver_exit_code == 0
+    assert info.runtime_env["working_dir"].startswith("gcs://")  # the tree went up with the job
+
+    # The summary table the CLI prints, read back from the job's logs.
+    assert "stand-in inference server at http://127.0.0.1:" in logs
+    assert re.search(rf"\b{TASKS * GROUP_SIZE}\s+rollouts\s+in\b", logs), logs
+    table = {kind: int(count) for kind, count in re.findall(r"kind=(\w+)\W+(\d+)", logs)}
+    assert set(table) == set(KINDS), logs
+
+    results = [Result.model_validate(json.loads(line)) for line in output.read_text().splitlines()]
+    assert len({r.request_id for r in results}) == len(results) == TASKS * GROUP_SIZE
+    assert sorted(Counter(r.group_id for r in results).values()) == [GROUP_SIZE] * TASKS
+    assert table == {kind: sum(r.kind == kind for r in results) for kind in KINDS}
+    assert table["ok"] == TASKS * GROUP_SIZE, logs  # the stand-in injects no faults unless asked to
