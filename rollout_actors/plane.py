@@ -20,7 +20,7 @@ import math
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import ray
@@ -89,9 +89,14 @@ def _refuse_inside_ray_worker() -> None:
 
 
 class RolloutPlane:
-    def __init__(self, config: PlaneConfig | None = None) -> None:
+    def __init__(
+        self, config: PlaneConfig | None = None, endpoints: Callable[[], Sequence[str]] | None = None
+    ) -> None:
+        """`endpoints`: a live source of inference base URLs (e.g. `InferenceServerSet.endpoints`), asked at
+        each dispatch, so a server that died drops out of routing; otherwise `config.endpoints`."""
         _refuse_inside_ray_worker()
         self.config = config or PlaneConfig()
+        self._endpoints = endpoints or (lambda: self.config.endpoints)
         prefix = self.config.name_prefix or f"rollouts-{uuid.uuid4().hex[:8]}"
         self.names = PoolNames(prefix=prefix)
         self.lanes = Lanes(self.config.lanes)
@@ -113,7 +118,7 @@ class RolloutPlane:
         self._running: dict[str, WorkerSlot] = {}
         self._cancelled: dict[str, asyncio.Event] = {}
         self._pending = 0
-        self._endpoint_load: Counter[str] = Counter({url: 0 for url in self.config.endpoints})
+        self._endpoint_load: Counter[str] = Counter()
         self.counters: Counter[str] = Counter()
         self._publisher: PolicyPublisher | None = None
         self._started = False
@@ -225,11 +230,9 @@ class RolloutPlane:
         capture exists; `await handle.wait()` for the servers. New rollouts switch to it atomically when
         every server has loaded it; rollouts in flight keep the policy they started with."""
         if self._publisher is None:
-            if not self.config.endpoints or self.config.policy_storage_dir is None:
-                raise ValueError(
-                    "publish_policy needs PlaneConfig.endpoints and PlaneConfig.policy_storage_dir"
-                )
-            self._publisher = PolicyPublisher(self.config.endpoints, self.config.policy_storage_dir)
+            if self.config.policy_storage_dir is None:
+                raise ValueError("publish_policy needs PlaneConfig.policy_storage_dir")
+            self._publisher = PolicyPublisher(self._endpoints, self.config.policy_storage_dir)
         return await self._publisher.publish(adapter, version)
 
     def _with_policy(self, request: RolloutRequest) -> RolloutRequest:
@@ -306,9 +309,10 @@ class RolloutPlane:
                 self._endpoint_load[endpoint] -= 1
 
     def _pick_endpoint(self) -> str | None:
-        if not self._endpoint_load:
+        live = list(self._endpoints())
+        if not live:
             return None
-        return min(self._endpoint_load, key=lambda url: self._endpoint_load[url])
+        return min(live, key=lambda url: self._endpoint_load[url])
 
     async def _dispatch_to_workers(self, request: RolloutRequest, cancelled: asyncio.Event) -> Result:
         for attempt in range(1, self.config.max_dispatches + 1):

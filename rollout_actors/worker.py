@@ -108,6 +108,10 @@ class RolloutWorker:
 
 
 def remote_worker_class(num_cpus: float) -> Any:
-    return ray.remote(num_cpus=num_cpus, max_concurrency=MAX_ROLLOUTS_PER_WORKER, max_restarts=0)(
-        RolloutWorker
-    )
+    # SPREAD: workers land on different nodes where there are several, so one node loss costs a fraction.
+    return ray.remote(
+        num_cpus=num_cpus,
+        max_concurrency=MAX_ROLLOUTS_PER_WORKER,
+        max_restarts=0,
+        scheduling_strategy="SPREAD",
+    )(RolloutWorker)

@@ -227,3 +227,28 @@ def unload_adapters(endpoints: list[str]) -> None:
                     client.post(
                         f"{url.removesuffix('/v1')}/v1/unload_lora_adapter", json={"lora_name": card["id"]}
                     )
+
+
+def test_endpoint_that_drops_out_of_the_live_set_gets_no_new_rollouts(ray_session, standin_pair):
+    live = [server.base_url for server in standin_pair]
+
+    async def scenario():
+        p = RolloutPlane(
+            PlaneConfig(
+                lanes={"train": 8, "eval": 1}, workers=1, worker_num_cpus=0.25, env_pool={"num_cpus": 0.25}
+            ),
+            endpoints=lambda: live,
+        )
+        async with p:
+            first = [await p.submit(slow_request(standin_pair[0], 0.0, i)) for i in range(4)]
+            _ = [await p.next_result(timeout=60) for _ in first]
+            live.remove(standin_pair[1].base_url)  # e.g. InferenceServerSet saw it die
+            second = [await p.submit(slow_request(standin_pair[0], 0.0, i)) for i in range(4)]
+            results = [await p.next_result(timeout=60) for _ in second]
+            return second, results
+
+    second, results = run(scenario())
+    assert all(r.kind == "ok" for r in results)
+    dropped = standin_pair[1].session_counts()
+    assert not any(request_id in dropped for request_id in second)
+    assert all(request_id in standin_pair[0].session_counts() for request_id in second)

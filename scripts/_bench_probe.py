@@ -1,0 +1,106 @@
+"""Resource sampling for `bench_plane.py`, in a separate process so it never takes the GIL or the event
+loop of the process being measured (psutil parses /proc/net/tcp in Python: tens of ms with 4k sockets).
+
+    probe = Probe(server_pid=..., server_port=..., pids=[...]).start()
+    ...                                   # the workload
+    sample = probe.stop()                 # ProbeSample: peaks, distinct client ports
+
+It samples every `interval_s`: the stand-in server's ESTABLISHED sockets on its port (count, and every
+client port seen, i.e. connections opened) and the threads and RSS of the measured processes. A connection
+that opens and closes between two samples is missed; each one here lives at least one model call (>= the
+set latency), so sampling every 0.5 s sees them all.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+from dataclasses import dataclass, field
+
+import psutil
+
+SAMPLE_INTERVAL_S = 0.5
+STOP_TIMEOUT_S = 30.0
+
+
+@dataclass
+class ProbeSample:
+    peak_server_sockets: int = 0
+    """Most ESTABLISHED sockets the server held on its port at one sample."""
+    client_ports: set[int] = field(default_factory=set)
+    """Every client port seen connected to the server: connections opened (ports are not reused while
+    their previous socket sits in TIME_WAIT, 60 s on Linux)."""
+    peak_threads: int = 0
+    """Most OS threads summed over the measured processes at one sample."""
+    peak_rss: int = 0
+    """Most RSS (bytes) summed over the measured processes at one sample."""
+    samples: int = 0
+
+
+def _sample_loop(server_pid: int, server_port: int, pids: list[int], stop: mp.Event, out: mp.Queue) -> None:
+    result = ProbeSample()
+    server = psutil.Process(server_pid)
+    procs = [psutil.Process(pid) for pid in pids]
+    while True:
+        try:
+            conns = [
+                c
+                for c in server.net_connections(kind="tcp")
+                if c.status == psutil.CONN_ESTABLISHED and c.laddr and c.laddr.port == server_port and c.raddr
+            ]
+            result.peak_server_sockets = max(result.peak_server_sockets, len(conns))
+            result.client_ports.update(c.raddr.port for c in conns)
+        except psutil.Error:
+            pass
+        threads = rss = 0
+        for proc in procs:
+            try:
+                with proc.oneshot():
+                    threads += proc.num_threads()
+                    rss += proc.memory_info().rss
+            except psutil.Error:
+                pass
+        result.peak_threads = max(result.peak_threads, threads)
+        result.peak_rss = max(result.peak_rss, rss)
+        result.samples += 1
+        if stop.wait(SAMPLE_INTERVAL_S):
+            break
+    out.put(result)
+
+
+class Probe:
+    def __init__(self, server_pid: int, server_port: int, pids: list[int]) -> None:
+        ctx = mp.get_context("spawn")
+        self._stop = ctx.Event()
+        self._out: mp.Queue = ctx.Queue()
+        self._process = ctx.Process(
+            target=_sample_loop, args=(server_pid, server_port, pids, self._stop, self._out), daemon=True
+        )
+
+    def start(self) -> Probe:
+        self._process.start()
+        return self
+
+    def stop(self) -> ProbeSample:
+        self._stop.set()
+        try:
+            return self._out.get(timeout=STOP_TIMEOUT_S)
+        finally:
+            self._process.join(5)
+            if self._process.is_alive():
+                self._process.kill()
+
+
+def time_wait_count(port: int) -> int:
+    """TCP sockets in TIME_WAIT to or from `port`, machine-wide (they belong to no process any more)."""
+    return sum(
+        1
+        for c in psutil.net_connections(kind="tcp")
+        if c.status == psutil.CONN_TIME_WAIT
+        and ((c.laddr and c.laddr.port == port) or (c.raddr and c.raddr.port == port))
+    )
+
+
+def process_resources(pid: int) -> tuple[int, int]:
+    """(OS threads, RSS bytes) of one process now."""
+    proc = psutil.Process(pid)
+    return proc.num_threads(), proc.memory_info().rss

@@ -1,0 +1,131 @@
+"""The single-process baselines of `bench_plane.py`: the same rollout, in one asyncio loop, no Ray.
+
+Same renderer code (`renderer_actors` `Renderer`, built once and called inline, as the renderer actor
+does), same environment class (instantiated here, called directly), same model call
+(`rollout_actors.model_call.complete_tokens`: `/v1/completions` with token ids and `return_token_ids`),
+same token-mode logic as `rollout_actors.rollout`: render the first prompt, then per turn sample, parse,
+step the env, and bridge the env's answer onto prompt + completion. Nothing is slowed down: no remote hop,
+no validation the loop does not need.
+
+- `per_rollout_client=True`  is way (b): one `build_client` per rollout, closed when it ends.
+- `per_rollout_client=False` is way (c): one client shared by every rollout (what most peers do), with a
+  connection limit of at least the concurrency.
+
+Timing per model call: from the rollout asking for a turn (before its render or bridge) to having the
+completion, i.e. renders included; recorded with the rollout's start order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from renderer_actors.key import RendererKey
+from renderer_actors.renderer import BridgeRequest, History, Renderer, build_renderer
+from rollout_actors.client import build_client
+from rollout_actors.model_call import complete_tokens
+from rollout_actors.wire import ClientConfig, RendererConfig, SamplingConfig, load_target
+
+
+@dataclass
+class RolloutTiming:
+    order: int
+    """Start order (0 = first rollout started)."""
+    started: float
+    finished: float
+    calls: list[float] = field(default_factory=list)
+    """Seconds per model call, renders included."""
+    ok: bool = True
+    error: str = ""
+
+
+@dataclass
+class SingleProcessWorkload:
+    """What every rollout of a wave runs. Built once per process (renderer and env loaded up front)."""
+
+    client: ClientConfig
+    sampling: SamplingConfig
+    env_target: str
+    env_config: dict[str, Any]
+    max_turns: int
+    renderer: Renderer | None = None
+    env: Any = None
+
+    async def load(self) -> None:
+        key = RendererKey.from_config(self.client.model, RendererConfig())
+        self.renderer = await asyncio.to_thread(build_renderer, key)
+        self.env = load_target(self.env_target)(**self.env_config)
+        await self.env.load()
+
+
+async def run_wave(
+    workload: SingleProcessWorkload, concurrency: int, per_rollout_client: bool
+) -> tuple[float, list[RolloutTiming]]:
+    """`concurrency` rollouts started at once; returns (wall seconds, one timing per rollout)."""
+    shared = None
+    if not per_rollout_client:
+        limit = max(workload.client.max_connections, concurrency)
+        shared = build_client(workload.client.model_copy(update={"max_connections": limit}))
+    started = time.monotonic()
+    try:
+        timings = await asyncio.gather(
+            *(_rollout(workload, i, shared) for i in range(concurrency)), return_exceptions=False
+        )
+    finally:
+        if shared is not None:
+            await shared.close()
+    return time.monotonic() - started, list(timings)
+
+
+async def _rollout(workload: SingleProcessWorkload, order: int, shared: Any) -> RolloutTiming:
+    timing = RolloutTiming(order=order, started=time.monotonic(), finished=0.0)
+    client = shared or build_client(workload.client, session_id=f"bench-{order}")
+    env, renderer = workload.env, workload.renderer
+    assert renderer is not None
+    state = None
+    try:
+        reset = await env.reset(env.task(order % env.num_tasks()))
+        state = reset.state
+        tools = reset.tools or None
+        messages = list(reset.messages)
+        asked = time.monotonic()
+        start = renderer.start(messages, tools)
+        prompt, render_state = list(start.prompt_ids), start.state
+        for _ in range(workload.max_turns):
+            sampled = await complete_tokens(client, workload.client.model, prompt, workload.sampling)
+            timing.calls.append(time.monotonic() - asked)
+            parsed = renderer.parse(sampled.completion_ids, tools)
+            step = await env.step(state, parsed.message)
+            if step.done:
+                break
+            asked = time.monotonic()
+            request = BridgeRequest(
+                completion_ids=sampled.completion_ids,
+                finish_reason=sampled.finish_reason,
+                new_messages=step.messages,
+                tools=tools,
+                state=render_state,
+            )
+            reply = renderer.bridge(request)
+            if reply.needs_history:
+                request.history = History(messages=messages, prompt_ids=prompt)
+                reply = renderer.bridge(request)
+            if reply.forked:
+                prompt = list(reply.prompt_ids or [])
+            else:
+                prompt = prompt + sampled.completion_ids + reply.appended_ids
+            messages.append(reply.assistant_message)
+            messages.extend(step.messages)
+            render_state = reply.state
+        await env.score(state)
+    except Exception as exc:  # a failed rollout is counted, not fatal: the table says how many
+        timing.ok, timing.error = False, f"{type(exc).__name__}: {exc}"
+    finally:
+        if state is not None:
+            await env.close(state)
+        if shared is None:
+            await client.close()
+        timing.finished = time.monotonic()
+    return timing

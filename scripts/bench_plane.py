@@ -1,0 +1,314 @@
+"""Benchmark: the rollout plane vs a single process, one wave of C concurrent multi-turn rollouts.
+
+    python scripts/bench_plane.py [--quick] [--concurrency 512 1024 2048] [--turns 3] [--latency 5]
+                                  [--env echo|calculator] [--ways abc] [--env-workers 2]
+
+The same workload three ways, each against its own fresh stand-in server (so its sockets, TIME_WAIT count
+and completion cache are its own) with a fixed latency per model call:
+  (a) plane   `RolloutPlane` on local Ray: 2 `RolloutWorker`s (0.5 CPU each), shared renderer and env pools
+  (b) single  one asyncio process, same renderer / env / model-call code in-process, a client per rollout
+  (c) shared  as (b), one `AsyncOpenAI` client shared by every rollout
+Every rollout of a wave starts at once (the plane's lane bound is C, so no submit waits).
+
+Workload. Token mode (render, `/v1/completions` with token ids + `return_token_ids`, parse, env step,
+bridge). The stand-in's scripted policy gives the bundled calculator env exactly 2 model turns (a tool
+call, then the boxed answer, which ends the episode); no header or task changes that. So the default
+`--env echo` uses the bundled multi-turn `env_actors.faults.envs:EchoEnv` with `turns=--turns` (healthy:
+it answers each turn with a user message and ends after exactly `--turns` turns; the policy writes free
+text each turn). `--env calculator` runs `CalculatorEnv` (2 turns, tool schema rendered, tool call parsed).
+`ideal` is the measured mean turns per rollout x latency.
+
+Measured (per way):
+  wall         first submit -> last result
+  threads/RSS  peak, summed over the processes running rollouts (the 2 workers; the process itself for
+               b/c), sampled every 0.5 s from a separate probe process
+  sock/ro      peak ESTABLISHED sockets at the server / C;  conn/ro: distinct client ports seen / C
+  TIME_WAIT    TCP TIME_WAIT sockets on the server's port after the wave (after every client closed)
+  turn q1..q4  mean of (rollout wall / its turns) by start-order quartile: all ways measure this the same
+               way (plane: the worker's `Result.started_at/finished_at`; env reset and score included)
+  call q1..q4  b/c only: per model call, from asking for the turn (render/bridge included) to the
+               completion; the plane's `Turn` carries no timing, so it cannot be measured there
+  slow         b/c: calls > 5x latency; plane: rollouts whose wall/turns > 5x latency
+
+The last line is `plane/single-process at C=2048: <wall (a) / wall (b)>`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import math
+import os
+import resource
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+from _bench_probe import Probe, ProbeSample, time_wait_count
+from _bench_single_process import SingleProcessWorkload, run_wave
+
+from renderer_actors.tokenizer import BUNDLED_MODEL
+from rollout_actors.inference.launch import StandinOptions, StandinServer
+from rollout_actors.plane import PlaneConfig, RolloutPlane
+from rollout_actors.wire import ClientConfig, Ref, RendererConfig, RolloutRequest, SamplingConfig
+
+ENVS = {
+    "echo": ("env_actors.faults.envs:EchoEnv", lambda turns: {"num_tasks": 64, "turns": turns}),
+    "calculator": (
+        "env_actors.examples.calculator_env:CalculatorEnv",
+        lambda turns: {"num_tasks": 300, "max_turns": max(turns, 2)},
+    ),
+}
+WARMUP_ROLLOUTS = 4  # starts the plane's env pool and first renderer before the timed wave
+MAX_TOKENS = 256  # the scripted policy writes < 150 tokens a turn; nothing is cut
+SLOW_FACTOR = 5.0
+WAYS = {"a": "plane", "b": "single/client-per-rollout", "c": "single/shared-client"}
+
+
+@dataclass
+class WayResult:
+    way: str
+    wall_s: float
+    turns: list[int]
+    per_turn: list[float]
+    """Rollout wall / turns, in start order."""
+    calls: list[list[float]] | None
+    """Per model call seconds, per rollout in start order (b/c only)."""
+    failures: int
+    probe: ProbeSample
+    time_wait: int
+    notes: dict[str, Any] = field(default_factory=dict)
+
+
+def _quartiles(values: list[float]) -> list[float]:
+    n = len(values)
+    cuts = [round(n * k / 4) for k in range(5)]
+    return [
+        statistics.fmean(values[cuts[k] : cuts[k + 1]]) if cuts[k + 1] > cuts[k] else math.nan
+        for k in range(4)
+    ]
+
+
+def _raise_open_files_limit() -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = hard if hard == resource.RLIM_INFINITY else min(hard, 65536)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+
+
+def _client(server: StandinServer) -> ClientConfig:
+    return ClientConfig(base_url=server.base_url, model=BUNDLED_MODEL)
+
+
+async def run_single(args: argparse.Namespace, c: int, way: str, server: StandinServer) -> WayResult:
+    target, config = ENVS[args.env]
+    workload = SingleProcessWorkload(
+        client=_client(server),
+        sampling=SamplingConfig(max_tokens=MAX_TOKENS),
+        env_target=target,
+        env_config=config(args.turns),
+        max_turns=args.max_turns,
+    )
+    await workload.load()
+
+    time_wait_before = time_wait_count(server.port)  # the launcher's /health polls
+    probe = Probe(server.pid, server.port, [os.getpid()]).start()
+    await asyncio.sleep(0.6)  # the probe's first sample: the idle baseline
+    wall, timings = await run_wave(workload, c, per_rollout_client=(way == "b"))
+    sample = probe.stop()
+    return WayResult(
+        way=way,
+        wall_s=wall,
+        turns=[len(t.calls) for t in timings],
+        per_turn=[(t.finished - t.started) / max(1, len(t.calls)) for t in timings],
+        calls=[t.calls for t in timings],
+        failures=sum(not t.ok for t in timings),
+        probe=sample,
+        time_wait=time_wait_count(server.port) - time_wait_before,
+        notes={"errors": sorted({t.error for t in timings if not t.ok})[:3]},
+    )
+
+
+async def run_plane(args: argparse.Namespace, c: int, server: StandinServer) -> WayResult:
+    target, config = ENVS[args.env]
+    env_workers = args.env_workers
+    plane = RolloutPlane(
+        PlaneConfig(
+            lanes={"train": c, "eval": 1},
+            workers=args.workers,
+            worker_num_cpus=args.worker_num_cpus,
+            env_pool={
+                "min_workers": env_workers,
+                "max_workers": env_workers,
+                "multiplex": max(64, math.ceil(c / env_workers)),
+                "num_cpus": 0.25,
+            },
+        )
+    )
+
+    def request(i: int) -> RolloutRequest:
+        return RolloutRequest(
+            env=Ref(target=target, config=config(args.turns)),
+            task_index=i % 64,
+            client=_client(server),
+            sampling=SamplingConfig(max_tokens=MAX_TOKENS),
+            renderer=RendererConfig(multiplex=args.renderer_multiplex),
+            max_turns=args.max_turns,
+        )
+
+    await plane.start()
+    try:
+        for i in range(WARMUP_ROLLOUTS):
+            await plane.submit(request(i))
+        warm = [await plane.next_result(timeout=300) for _ in range(WARMUP_ROLLOUTS)]
+        workers = [
+            ray.get_actor(w["name"], namespace=plane.names.namespace) for w in plane.stats()["workers"]
+        ]
+        before = await asyncio.gather(*(w.resources.remote(server.port) for w in workers))
+        time_wait_before = time_wait_count(server.port)
+        probe = Probe(server.pid, server.port, [r["pid"] for r in before]).start()
+        await asyncio.sleep(0.6)
+        order: dict[str, int] = {}
+        started = time.monotonic()
+        for i in range(c):
+            order[await plane.submit(request(i))] = i
+        results = [
+            await plane.next_result(timeout=args.latency * args.max_turns * 20 + 300) for _ in range(c)
+        ]
+        wall = time.monotonic() - started
+        sample = probe.stop()
+        after = await asyncio.gather(*(w.resources.remote(server.port) for w in workers))
+        time_wait = time_wait_count(server.port) - time_wait_before
+        stats = plane.stats()
+    finally:
+        await plane.close()
+    results.sort(key=lambda r: order[r.request_id])
+    return WayResult(
+        way="a",
+        wall_s=wall,
+        turns=[len(r.turns) for r in results],
+        per_turn=[((r.finished_at or 0) - (r.started_at or 0)) / max(1, len(r.turns)) for r in results],
+        calls=None,
+        failures=sum(not r.ok for r in results),
+        probe=sample,
+        time_wait=time_wait,
+        notes={
+            "warmup_ok": sum(r.ok for r in warm),
+            "open_clients_after": sum(r["open_clients"] for r in after),
+            "worker_conns_after": sum(r["connections"] for r in after),
+            "redispatched": stats["redispatched"],
+            "errors": sorted(
+                {f"{r.kind}: {r.error.type}: {r.error.message[:120]}" for r in results if r.error}
+            )[:3],
+        },
+    )
+
+
+async def run_way(args: argparse.Namespace, c: int, way: str) -> WayResult:
+    server = StandinServer(StandinOptions(latency_s=args.latency)).start()
+    try:
+        if way == "a":
+            return await run_plane(args, c, server)
+        return await run_single(args, c, way, server)
+    finally:
+        server.stop()
+
+
+def print_table(args: argparse.Namespace, c: int, results: dict[str, WayResult]) -> None:
+    latency = args.latency
+    print(f"\n=== C={c}  env={args.env}  latency={latency:g}s/turn ===")
+    by = results.get
+    base_b, base_c = by("b"), by("c")
+    header = (
+        f"{'way':<28}{'wall s':>8}{'/(b)':>7}{'/(c)':>7}{'/ideal':>8}{'turns':>7}{'fail':>6}"
+        f"{'thr':>6}{'RSS MB':>8}{'sock/ro':>9}{'conn/ro':>9}{'TW':>7}"
+    )
+    print(header)
+    for key in "abc":
+        r = by(key)
+        if r is None:
+            continue
+        turns = statistics.fmean(r.turns) if r.turns else 0.0
+        ideal = turns * latency
+        ratio_b = f"{r.wall_s / base_b.wall_s:.2f}" if base_b else "-"
+        ratio_c = f"{r.wall_s / base_c.wall_s:.2f}" if base_c else "-"
+        print(
+            f"({key}) {WAYS[key]:<24}{r.wall_s:>8.2f}{ratio_b:>7}{ratio_c:>7}"
+            f"{r.wall_s / ideal if ideal else math.nan:>8.2f}{turns:>7.2f}{r.failures:>6}"
+            f"{r.probe.peak_threads:>6}{r.probe.peak_rss / 2**20:>8.0f}"
+            f"{r.probe.peak_server_sockets / c:>9.2f}{len(r.probe.client_ports) / c:>9.2f}{r.time_wait:>7}"
+        )
+    print(f"{'quartiles by start order':<28}{'q1':>8}{'q2':>8}{'q3':>8}{'q4':>8}{'q1/q4':>8}{'slow':>7}")
+    for key in "abc":
+        r = by(key)
+        if r is None:
+            continue
+        q = _quartiles(r.per_turn)
+        slow = sum(p > SLOW_FACTOR * latency for p in r.per_turn)
+        print(
+            f"({key}) turn (wall/turns){'':<9}"
+            + "".join(f"{x:>8.3f}" for x in q)
+            + f"{q[0] / q[3]:>8.2f}{slow:>7}"
+        )
+        if r.calls is not None:
+            q = _quartiles([statistics.fmean(calls) if calls else math.nan for calls in r.calls])
+            slow = sum(x > SLOW_FACTOR * latency for calls in r.calls for x in calls)
+            print(
+                f"({key}) model call{'':<17}"
+                + "".join(f"{x:>8.3f}" for x in q)
+                + f"{q[0] / q[3]:>8.2f}{slow:>7}"
+            )
+    for key in "abc":
+        r = by(key)
+        if r is not None and any(r.notes.values()):
+            print(f"({key}) notes: {r.notes}")
+
+
+async def main_async(args: argparse.Namespace) -> None:
+    ratio_2048: float | None = None
+    for c in args.concurrency:
+        results: dict[str, WayResult] = {}
+        for way in args.ways:
+            results[way] = await run_way(args, c, way)
+        print_table(args, c, results)
+        if c == 2048 and "a" in results and "b" in results:
+            ratio_2048 = results["a"].wall_s / results["b"].wall_s
+    print()
+    print(f"plane/single-process at C=2048: {f'{ratio_2048:.2f}' if ratio_2048 is not None else 'n/a'}")
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="C=128, 1 s latency: under a minute")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[512, 1024, 2048])
+    parser.add_argument("--turns", type=int, default=3, help="turns per rollout (echo env)")
+    parser.add_argument("--latency", type=float, default=5.0, help="stand-in seconds per model call")
+    parser.add_argument("--env", choices=sorted(ENVS), default="echo")
+    parser.add_argument("--ways", default="bca", help="which ways to run, in order: subset of 'abc'")
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--worker-num-cpus", type=float, default=0.5)
+    parser.add_argument("--env-workers", type=int, default=2)
+    parser.add_argument("--renderer-multiplex", type=int, default=RendererConfig().multiplex)
+    args = parser.parse_args()
+    if args.quick:
+        args.concurrency, args.latency = [128], 1.0
+    args.max_turns = args.turns + 1  # the env ends the episode; this only guards against a runaway loop
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    _raise_open_files_limit()
+    ray.init(num_cpus=8, include_dashboard=False)
+    try:
+        asyncio.run(main_async(args))
+    finally:
+        ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()
