@@ -31,6 +31,7 @@ from renderer_actors.renderer import (
     Rendered,
     StartReply,
     check_new_messages,
+    completion_message,
 )
 
 DELTA_BASES_KEPT = 64  # synthetic renders cached per tool set; rollouts with ever-new tool sets reset it
@@ -165,18 +166,18 @@ class HfRenderer:
     def bridge(self, request: BridgeRequest) -> BridgeReply:
         check_new_messages(request.new_messages)
         completion = request.completion_ids
-        parsed = self.parse(completion, request.tools)
+        message = completion_message(self, request)
         closed = bool(completion) and completion[-1] == self.close_id
         close = [] if closed else [self.close_id]
         delta = self._delta_text(request.new_messages, request.tools)
-        reply = {"synthetic_close": not closed, "assistant_message": parsed.message}
+        reply = {"synthetic_close": not closed, "assistant_message": message}
         if delta is not None and self.key.history == "append":
             return BridgeReply(appended_ids=close + self.encode(self.boundary + delta), **reply)
         if request.history is None:
             return BridgeReply(needs_history=True)
 
         expected = [*request.history.prompt_ids, *completion, *close]
-        messages = [*request.history.messages, parsed.message, *request.new_messages]
+        messages = [*request.history.messages, message, *request.new_messages]
         full_text = self.render_text(messages, request.tools, True)
         full_ids = self.encode(full_text)
         if full_ids[: len(expected)] == expected:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,12 +32,9 @@ def failure_table(pattern: Sequence[Hashable]) -> list[int]:
     return table
 
 
-def find_all(text: Sequence[Hashable], pattern: Sequence[Hashable], start: int = 0) -> list[int]:
-    """Start indices of every (possibly overlapping) occurrence of `pattern` in `text[start:]`."""
-    if not pattern:
-        return list(range(start, len(text) + 1))
+def _occurrences(text: Sequence[Hashable], pattern: Sequence[Hashable], start: int) -> Iterator[int]:
+    """Start indices of every (possibly overlapping) non-empty `pattern` in `text[start:]`, in order."""
     table = failure_table(pattern)
-    hits: list[int] = []
     k = 0
     for i in range(start, len(text)):
         while k and text[i] != pattern[k]:
@@ -45,9 +42,15 @@ def find_all(text: Sequence[Hashable], pattern: Sequence[Hashable], start: int =
         if text[i] == pattern[k]:
             k += 1
         if k == len(pattern):
-            hits.append(i - k + 1)
+            yield i - k + 1
             k = table[k - 1]
-    return hits
+
+
+def find_all(text: Sequence[Hashable], pattern: Sequence[Hashable], start: int = 0) -> list[int]:
+    """Start indices of every (possibly overlapping) occurrence of `pattern` in `text[start:]`."""
+    if not pattern:
+        return list(range(start, len(text) + 1))
+    return list(_occurrences(text, pattern, start))
 
 
 def find_first(text: Sequence[Hashable], pattern: Sequence[Hashable], start: int = 0) -> int:
@@ -61,16 +64,7 @@ def find_first(text: Sequence[Hashable], pattern: Sequence[Hashable], start: int
             if text[i] == target:
                 return i
         return -1
-    table = failure_table(pattern)
-    k = 0
-    for i in range(start, len(text)):
-        while k and text[i] != pattern[k]:
-            k = table[k - 1]
-        if text[i] == pattern[k]:
-            k += 1
-        if k == len(pattern):
-            return i - k + 1
-    return -1
+    return next(_occurrences(text, pattern, start), -1)
 
 
 # ------------------------------------------------------------------------------------ parent turns

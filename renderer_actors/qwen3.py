@@ -28,6 +28,7 @@ from renderer_actors.renderer import (
     StartReply,
     TrajectoryState,
     check_new_messages,
+    completion_message,
     message_text,
 )
 
@@ -218,30 +219,30 @@ class Qwen3Renderer:
         """Previous prompt + completion + [synthetic `<|im_end|>`] + `\\n` + new messages + generation
         prompt. Only the new messages are rendered and tokenized: linear in what the turn adds."""
         check_new_messages(request.new_messages)
-        parsed = self.parse(request.completion_ids, request.tools)
+        message = completion_message(self, request)
         closed = bool(request.completion_ids) and request.completion_ids[-1] == self.im_end
         has_user = any(m.get("role") == "user" for m in request.new_messages)
-        pending = request.state.reasoning_pending or parsed.message.get("reasoning_content") is not None
+        pending = request.state.reasoning_pending or message.get("reasoning_content") is not None
         state = TrajectoryState(reasoning_pending=pending and not has_user)
         rewrite = self.drop_past_reasoning and has_user and pending
         if rewrite and self.key.history == "fork_on_rewrite":
             # The template now drops reasoning the bridged prompt holds: fork to the full re-render.
             if request.history is None:
                 return BridgeReply(needs_history=True)
-            messages = [*request.history.messages, parsed.message, *request.new_messages]
+            messages = [*request.history.messages, message, *request.new_messages]
             ids = self.encode(self.render_text(messages, request.tools, add_generation_prompt=True))
             return BridgeReply(
                 prompt_ids=ids,
                 forked=True,
                 synthetic_close=not closed,
-                assistant_message=parsed.message,
+                assistant_message=message,
                 state=TrajectoryState(),
             )
         delta = self._message_pieces(request.new_messages, 0, prev_role="assistant", last_user=-1)
         text = "\n" + "".join(p.text for p in delta) + self.generation_prompt
         appended = ([] if closed else [self.im_end]) + self.encode(text)
         return BridgeReply(
-            appended_ids=appended, synthetic_close=not closed, assistant_message=parsed.message, state=state
+            appended_ids=appended, synthetic_close=not closed, assistant_message=message, state=state
         )
 
     def parse(

@@ -72,6 +72,8 @@ class BridgeRequest(BaseModel):
     tools: list[dict[str, Any]] | None = None
     state: TrajectoryState = Field(default_factory=TrajectoryState)
     history: History | None = None
+    assistant_message: dict[str, Any] | None = None
+    """The completion already parsed (the session keeps its `parse` answer): not parsed a second time."""
 
 
 class BridgeReply(BaseModel):
@@ -174,3 +176,10 @@ def build_renderer(key: RendererKey) -> Renderer:
     from renderer_actors.hf_generic import HfRenderer
 
     return HfRenderer.load(key)
+
+
+def completion_message(renderer: Renderer, request: BridgeRequest) -> dict[str, Any]:
+    """The bridged completion as an assistant message: the caller's parse when it sent one, else parsed here."""
+    if request.assistant_message is not None:
+        return request.assistant_message
+    return renderer.parse(request.completion_ids, request.tools).message

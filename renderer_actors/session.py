@@ -95,6 +95,8 @@ class RendererSession:
         self._prompt: list[int] | None = None
         self._messages: list[dict[str, Any]] = []
         self._state = TrajectoryState()
+        self._parsed: tuple[list[int], dict[str, Any]] | None = None
+        """The last `parse` answer, handed to the next `bridge` of the same completion."""
         self.branch = 0
 
     @classmethod
@@ -140,7 +142,9 @@ class RendererSession:
     async def parse(
         self, completion_ids: list[int], tools: list[dict[str, Any]] | None, timeout: float
     ) -> ParsedCompletion:
-        return await self._call("parse", timeout, list(completion_ids), tools)
+        parsed: ParsedCompletion = await self._call("parse", timeout, list(completion_ids), tools)
+        self._parsed = (list(completion_ids), parsed.message)
+        return parsed
 
     async def bridge(
         self,
@@ -165,6 +169,8 @@ class RendererSession:
             tools=tools,
             state=self._state,
         )
+        if self._parsed is not None and self._parsed[0] == request.completion_ids:
+            request.assistant_message = self._parsed[1]
         if self._info is not None and self._info.always_needs_history:
             request.history = self._history()
         reply: BridgeReply = await self._call("bridge", deadline - time.monotonic(), request)

@@ -167,7 +167,8 @@ async def _run_plane(args: argparse.Namespace, base_url: str, model: str, output
         with output.open("w") as sink, progress:
             task = progress.add_task("rollouts", total=total)
             while len(results) < total:
-                result = await plane.next_result()
+                # The plane answers every request within its deadline plus grace; past that, fail loudly.
+                result = await plane.next_result(timeout=args.deadline + config.answer_grace_s + 60)
                 results.append(result)
                 sink.write(result.model_dump_json() + "\n")
                 progress.update(task, advance=1, description=f"rollouts ({_kinds_line(results)})")

@@ -20,7 +20,7 @@ try:  # openai >= 3 ships its own fork of httpx
 except ImportError:  # pragma: no cover - openai 1.x / 2.x
     import httpx
 
-from rollout_actors.wire import ClientConfig
+from rollout_actors.wire import CallerError, ClientConfig
 
 _ssl_lock = threading.Lock()
 _ssl_context: ssl.SSLContext | None = None
@@ -52,7 +52,9 @@ def api_key_from_env(config: ClientConfig) -> str:
         return NO_KEY
     key = os.environ.get(config.api_key_var)
     if not key:
-        raise KeyError(f"environment variable {config.api_key_var!r} (api_key_var) is not set on this node")
+        raise CallerError(
+            f"environment variable {config.api_key_var!r} (api_key_var) is not set on this node"
+        )
     return key
 
 

@@ -18,14 +18,6 @@ class MalformedResponse(Exception):
     """The server answered 200 with a body that is not the protocol (missing ids, bad shapes)."""
 
 
-class DeadlineExceeded(Exception):
-    """The rollout outlived its `deadline_s`."""
-
-
-class InfrastructureError(Exception):
-    """One of our actors or servers died, wedged or ran out of budget."""
-
-
 def classify(exc: BaseException) -> tuple[ResultKind, Failure]:
     """Map an exception raised while running a rollout to (result kind, failure)."""
     kind_attr = getattr(exc, "kind", None)
@@ -42,7 +34,5 @@ def classify(exc: BaseException) -> tuple[ResultKind, Failure]:
     if isinstance(exc, (openai.APIConnectionError, openai.APIResponseValidationError, MalformedResponse)):
         return "model", Failure.from_exception(exc)
     if isinstance(exc, (CallerError, ValidationError)):
-        return "caller", Failure.from_exception(exc)
-    if isinstance(exc, KeyError) and "api_key_var" in str(exc):
         return "caller", Failure.from_exception(exc)
     return "infrastructure", Failure.from_exception(exc)

@@ -37,6 +37,7 @@ from rollout_actors.wire import (
     Failure,
     Result,
     RolloutRequest,
+    check_allowed,
     new_id,
 )
 from rollout_actors.worker_set import WorkerSet, WorkerSlot
@@ -160,7 +161,7 @@ class RolloutPlane:
         try:
             request = RolloutRequest.model_validate(request)
             lane = self.lanes.get(request.lane)
-            self._check_refs(request)
+            check_allowed(request.env.target, self.config.allowed_ref_prefixes)
         except (ValidationError, CallerError, KeyError) as exc:
             request_id = request.get("request_id") if isinstance(request, dict) else None
             request_id = request_id or (
@@ -192,13 +193,6 @@ class RolloutPlane:
             )
             ids.append(await self.submit(member))
         return ids
-
-    def _check_refs(self, request: RolloutRequest) -> None:
-        module = request.env.target.partition(":")[0]
-        if not any(module == p.rstrip(".") or module.startswith(p) for p in self.config.allowed_ref_prefixes):
-            raise CallerError(
-                f"env Ref {request.env.target!r} is outside the allowlist {list(self.config.allowed_ref_prefixes)}"
-            )
 
     # results ---------------------------------------------------------------------------------------
     async def next_result(self, timeout: float | None = None) -> Result:
@@ -353,10 +347,13 @@ class RolloutPlane:
         deadline = request.deadline_s + self.config.answer_grace_s
         try:
             done, _ = await asyncio.wait(
-                {answer, lost}, timeout=deadline, return_when=asyncio.FIRST_COMPLETED
+                {answer, lost, cancel}, timeout=deadline, return_when=asyncio.FIRST_COMPLETED
             )
-            if answer not in done and cancel.done():
-                done, _ = await asyncio.wait({answer, lost}, timeout=self.config.cancel_grace_s)
+            if done == {cancel}:
+                # The worker was asked to cancel: it has `cancel_grace_s` to clean up and answer.
+                done, _ = await asyncio.wait(
+                    {answer, lost}, timeout=self.config.cancel_grace_s, return_when=asyncio.FIRST_COMPLETED
+                )
             if answer in done:
                 try:
                     return answer.result()
@@ -368,8 +365,6 @@ class RolloutPlane:
             if cancelled.is_set():
                 return _cancelled(request, "worker did not confirm within cancel_grace_s")
             if lost in done or not slot.alive:
-                # A late answer from the lost attempt, if any, is counted and dropped in `_answer`.
-                answer.add_done_callback(self._late_answer)
                 return slot.cause
             return Result.failed(
                 request,
@@ -384,6 +379,10 @@ class RolloutPlane:
             self._running.pop(request.request_id, None)
             lost.cancel()
             cancel.cancel()
+            if not answer.done():
+                # A late answer from this attempt, if any, goes through `_answer`: delivered if the
+                # lease is still open, otherwise counted and dropped.
+                answer.add_done_callback(self._late_answer)
 
     def _late_answer(self, future: asyncio.Future[Any]) -> None:
         if not future.cancelled() and future.exception() is None:

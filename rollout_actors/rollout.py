@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from env_actors.session import EnvSession
 from renderer_actors.session import RendererSession
 from rollout_actors.client import build_client
-from rollout_actors.failures import DeadlineExceeded, classify
+from rollout_actors.failures import classify
 from rollout_actors.model_call import Sampled, complete_chat, complete_tokens, tool_call_views
 from rollout_actors.wire import Failure, Result, RolloutRequest, ToolCall, Turn
 
@@ -36,16 +36,11 @@ class LoopLimits:
     """Ceiling for one renderer or env call; the rollout's remaining deadline caps it further."""
 
 
-class _Clock:
-    def __init__(self, deadline_s: float) -> None:
-        self.deadline = time.monotonic() + deadline_s
-        self.deadline_s = deadline_s
-
-    def budget(self, ceiling: float) -> float:
-        left = self.deadline - time.monotonic()
-        if left <= 0:
-            raise DeadlineExceeded(f"rollout exceeded its deadline of {self.deadline_s:g} s")
-        return min(ceiling, left)
+def _budget(scope: asyncio.Timeout, ceiling: float) -> float:
+    """Seconds one remote call may take: its ceiling, capped by what is left of the rollout's deadline."""
+    when = scope.when()
+    assert when is not None
+    return max(0.0, min(ceiling, when - asyncio.get_running_loop().time()))
 
 
 async def run_rollout(
@@ -57,15 +52,19 @@ async def run_rollout(
     (the caller turns that into a `cancelled` result after cleanup has run)."""
     started = time.time()
     state = _Trajectory()
+    scope = asyncio.timeout(request.deadline_s)
     try:
-        async with asyncio.timeout(request.deadline_s):
-            await _run(request, pools, limits, state)
+        async with scope:
+            await _run(request, pools, limits, state, scope)
         kind, error = "ok", None
-    except TimeoutError:
-        kind = "infrastructure"
-        error = Failure(
-            type="DeadlineExceeded", message=f"rollout exceeded its deadline of {request.deadline_s:g} s"
-        )
+    except TimeoutError as exc:
+        if scope.expired():
+            kind = "infrastructure"
+            error = Failure(
+                type="DeadlineExceeded", message=f"rollout exceeded its deadline of {request.deadline_s:g} s"
+            )
+        else:  # a call's own deadline, not the rollout's
+            kind, error = classify(exc)
     except asyncio.CancelledError:
         raise
     except Exception as exc:  # every failure becomes data here, classified on this side
@@ -88,25 +87,32 @@ async def run_rollout(
     )
 
 
+@dataclass
 class _Trajectory:
-    def __init__(self) -> None:
-        self.turns: list[Turn] = []
-        self.messages: list[dict[str, Any]] = []
-        self.reward: float | None = None
-        self.components: dict[str, float] = {}
-        self.metrics: dict[str, Any] = {}
-        self.forked = False
+    """What a rollout has gathered so far; kept outside `_run` so a failure still reports it."""
+
+    turns: list[Turn] = field(default_factory=list)
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    reward: float | None = None
+    components: dict[str, float] = field(default_factory=dict)
+    metrics: dict[str, Any] = field(default_factory=dict)
+    forked: bool = False
 
 
-async def _run(request: RolloutRequest, pools: PoolDirectory, limits: LoopLimits, state: _Trajectory) -> None:
-    clock = _Clock(request.deadline_s)
+async def _run(
+    request: RolloutRequest,
+    pools: PoolDirectory,
+    limits: LoopLimits,
+    state: _Trajectory,
+    scope: asyncio.Timeout,
+) -> None:
     ceiling = limits.call_timeout_s
     client = build_client(request.client, session_id=request.request_id)
     env: EnvSession | None = None
     renderer: RendererSession | None = None
     try:
         env = await EnvSession.open(
-            pools.env_pool(request), request.task_index, request.task, timeout=clock.budget(ceiling)
+            pools.env_pool(request), request.task_index, request.task, timeout=_budget(scope, ceiling)
         )
         tools = env.tools or None
         state.messages = list(env.messages)
@@ -114,14 +120,14 @@ async def _run(request: RolloutRequest, pools: PoolDirectory, limits: LoopLimits
         branch = 0
         if request.mode == "token":
             renderer = await RendererSession.open(
-                pools.renderer_pool(), request.client.model, request.renderer, timeout=clock.budget(ceiling)
+                pools.renderer_pool(), request.client.model, request.renderer, timeout=_budget(scope, ceiling)
             )
-            prompt_ids = await renderer.start(state.messages, tools, timeout=clock.budget(ceiling))
+            prompt_ids = await renderer.start(state.messages, tools, timeout=_budget(scope, ceiling))
         for _ in range(request.max_turns):
             if request.mode == "token":
                 assert renderer is not None
                 sampled = await complete_tokens(client, request.client.model, prompt_ids, request.sampling)
-                parsed = await renderer.parse(sampled.completion_ids, tools, timeout=clock.budget(ceiling))
+                parsed = await renderer.parse(sampled.completion_ids, tools, timeout=_budget(scope, ceiling))
                 assistant = parsed.message
                 turn = Turn(
                     prompt_ids=prompt_ids,
@@ -141,7 +147,7 @@ async def _run(request: RolloutRequest, pools: PoolDirectory, limits: LoopLimits
                 turn = _chat_turn(sampled)
             state.turns.append(turn)
             state.messages.append(assistant)
-            step = await env.step(assistant, timeout=clock.budget(ceiling))
+            step = await env.step(assistant, timeout=_budget(scope, ceiling))
             state.messages.extend(step.messages)
             if step.done:
                 break
@@ -152,11 +158,11 @@ async def _run(request: RolloutRequest, pools: PoolDirectory, limits: LoopLimits
                     sampled.finish_reason,
                     step.messages,
                     tools,
-                    timeout=clock.budget(ceiling),
+                    timeout=_budget(scope, ceiling),
                 )
                 prompt_ids, branch = bridged.prompt_ids, bridged.branch
                 state.forked = state.forked or bridged.forked
-        score = await env.score(timeout=clock.budget(ceiling))
+        score = await env.score(timeout=_budget(scope, ceiling))
         state.reward, state.components, state.metrics = (
             score.reward,
             dict(score.components),

@@ -13,12 +13,14 @@ from typing import Any
 
 import ray
 
-from env_actors.pool import EnvPoolConfig, start_env_pool
+from env_actors.pool import EnvPoolConfig, start_env_pool, stop_env_pool
 from renderer_actors.pool import get_or_create_renderer_pool
 from rollout_actors.naming import PoolNames, env_key
 from rollout_actors.wire import Ref
 
 log = logging.getLogger(__name__)
+
+POOL_SHUTDOWN_TIMEOUT_S = 10.0  # a pool that cannot stop in this long is killed regardless
 
 
 class SharedPools:
@@ -49,19 +51,16 @@ class SharedPools:
         return await asyncio.shield(future)
 
     async def close(self) -> None:
-        handles = [f.result() for f in self._env_pools.values() if f.done() and f.exception() is None]
         for future in self._env_pools.values():
             if not future.done():
                 future.cancel()
-        for handle in handles:
-            try:
-                await asyncio.wait_for(handle.shutdown.remote(), 10)
-            except Exception as exc:
-                log.warning("env pool shutdown: %s", exc)
-            ray.kill(handle, no_restart=True)
+        handles = [
+            f.result() for f in self._env_pools.values() if not f.cancelled() and f.exception() is None
+        ]
+        await asyncio.gather(*(stop_env_pool(handle) for handle in handles))
         if self._renderer_pool is not None:
             try:
-                await asyncio.wait_for(self._renderer_pool.shutdown.remote(), 10)
+                await asyncio.wait_for(self._renderer_pool.shutdown.remote(), POOL_SHUTDOWN_TIMEOUT_S)
             except Exception as exc:
                 log.warning("renderer pool shutdown: %s", exc)
             ray.kill(self._renderer_pool, no_restart=True)

@@ -96,13 +96,19 @@ def resolve_ref(ref: Ref | dict, allowed_prefixes: tuple[str, ...] = DEFAULT_ALL
         raise CallerError(f"Ref {ref.target} rejected its config: {exc}") from exc
 
 
-def load_target(target: str, allowed_prefixes: tuple[str, ...] = DEFAULT_ALLOWED_PREFIXES) -> Any:
-    module_name, _, attr = target.partition(":")
+def check_allowed(target: str, allowed_prefixes: tuple[str, ...] = DEFAULT_ALLOWED_PREFIXES) -> None:
+    """Refuse (as `CallerError`) a Ref target whose module is outside the allowlist, without importing it."""
+    module_name = target.partition(":")[0]
     if not any(module_name == p.rstrip(".") or module_name.startswith(p) for p in allowed_prefixes):
         raise CallerError(
             f"Ref {target!r} is outside the allowlist {list(allowed_prefixes)}; widen it explicitly "
             "(allowed_ref_prefixes) to run code from other packages"
         )
+
+
+def load_target(target: str, allowed_prefixes: tuple[str, ...] = DEFAULT_ALLOWED_PREFIXES) -> Any:
+    check_allowed(target, allowed_prefixes)
+    module_name, _, attr = target.partition(":")
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:

@@ -102,10 +102,6 @@ class RolloutWorker:
             "in_flight": len(self._running),
         }
 
-    async def block_event_loop(self, seconds: float) -> None:
-        """Fault injection for tests and the chaos run: wedge this worker's event loop."""
-        time.sleep(seconds)
-
 
 def remote_worker_class(num_cpus: float) -> Any:
     # SPREAD: workers land on different nodes where there are several, so one node loss costs a fraction.

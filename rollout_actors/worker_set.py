@@ -34,8 +34,6 @@ class WorkerSlot:
     alive: bool = True
     lost: asyncio.Event = field(default_factory=asyncio.Event)
     cause: str = ""
-    last_ok: float = field(default_factory=time.monotonic)
-    probe: asyncio.Task[None] | None = None
 
 
 class WorkerSet:
@@ -61,7 +59,10 @@ class WorkerSet:
         self.slots: list[WorkerSlot] = []
         self.lost_count = 0
         self._replacing = 0
-        self._admitted = asyncio.Condition()
+        self._changed = asyncio.Event()
+        """Pulsed (set, then replaced) whenever a worker is admitted or a replacement gives up."""
+        self._tasks: set[asyncio.Task[None]] = set()
+        """Probe loops and replacements: owned here, cancelled in `close`."""
         self._closed = False
 
     async def start(self) -> None:
@@ -84,14 +85,18 @@ class WorkerSet:
             raise
 
     def _admit(self, slot: WorkerSlot) -> None:
-        slot.last_ok = time.monotonic()
-        slot.probe = asyncio.get_running_loop().create_task(self._probe_loop(slot))
+        self._own(self._probe_loop(slot))
         self.slots.append(slot)
-        asyncio.get_running_loop().create_task(self._notify_admitted())
+        self._signal()
 
-    async def _notify_admitted(self) -> None:
-        async with self._admitted:
-            self._admitted.notify_all()
+    def _own(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _signal(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
 
     def live(self) -> list[WorkerSlot]:
         return [s for s in self.slots if s.alive]
@@ -103,24 +108,18 @@ class WorkerSet:
     async def pick_or_wait(self) -> WorkerSlot | None:
         """The least-loaded live worker. With none live, wait for a replacement already being started
         (bounded by its readiness deadline); with none coming, answer `None` at once rather than queue."""
-        slot = self.pick()
-        if slot is not None or self._replacing == 0:
-            return slot
-        async with self._admitted:
+        deadline = time.monotonic() + WORKER_READY_TIMEOUT_S
+        while (slot := self.pick()) is None and self._replacing > 0:
             try:
-                await asyncio.wait_for(
-                    self._admitted.wait_for(lambda: bool(self.live()) or self._replacing == 0),
-                    WORKER_READY_TIMEOUT_S,
-                )
+                await asyncio.wait_for(self._changed.wait(), deadline - time.monotonic())
             except TimeoutError:
                 return None
-        return self.pick()
+        return slot
 
     async def _probe_loop(self, slot: WorkerSlot) -> None:
         while slot.alive and not self._closed:
             try:
                 await asyncio.wait_for(slot.handle.ping.remote(), self._hang_timeout_s)
-                slot.last_ok = time.monotonic()
             except TimeoutError:
                 self.declare_lost(slot, f"no liveness answer within hang_timeout={self._hang_timeout_s:g} s")
                 return
@@ -147,7 +146,7 @@ class WorkerSet:
         self.slots.remove(slot)
         if not self._closed and self._budget_allows_restart():
             self._replacing += 1
-            asyncio.get_running_loop().create_task(self._replace())
+            self._own(self._replace())
 
     def _budget_allows_restart(self) -> bool:
         now = time.monotonic()
@@ -179,13 +178,13 @@ class WorkerSet:
             self._admit(slot)
         finally:
             self._replacing -= 1
-            await self._notify_admitted()
+            self._signal()
 
     async def close(self) -> None:
         self._closed = True
+        for task in list(self._tasks):
+            task.cancel()
         for slot in list(self.slots):
-            if slot.probe is not None:
-                slot.probe.cancel()
             try:
                 ray.kill(slot.handle, no_restart=True)
             except Exception:

@@ -7,14 +7,15 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import uuid
-from contextlib import asynccontextmanager, suppress
+from contextlib import suppress
 
 import pytest
 import ray
+from env_pools import env_pool, pool_name
+from waiting import eventually
 
 from env_actors.budget import RestartIntensity
-from env_actors.pool import EnvPoolConfig, EnvStartupError, start_env_pool, stop_env_pool
+from env_actors.pool import EnvPoolConfig, EnvStartupError, start_env_pool
 from env_actors.session import EnvCallFailed, EnvSession
 from rollout_actors.wire import Ref
 
@@ -30,29 +31,6 @@ starved of CPU on a busy test machine is not mistaken for a wedged one elsewhere
 
 def run(coro, deadline: float):
     return asyncio.run(asyncio.wait_for(coro, deadline))
-
-
-def pool_name() -> str:
-    return f"test-fault-{uuid.uuid4().hex[:8]}"
-
-
-@asynccontextmanager
-async def env_pool(target: str, config: EnvPoolConfig, **env_config):
-    pool = await start_env_pool(pool_name(), Ref(target=target, config=env_config), config, 30)
-    try:
-        yield pool
-    finally:
-        await stop_env_pool(pool)
-
-
-async def eventually(check, timeout: float, interval: float = 0.1):
-    deadline = asyncio.get_running_loop().time() + timeout
-    while True:
-        value = await check()
-        if value:
-            return value
-        assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
-        await asyncio.sleep(interval)
 
 
 def assistant(content: str = "ok") -> dict:

@@ -5,15 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-import uuid
-from contextlib import asynccontextmanager
 
 import pytest
 import ray
+from env_pools import env_pool
+from waiting import eventually
 
-from env_actors.pool import EnvPoolConfig, get_env_pool, start_env_pool, stop_env_pool
+from env_actors.pool import EnvPoolConfig, get_env_pool
 from env_actors.session import EnvCallFailed, EnvSession
-from rollout_actors.wire import Ref
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
@@ -23,27 +22,6 @@ ECHO = "env_actors.faults.envs:EchoEnv"
 def run(coro, deadline: float):
     """Each test's own global deadline: a hang fails fast instead of waiting for pytest-timeout."""
     return asyncio.run(asyncio.wait_for(coro, deadline))
-
-
-@asynccontextmanager
-async def env_pool(target: str, config: EnvPoolConfig | None = None, **env_config):
-    name = f"test-env-{uuid.uuid4().hex[:8]}"
-    pool = await start_env_pool(name, Ref(target=target, config=env_config), config or EnvPoolConfig(), 30)
-    try:
-        yield pool
-    finally:
-        await stop_env_pool(pool)
-
-
-async def eventually(check, timeout: float, interval: float = 0.1):
-    """Poll an async predicate until it returns a truthy value; fail at the deadline."""
-    deadline = asyncio.get_running_loop().time() + timeout
-    while True:
-        value = await check()
-        if value:
-            return value
-        assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
-        await asyncio.sleep(interval)
 
 
 def assistant(content, tool_calls=None):

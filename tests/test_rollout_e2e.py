@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import glob
-import json
 import os
 
 import openai
@@ -205,7 +204,6 @@ def test_no_client_or_connection_left_open_after_ok_failed_and_cancelled(ray_ses
     assert kinds.count("ok") == 6 and kinds.count("model") == 3 and kinds.count("cancelled") == 3, kinds
     assert held["open_clients"] == 0, held
     assert held["connections"] == 0, held
-    assert json.loads(results[0].model_dump_json())["lease_id"]
 
 
 def test_env_worker_killed_mid_rollout_ends_infrastructure_and_others_finish(ray_session, standin):
@@ -237,4 +235,4 @@ def test_env_worker_killed_mid_rollout_ends_infrastructure_and_others_finish(ray
     kinds = sorted(r.kind for r in results)
     assert kinds.count("infrastructure") == killed_sessions, [(r.kind, r.error) for r in results]
     assert kinds.count("ok") == 4 - killed_sessions
-    assert all("EnvServer" in r.error.message or r.error.type for r in results if r.kind != "ok")
+    assert {r.error.type for r in results if r.kind != "ok"} == {"EnvWorkerLost"}

@@ -1,0 +1,29 @@
+"""A real env pool for the length of a test, stopped (workers killed) on every exit path."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from env_actors.pool import EnvPoolConfig, start_env_pool, stop_env_pool
+from rollout_actors.wire import Ref
+
+READY_TIMEOUT_S = 30
+
+
+def pool_name() -> str:
+    return f"test-env-{uuid.uuid4().hex[:8]}"
+
+
+@asynccontextmanager
+async def env_pool(target: str, config: EnvPoolConfig | None = None, **env_config: Any) -> AsyncIterator[Any]:
+    name = f"test-env-{uuid.uuid4().hex[:8]}"
+    pool = await start_env_pool(
+        name, Ref(target=target, config=env_config), config or EnvPoolConfig(), READY_TIMEOUT_S
+    )
+    try:
+        yield pool
+    finally:
+        await stop_env_pool(pool)
