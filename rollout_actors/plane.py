@@ -177,8 +177,14 @@ class RolloutPlane:
         return request.request_id
 
     async def submit_group(self, request: RolloutRequest | dict[str, Any], n: int) -> list[str]:
-        """`n` rollouts of the same task under one group id; results still stream one by one."""
-        base = RolloutRequest.model_validate(request)
+        """`n` rollouts of the same task under one group id; results still stream one by one. An invalid
+        request gives `n` `caller` results, like `n` invalid `submit`s, and raises nothing."""
+        try:
+            base = RolloutRequest.model_validate(request)
+        except ValidationError:
+            raw = {k: v for k, v in dict(request).items() if k not in ("request_id", "lease_id")}
+            group_id = raw.get("group_id") or new_id("group")
+            return [await self.submit({**raw, "group_id": group_id}) for _ in range(n)]
         group_id = base.group_id or new_id("group")
         ids = []
         for i in range(n):

@@ -236,3 +236,18 @@ def test_env_worker_killed_mid_rollout_ends_infrastructure_and_others_finish(ray
     assert kinds.count("infrastructure") == killed_sessions, [(r.kind, r.error) for r in results]
     assert kinds.count("ok") == 4 - killed_sessions
     assert {r.error.type for r in results if r.kind != "ok"} == {"EnvWorkerLost"}
+
+
+def test_invalid_group_comes_back_as_one_caller_result_per_member(ray_session, standin):
+    malformed = request(standin).model_dump(mode="json")
+    malformed["sampling"]["temprature"] = 0.5
+
+    async def scenario():
+        async with small_plane() as plane:
+            ids = await plane.submit_group(malformed, n=3)
+            return ids, await collect(plane, 3)
+
+    ids, results = run(scenario())
+    assert len(set(ids)) == 3 and sorted(r.request_id for r in results) == sorted(ids)
+    assert [r.kind for r in results] == ["caller"] * 3
+    assert len({r.group_id for r in results}) == 1 and results[0].group_id is not None
