@@ -8,7 +8,9 @@ to every caller of `ready`, with this side's traceback.
 
 Render calls run inline on the event loop: each is short (linear in the turn) and CPU-bound, so a thread
 hop would cost more than it saves. Calls carry no rollout state, so any renderer of the key can serve any
-call, and a dead one loses nothing.
+call, and a dead one loses nothing. Sessions send their calls batched (`call_many`, one Ray call for every
+call a worker process asks of this renderer in one event-loop tick; see `batching.py`); each call in a
+batch answers or fails on its own.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import threading
 import time
 from typing import Any
 
+from renderer_actors.batching import CallOutcome
 from renderer_actors.key import RendererKey
 from renderer_actors.parse import ParsedCompletion
 from renderer_actors.renderer import (
@@ -30,6 +33,10 @@ from renderer_actors.renderer import (
     StartReply,
     build_renderer,
 )
+from rollout_actors.wire import Failure
+
+BATCHABLE = frozenset({"start", "bridge", "parse", "render"})
+"""The methods `call_many` runs: the stateless render calls."""
 
 _BUILD_LOCK = threading.Lock()
 """Serialises tokenizer builds in this process (one renderer per actor today; cheap insurance if not)."""
@@ -81,6 +88,22 @@ class RendererActor:
         renderer = await self._loaded()
         self._calls += 1
         return renderer.parse(completion_ids, tools)
+
+    async def call_many(self, calls: list[tuple[str, tuple[Any, ...]]]) -> list[CallOutcome]:
+        """Run several render calls in order; each answers its value or its own failure. A `ValueError` is
+        the request's fault (`rejected`); anything else is this renderer's, with its traceback."""
+        renderer = await self._loaded()
+        outcomes = []
+        for method, args in calls:
+            self._calls += 1
+            try:
+                if method not in BATCHABLE:
+                    raise ValueError(f"{method!r} is not a render call")
+                outcomes.append(CallOutcome(value=getattr(renderer, method)(*args)))
+            except Exception as exc:
+                rejected = isinstance(exc, ValueError)
+                outcomes.append(CallOutcome(failure=Failure.from_exception(exc), rejected=rejected))
+        return outcomes
 
     async def render(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, add_generation_prompt: bool

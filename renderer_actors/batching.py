@@ -1,24 +1,51 @@
-"""Coalesce this process's concurrent pool calls: one `lease_many` for every lease asked for in the same
-event-loop tick, one `ready` call per renderer, one `release_many` per tick.
+"""Coalesce this process's concurrent renderer-side calls, per event-loop tick: one `lease_many` for every
+lease asked for in the tick, one `ready` call per renderer, one `release_many` per tick, and one
+`call_many` per renderer for every start / parse / bridge asked of it in the tick.
 
-Why: a rollout worker starts thousands of rollouts at once, and the pool is one actor that answers about
-a thousand calls a second on a small machine. Issued one by one, 2,048 leases queue for seconds and the
-last rollout to ask waits several times longer than the first; batched, they are a handful of calls.
+Why: a rollout worker runs thousands of rollouts at once, and every Ray call costs about half a
+millisecond of CPU on each side on a small machine, more than a parse or a bridge itself. Issued one by
+one, 2,048 leases queue for seconds and the last rollout to ask waits several times longer than the
+first; turns that finish together (a wave, or a busy loop whose ticks hold many answers) pay the hop
+once per tick instead of once per rollout. A quiet loop sends batches of one: no call waits for company.
 
-Ownership: one `PoolCalls` per event loop owns its flush tasks; each is bounded by `BATCH_CALL_TIMEOUT_S`,
-and each waiter bounds its own wait with its deadline. A waiter that gives up before its lease arrives
-cancels its future; the flush sees that and returns the lease to the pool, so nothing leaks.
+Ownership: one `BatchedCalls` per event loop owns its flush tasks; each is bounded, and each waiter bounds
+its own wait with its deadline. A waiter that gives up before its lease arrives cancels its future; the
+flush sees that and returns the lease to the pool, so nothing leaks. A render call whose waiter gave up
+still runs (it is short and stateless); its answer is dropped.
 """
 
 from __future__ import annotations
 
 import asyncio
 import weakref
+from dataclasses import dataclass
 from typing import Any
+
+from rollout_actors.wire import Failure
 
 BATCH_CALL_TIMEOUT_S = 60.0  # one pool call for many waiters: each waiter's own deadline is usually shorter
 READY_CALL_TIMEOUT_S = 600.0  # tokenizer loads can be slow (hub downloads); the pool's own bound is 300 s
 MAX_READY_ENTRIES = 1024  # renderers this process has waited on; finished entries are pruned past this
+CALL_SLACK_S = 5.0  # a `call_many` waits for its slowest waiter's deadline plus this, then gives up
+
+
+@dataclass(frozen=True)
+class CallOutcome:
+    """One call's answer inside a `call_many` reply: its value, or how it failed on the renderer."""
+
+    value: Any = None
+    failure: Failure | None = None
+    rejected: bool = False
+    """The renderer refused the request itself (a `ValueError`: a bad message shape): the caller's fault."""
+
+
+class RenderCallFailed(Exception):
+    """A call inside a batch failed on the renderer; the batch and the renderer are fine."""
+
+    def __init__(self, failure: Failure, rejected: bool) -> None:
+        super().__init__(f"{failure.type}: {failure.message}")
+        self.failure = failure
+        self.rejected = rejected
 
 
 def _pool_id(pool: Any) -> Any:
@@ -26,14 +53,53 @@ def _pool_id(pool: Any) -> Any:
     return actor_id.hex() if actor_id is not None else id(pool)
 
 
-class PoolCalls:
-    """Per-event-loop coalescer. Get it with `pool_calls()`."""
+class BatchedCalls:
+    """Per-event-loop coalescer. Get it with `batched_calls()`."""
 
     def __init__(self) -> None:
         self._leases: dict[tuple[Any, str, int], tuple[Any, list[asyncio.Future[Any]]]] = {}
         self._releases: dict[Any, tuple[Any, list[str], asyncio.Future[Any]]] = {}
         self._ready: dict[str, asyncio.Task[Any]] = {}
+        self._calls: dict[str, tuple[Any, list[tuple[str, tuple[Any, ...]]], list[asyncio.Future[Any]]]] = {}
+        self._call_deadline: dict[str, float] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
+
+    async def call(
+        self, renderer_id: str, handle: Any, method: str, args: tuple[Any, ...], timeout: float
+    ) -> Any:
+        """`handle.<method>(*args)`, sent in one `call_many` with every call asked of this renderer in this
+        tick. Raises what the whole batch raised (`RayActorError`: the renderer died), `RenderCallFailed`
+        for this call alone, or `TimeoutError` past `timeout`."""
+        loop = asyncio.get_running_loop()
+        batch = self._calls.get(renderer_id)
+        if batch is None:
+            batch = self._calls[renderer_id] = (handle, [], [])
+            self._call_deadline[renderer_id] = 0.0
+            self._own(self._flush_calls(renderer_id))
+        waiter = loop.create_future()
+        batch[1].append((method, args))
+        batch[2].append(waiter)
+        self._call_deadline[renderer_id] = max(self._call_deadline[renderer_id], loop.time() + timeout)
+        return await asyncio.wait_for(waiter, timeout)
+
+    async def _flush_calls(self, renderer_id: str) -> None:
+        await asyncio.sleep(0)  # every call asked of this renderer in this tick joins the batch
+        handle, calls, waiters = self._calls.pop(renderer_id)
+        wait_s = self._call_deadline.pop(renderer_id) - asyncio.get_running_loop().time() + CALL_SLACK_S
+        try:
+            outcomes = await asyncio.wait_for(handle.call_many.remote(calls), max(wait_s, CALL_SLACK_S))
+        except BaseException as exc:
+            _fail_all(waiters, exc)
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+            return
+        for waiter, outcome in zip(waiters, outcomes, strict=True):
+            if waiter.done():  # its owner gave up (timeout, cancellation): the answer is dropped
+                continue
+            if outcome.failure is None:
+                waiter.set_result(outcome.value)
+            else:
+                waiter.set_exception(RenderCallFailed(outcome.failure, outcome.rejected))
 
     async def lease(self, pool: Any, key_json: str, multiplex: int, timeout: float) -> dict[str, Any]:
         """One lease, from a `lease_many` shared with every other lease asked for in this tick."""
@@ -56,9 +122,7 @@ class PoolCalls:
                 pool.lease_many.remote(key_json, multiplex, len(waiters)), BATCH_CALL_TIMEOUT_S
             )
         except BaseException as exc:
-            for waiter in waiters:
-                if not waiter.done():
-                    waiter.set_exception(exc)
+            _fail_all(waiters, exc)
             if isinstance(exc, asyncio.CancelledError):
                 raise
             return
@@ -124,13 +188,21 @@ class PoolCalls:
         return task
 
 
-_PER_LOOP: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, PoolCalls] = weakref.WeakKeyDictionary()
+def _fail_all(waiters: list[asyncio.Future[Any]], exc: BaseException) -> None:
+    """The batch call failed as a whole (the actor died, the call timed out): every waiter still waiting
+    gets that failure."""
+    for waiter in waiters:
+        if not waiter.done():
+            waiter.set_exception(exc)
 
 
-def pool_calls() -> PoolCalls:
+_PER_LOOP: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, BatchedCalls] = weakref.WeakKeyDictionary()
+
+
+def batched_calls() -> BatchedCalls:
     """This event loop's coalescer (futures belong to one loop, so each loop gets its own)."""
     loop = asyncio.get_running_loop()
     calls = _PER_LOOP.get(loop)
     if calls is None:
-        calls = _PER_LOOP[loop] = PoolCalls()
+        calls = _PER_LOOP[loop] = BatchedCalls()
     return calls

@@ -32,7 +32,7 @@ import ray
 from pydantic import BaseModel
 from ray.exceptions import RayActorError, RayTaskError
 
-from renderer_actors.batching import pool_calls
+from renderer_actors.batching import RenderCallFailed, batched_calls
 from renderer_actors.key import RendererKey
 from renderer_actors.parse import ParsedCompletion
 from renderer_actors.renderer import (
@@ -204,7 +204,7 @@ class RendererSession:
         if lease_id is None:
             return
         try:
-            await pool_calls().release(self._pool, lease_id, timeout)
+            await batched_calls().release(self._pool, lease_id, timeout)
         except Exception:
             pass  # an unreleased lease expires in the pool (`max_lease_s`)
 
@@ -214,7 +214,7 @@ class RendererSession:
         return History(messages=self._messages, prompt_ids=self._prompt or [])
 
     async def _acquire(self, deadline: float, dead_renderer_id: str | None = None) -> None:
-        calls = pool_calls()
+        calls = batched_calls()
         try:
             if dead_renderer_id is None and self._lease_id is None:
                 # The common case, batched with every other session this process opens in this tick.
@@ -260,11 +260,12 @@ class RendererSession:
         """One renderer call; if the renderer died, once more on a replacement, within the same deadline."""
         deadline = time.monotonic() + timeout
         for attempt in range(2):
-            if self._renderer is None:
+            if self._renderer is None or self.renderer_id is None:
                 raise RendererUnavailable("renderer session is closed")
-            ref = getattr(self._renderer, method).remote(*args)
+            left = deadline - time.monotonic()
+            call = batched_calls().call(self.renderer_id, self._renderer, method, args, left)
             try:
-                return await self._remote(ref, deadline, f"renderer {method}")
+                return await self._remote(call, deadline, f"renderer {method}")
             except RayActorError as exc:
                 if attempt:
                     raise RendererUnavailable(
@@ -286,6 +287,13 @@ class RendererSession:
             raise RendererUnavailable(f"{what} did not answer within its deadline") from exc
         except RayActorError:
             raise
+        except RenderCallFailed as exc:
+            failure = exc.failure
+            if caller_errors and exc.rejected:
+                raise RendererCallerError(f"{what}: {failure.message}", traceback=failure.traceback) from None
+            raise RendererUnavailable(
+                f"{what} failed: {failure.type}: {failure.message}", traceback=failure.traceback
+            ) from None
         except RayTaskError as exc:
             cause = exc.cause if getattr(exc, "cause", None) is not None else exc
             if caller_errors and isinstance(cause, ValueError):

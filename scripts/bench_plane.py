@@ -135,6 +135,9 @@ async def run_single(args: argparse.Namespace, c: int, way: str, server: Standin
 async def run_plane(args: argparse.Namespace, c: int, server: StandinServer) -> WayResult:
     target, config = ENVS[args.env]
     env_workers = args.env_workers
+    # The renderer pool grows one renderer per `multiplex` concurrent leases. A render call is far below a
+    # millisecond, so more renderers than cores only add processes to start and schedule.
+    renderer_multiplex = args.renderer_multiplex or math.ceil(c / args.renderers)
     plane = RolloutPlane(
         PlaneConfig(
             lanes={"train": c, "eval": 1},
@@ -155,7 +158,7 @@ async def run_plane(args: argparse.Namespace, c: int, server: StandinServer) -> 
             task_index=i % 64,
             client=_client(server),
             sampling=SamplingConfig(max_tokens=MAX_TOKENS),
-            renderer=RendererConfig(multiplex=args.renderer_multiplex),
+            renderer=RendererConfig(multiplex=renderer_multiplex),
             max_turns=args.max_turns,
         )
 
@@ -291,7 +294,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--worker-num-cpus", type=float, default=0.5)
     parser.add_argument("--env-workers", type=int, default=2)
-    parser.add_argument("--renderer-multiplex", type=int, default=RendererConfig().multiplex)
+    parser.add_argument("--renderers", type=int, default=2, help="renderers the pool grows to (one per core)")
+    parser.add_argument("--renderer-multiplex", type=int, default=0, help="overrides --renderers")
     args = parser.parse_args()
     if args.quick:
         args.concurrency, args.latency = [128], 1.0

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 
-from renderer_actors.batching import pool_calls
+from renderer_actors.batching import batched_calls
 
 
 class _Method:
@@ -42,7 +42,7 @@ def test_concurrent_leases_in_one_tick_become_one_pool_call_per_key():
     pool = FakePool()
 
     async def scenario():
-        calls = pool_calls()
+        calls = batched_calls()
         leases = await asyncio.gather(
             *(calls.lease(pool, "k1", 4, timeout=5) for _ in range(5)),
             *(calls.lease(pool, "k2", 4, timeout=5) for _ in range(2)),
@@ -61,7 +61,7 @@ def test_a_lease_whose_waiter_gave_up_is_handed_back():
     pool = FakePool(delay=0.3)
 
     async def scenario():
-        calls = pool_calls()
+        calls = batched_calls()
         patient = asyncio.ensure_future(calls.lease(pool, "k", 4, timeout=5))
         impatient = asyncio.ensure_future(calls.lease(pool, "k", 4, timeout=0.05))
         lease = await patient
@@ -94,7 +94,7 @@ def test_readiness_is_asked_once_per_renderer_and_failures_are_not_cached():
             return name
 
     async def scenario():
-        calls = pool_calls()
+        calls = batched_calls()
         good, bad = Handle("good", False), Handle("bad", True)
         answers = await asyncio.gather(*(calls.ready("good", good, timeout=5) for _ in range(20)))
         assert answers == ["good"] * 20 and asked == ["good"]
@@ -107,3 +107,63 @@ def test_readiness_is_asked_once_per_renderer_and_failures_are_not_cached():
         assert asked == ["good", "bad", "bad"]
 
     asyncio.run(asyncio.wait_for(scenario(), 10))
+
+
+def test_render_calls_in_one_tick_become_one_call_many_per_renderer():
+    from renderer_actors.batching import CallOutcome, RenderCallFailed
+    from rollout_actors.wire import Failure
+
+    sent: list[tuple[str, list]] = []
+
+    class Renderer:
+        def __init__(self, name: str) -> None:
+            self.call_many = _Method(lambda calls: self._call_many(name, calls))
+
+        async def _call_many(self, name, calls):
+            sent.append((name, list(calls)))
+            return [
+                CallOutcome(failure=Failure(type="ValueError", message="bad"), rejected=True)
+                if args == ("bad",)
+                else CallOutcome(value=(name, method, args))
+                for method, args in calls
+            ]
+
+    async def scenario():
+        calls = batched_calls()
+        r1, r2 = Renderer("r1"), Renderer("r2")
+        answers = await asyncio.gather(
+            *(calls.call("r1", r1, "parse", (i,), timeout=5) for i in range(6)),
+            calls.call("r2", r2, "bridge", ("x",), timeout=5),
+            calls.call("r1", r1, "parse", ("bad",), timeout=5),
+            return_exceptions=True,
+        )
+        assert sorted((name, len(batch)) for name, batch in sent) == [("r1", 7), ("r2", 1)]
+        assert answers[:7] == [("r1", "parse", (i,)) for i in range(6)] + [("r2", "bridge", ("x",))]
+        assert isinstance(answers[7], RenderCallFailed) and answers[7].rejected
+        # A call made after the batch went out travels in the next one: nothing waits for company.
+        assert await calls.call("r1", r1, "parse", (9,), timeout=5) == ("r1", "parse", (9,))
+        assert len(sent) == 3
+
+    asyncio.run(asyncio.wait_for(scenario(), 10))
+
+
+def test_call_many_on_a_real_renderer_answers_each_call_on_its_own():
+    from renderer_actors.actor import RendererActor
+    from renderer_actors.key import RendererKey
+    from renderer_actors.tokenizer import BUNDLED_MODEL
+    from rollout_actors.wire import RendererConfig
+
+    actor = RendererActor(RendererKey.from_config(BUNDLED_MODEL, RendererConfig()).to_json(), "r")
+    messages = [{"role": "user", "content": "What is 2 + 2?"}]
+
+    async def scenario():
+        start, rejected, unknown = await actor.call_many(
+            [("start", (messages, None)), ("start", ([{"role": "nobody"}], None)), ("health", ())]
+        )
+        assert start.failure is None and start.value.prompt_ids
+        assert rejected.failure is not None and rejected.rejected and rejected.failure.traceback
+        assert unknown.failure is not None and unknown.rejected
+        (parsed,) = await actor.call_many([("parse", (start.value.prompt_ids[-3:], None))])
+        assert parsed.failure is None
+
+    asyncio.run(asyncio.wait_for(scenario(), 60))
