@@ -68,15 +68,6 @@ class ResetOut(BaseModel):
     """Which env worker holds the session (for logs and fault tests)."""
 
 
-class StepOut(BaseModel):
-    """The environment's answer to one assistant message."""
-
-    messages: list[Message] = Field(default_factory=list)
-    """New messages to append (tool results, a follow-up user turn); empty when nothing is added."""
-    done: bool
-    """True when the episode is over; the next call is `score`."""
-
-
 class ScoreOut(BaseModel):
     """The reward of a finished (or abandoned) episode."""
 
@@ -85,6 +76,18 @@ class ScoreOut(BaseModel):
     """Named parts of the reward, e.g. `{"correct": 1.0, "format": 1.0}`."""
     metrics: dict[str, Any] = Field(default_factory=dict)
     """Anything else worth logging (turns taken, tool calls); JSON values."""
+
+
+class StepOut(BaseModel):
+    """The environment's answer to one assistant message."""
+
+    messages: list[Message] = Field(default_factory=list)
+    """New messages to append (tool results, a follow-up user turn); empty when nothing is added."""
+    done: bool
+    """True when the episode is over; the next call is `score` (unless this step already carries it)."""
+    score: ScoreOut | None = None
+    """Set by the server, never by the environment: the episode's score when the step was asked to score
+    if done (`score_if_done`) and was done. The session has then ended on its worker (`close` ran)."""
 
 
 EnvCallKind = Literal["ok", "infrastructure", "caller"]

@@ -116,14 +116,28 @@ class EnvPool:
             return _caller_failure("EnvSessionClosed", f"session {session_id!r} was closed while starting")
         return response
 
-    async def step(self, session_id: str, message: dict[str, Any], timeout: float) -> EnvResponse:
-        """Send one assistant message to the session; the value is a `StepOut` dict."""
+    async def step(
+        self, session_id: str, message: dict[str, Any], timeout: float, score_if_done: bool = False
+    ) -> EnvResponse:
+        """Send one assistant message to the session; the value is a `StepOut` dict.
+
+        With `score_if_done`, a step that ends the episode also scores it and ends the session on its
+        worker (`StepOut.score` is set); the pool then forgets the session as `close` would. If scoring
+        fails, the failure is the answer and the session stays open for the caller's `close`."""
         found = self._lookup(session_id)
         if isinstance(found, EnvResponse):
             return found
         session, slot = found
-        deadline = min(timeout, self._config.step_timeout)
-        return await self._call(slot, session, "step", (session_id, message), deadline)
+        if not score_if_done:
+            deadline = min(timeout, self._config.step_timeout)
+            return await self._call(slot, session, "step", (session_id, message), deadline)
+        deadline = min(timeout, self._config.step_timeout + self._config.score_timeout)
+        response = await self._call(
+            slot, session, "step", (session_id, message), deadline, {"score_if_done": True}
+        )
+        if response.success and (response.value or {}).get("score") is not None:
+            self._forget(session_id)  # ended on the worker: no close follows
+        return response
 
     async def score(self, session_id: str, timeout: float) -> EnvResponse:
         """Score the session; the value is a `ScoreOut` dict."""
@@ -185,10 +199,16 @@ class EnvPool:
     # ---------------------------------------------------------------------------------- internals
 
     async def _call(
-        self, slot: WorkerSlot, session: _Session | None, method: str, args: tuple, deadline: float
+        self,
+        slot: WorkerSlot,
+        session: _Session | None,
+        method: str,
+        args: tuple,
+        deadline: float,
+        kwargs: dict[str, Any] | None = None,
     ) -> EnvResponse:
         """One call on one worker, answered within `deadline` + slack whatever the worker does."""
-        ref = getattr(slot.handle, method).remote(*args, deadline)
+        ref = getattr(slot.handle, method).remote(*args, deadline, **(kwargs or {}))
         call = asyncio.ensure_future(resolve(ref))
         slot.inflight += 1
         if session is not None:

@@ -13,6 +13,7 @@ stall past `hang_timeout` like a frozen process. A frozen (SIGSTOPped) or lost p
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import time
 from collections.abc import Awaitable
@@ -32,6 +33,8 @@ DEADLINE_FAILURE = "EnvDeadline"
 """`Failure.type` of a call that missed its deadline (raised here or by the pool)."""
 
 _SESSION_METHODS = ("reset", "step", "score", "close")
+
+logger = logging.getLogger(__name__)
 
 
 class EnvServer:
@@ -111,8 +114,13 @@ class EnvServer:
     ) -> EnvResponse:
         return await self._guard("reset", timeout, self._reset(session_id, task_index, task))
 
-    async def step(self, session_id: str, message: dict[str, Any], timeout: float) -> EnvResponse:
-        return await self._guard("step", timeout, self._step(session_id, message))
+    async def step(
+        self, session_id: str, message: dict[str, Any], timeout: float, score_if_done: bool = False
+    ) -> EnvResponse:
+        """One step. With `score_if_done`, a step that ends the episode also scores it and ends the session
+        in the same call (two relayed calls fewer per rollout); `timeout` bounds the whole of it."""
+        method = "step (scoring if done)" if score_if_done else "step"
+        return await self._guard(method, timeout, self._step(session_id, message, score_if_done))
 
     async def score(self, session_id: str, timeout: float) -> EnvResponse:
         return await self._guard("score", timeout, self._score(session_id))
@@ -159,11 +167,18 @@ class EnvServer:
         self._sessions[session_id] = start.state
         return out.model_dump()
 
-    async def _step(self, session_id: str, message: dict[str, Any]) -> dict:
+    async def _step(self, session_id: str, message: dict[str, Any], score_if_done: bool = False) -> dict:
         state = self._state(session_id)
         if not isinstance(message, dict) or message.get("role") != "assistant":
             raise CallerError("step takes an assistant message: a dict with role 'assistant'")
-        return StepOut.model_validate(await self._loaded().step(state, message)).model_dump()
+        out = StepOut.model_validate(await self._loaded().step(state, message))
+        score = None
+        if score_if_done and out.done:
+            # A raising score is this call's answer and leaves the session here: the caller's close ends it.
+            score = ScoreOut.model_validate(await self._loaded().score(state))
+            await self._end_scored(session_id)
+        # `score` is the server's to set: whatever the environment put there does not travel.
+        return StepOut(messages=out.messages, done=out.done, score=score).model_dump()
 
     async def _score(self, session_id: str) -> dict:
         state = self._state(session_id)
@@ -177,6 +192,17 @@ class EnvServer:
         if hasattr(self._env, "close"):
             await self._env.close(state)
         return None
+
+    async def _end_scored(self, session_id: str) -> None:
+        """Close a session its step just scored. The state is dropped before `env.close` runs, so a raising
+        close still ends the session; like a failed `close` call (which the rollout only logs), it costs
+        the rollout nothing: the score stands."""
+        try:
+            await self._close(session_id)
+        except Exception:
+            logger.warning(
+                "env worker %s: close of scored session %s raised", self._worker, session_id, exc_info=True
+            )
 
 
 def create_env_server(name: str, env: Ref, config: EnvPoolConfig) -> ray.actor.ActorHandle:

@@ -4,13 +4,17 @@
     try:
         messages = session.messages            # opening messages; session.tools: OpenAI tools or None
         while True:
-            out = await session.step(assistant_message, timeout=120)   # StepOut(messages, done)
-            ...
+            out = await session.step(assistant_message, timeout=120, score_if_done=True)
+            ...                                 # StepOut(messages, done, score)
             if out.done:
                 break
-        score = await session.score(timeout=60)  # ScoreOut(reward, components, metrics)
+        score = out.score or await session.score(timeout=60)  # ScoreOut(reward, components, metrics)
     finally:
         await session.close()                   # idempotent, never raises
+
+`score_if_done=True` folds the last step, the score and the close into one relayed call: a step that ends
+the episode comes back with its score, and the session has already ended on its worker (`close` is then
+a no-op; `score` fails as on any closed session). Without it, or while not done, a step is just a step.
 
 Every call has a deadline. A failed call raises `EnvCallFailed` carrying the pool's `Failure` and its
 kind: `caller` when the request was at fault (a `CallerError` in the environment: bad task index, malformed
@@ -92,12 +96,20 @@ class EnvSession:
             pool=pool, session_id=session_id, messages=out.messages, tools=out.tools, worker=out.worker
         )
 
-    async def step(self, assistant_message: dict[str, Any], timeout: float) -> StepOut:
+    async def step(
+        self, assistant_message: dict[str, Any], timeout: float, score_if_done: bool = False
+    ) -> StepOut:
+        """One turn. With `score_if_done`, a done step also scores and ends the session (`out.score`)."""
         self._check_open("step")
         value = await _call(
-            lambda: self.pool.step.remote(self.session_id, assistant_message, timeout), timeout, "step"
+            lambda: self.pool.step.remote(self.session_id, assistant_message, timeout, score_if_done),
+            timeout,
+            "step",
         )
-        return StepOut.model_validate(value)
+        out = StepOut.model_validate(value)
+        if out.score is not None:
+            self.closed = True  # the worker ended the session with this step; nothing is left to close
+        return out
 
     async def score(self, timeout: float) -> ScoreOut:
         self._check_open("score")

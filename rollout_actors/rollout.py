@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from env_actors.interface import ScoreOut
 from env_actors.session import EnvSession
 from renderer_actors.session import RendererSession
 from rollout_actors.client import build_client
@@ -118,6 +119,7 @@ async def _run(
         state.messages = list(env.messages)
         prompt_ids: list[int] = []
         branch = 0
+        final: ScoreOut | None = None
         if request.mode == "token":
             renderer = await RendererSession.open(
                 pools.renderer_pool(), request.client.model, request.renderer, timeout=_budget(scope, ceiling)
@@ -147,9 +149,10 @@ async def _run(
                 turn = _chat_turn(sampled)
             state.turns.append(turn)
             state.messages.append(assistant)
-            step = await env.step(assistant, timeout=_budget(scope, ceiling))
+            step = await env.step(assistant, timeout=_budget(scope, ceiling), score_if_done=True)
             state.messages.extend(step.messages)
             if step.done:
+                final = step.score  # scored and ended on the env worker in the same call
                 break
             if request.mode == "token":
                 assert renderer is not None
@@ -162,7 +165,7 @@ async def _run(
                 )
                 prompt_ids, branch = bridged.prompt_ids, bridged.branch
                 state.forked = state.forked or bridged.forked
-        score = await env.score(timeout=_budget(scope, ceiling))
+        score = final if final is not None else await env.score(timeout=_budget(scope, ceiling))
         state.reward, state.components, state.metrics = (
             score.reward,
             dict(score.components),

@@ -165,3 +165,21 @@ class StepRaisesEnv(EchoEnv):
 
     async def step(self, state: _Episode, assistant_message: Message) -> StepOut:
         raise KeyError("reward_model_url")
+
+
+class RecordsClosesEnv(EchoEnv):
+    """Healthy; every `close(state)` is recorded in `closes_dir`, so a test counts closes from outside."""
+
+    def __init__(self, closes_dir: str | None = None, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.closes_dir = closes_dir
+
+    async def close(self, state: _Episode) -> None:
+        _record(self.closes_dir, "close")
+
+
+class ScoreRaisesEnv(RecordsClosesEnv):
+    """Scoring raises an ordinary exception: a reward model that cannot be reached (`infrastructure`)."""
+
+    async def score(self, state: _Episode) -> ScoreOut:
+        raise ConnectionError("reward model at http://reward-model:8000 refused the connection")
