@@ -236,8 +236,11 @@ class RolloutPlane:
         return await self._publisher.publish(adapter, version)
 
     def _with_policy(self, request: RolloutRequest) -> RolloutRequest:
-        current = self._publisher.current() if self._publisher is not None else None
-        if current is None or request.policy_version is not None:
+        """The request on the active policy, checked out until `_dispatch` checks it in."""
+        if self._publisher is None or request.policy_version is not None:
+            return request
+        current = self._publisher.checkout()
+        if current is None:
             return request
         client = request.client.model_copy(update={"model": current.name})
         # The renderer keeps the base model's tokenizer: an adapter does not change the vocabulary.
@@ -294,7 +297,16 @@ class RolloutPlane:
                 else "infrastructure"
             )
             return Result.failed(request, kind, failure)
+        policy_before = request.policy_version
         request = self._with_policy(request)
+        checked_out = request.policy_version if policy_before is None else None
+        try:
+            return await self._dispatch_on_policy(request, cancelled)
+        finally:
+            if checked_out is not None and self._publisher is not None:
+                self._publisher.checkin(checked_out)
+
+    async def _dispatch_on_policy(self, request: RolloutRequest, cancelled: asyncio.Event) -> Result:
         endpoint = self._pick_endpoint()
         if endpoint is not None:
             # One endpoint for the rollout's whole life: its turns share one server's prefix cache.

@@ -20,6 +20,7 @@ import logging
 import os
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -140,7 +141,11 @@ class PolicyPublisher:
         self._current = initial
         self._pending: dict[int, PublishHandle] = {}
         self._published: list[tuple[ActivePolicy, Path]] = []
-        """Live adapters, oldest first: the active one and up to `retain - 1` before it."""
+        """Live adapters, oldest first: the newest `retain` (the active one last), and any older one a
+        rollout still uses (retired when its last user checks in)."""
+        self._users: Counter[int] = Counter()
+        """Rollouts in flight per version (`checkout` / `checkin`)."""
+        self._retiring: set[asyncio.Task[None]] = set()
         # One writer thread: publications serialise to storage in order and never take the default
         # executor's threads away from whoever else runs on this loop.
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lora-writer")
@@ -152,6 +157,24 @@ class PolicyPublisher:
     def current(self) -> ActivePolicy | None:
         """The active policy; None until the first publication (rollouts use the base model)."""
         return self._current
+
+    def checkout(self) -> ActivePolicy | None:
+        """The active policy, counted as in use until `checkin`: an adapter a rollout is using is never
+        unloaded under it, however many versions are published meanwhile."""
+        policy = self._current
+        if policy is not None:
+            self._users[policy.version] += 1
+        return policy
+
+    def checkin(self, version: int) -> None:
+        """The rollout that checked `version` out is done with it; a retired version is unloaded now."""
+        self._users[version] -= 1
+        if self._users[version] <= 0:
+            del self._users[version]
+            if not self._closed and self._retirable():
+                task = asyncio.get_running_loop().create_task(self._retire_in_order())
+                self._retiring.add(task)
+                task.add_done_callback(self._retiring.discard)
 
     def endpoints(self) -> list[str]:
         raw = self._endpoints() if callable(self._endpoints) else self._endpoints
@@ -202,7 +225,7 @@ class PolicyPublisher:
     async def aclose(self) -> None:
         """Cancel publications in flight (the active policy stays) and release the writer thread."""
         self._closed = True
-        tasks = [handle._task for handle in self._pending.values()]
+        tasks = [handle._task for handle in self._pending.values()] + list(self._retiring)
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -276,12 +299,21 @@ class PolicyPublisher:
 
         await asyncio.gather(*(unload(server) for server in servers))
 
+    def _retirable(self) -> list[tuple[ActivePolicy, Path]]:
+        """The newest `retain` adapters stay; an older one stays only while a rollout uses it."""
+        older = self._published[: max(0, len(self._published) - self.retain)]
+        return [entry for entry in older if entry[0].version not in self._users]
+
+    async def _retire_in_order(self) -> None:
+        async with self._order:
+            await self._retire(self.endpoints())
+
     async def _retire(self, servers: list[str]) -> None:
         # Best effort: an old adapter left loaded costs server memory, not correctness.
-        while len(self._published) > self.retain:
-            policy, path = self._published.pop(0)
-            await self._unload_all(servers, policy.name)
-            remove_adapter(path)
+        for entry in self._retirable():
+            self._published.remove(entry)
+            await self._unload_all(servers, entry[0].name)
+            remove_adapter(entry[1])
 
 
 def _server_root(url: str) -> str:

@@ -1,16 +1,48 @@
-"""Benchmark: how long does `publish` block its caller, and what does publication cost the servers' traffic?
+"""Benchmark: how long `publish_policy` blocks its caller, and what publication costs rollout throughput.
 
-    python scripts/bench_publish.py [--sizes 16,64,256] [--servers 2] [--concurrency 32] [--window 3]
+    python scripts/bench_publish.py [--quick] [--sizes 16,64,256] [--servers 2] [--inflight 64]
+                                    [--window 5] [--gap 0] [--min-during 150] [--latency-s 0.05]
 
-For each adapter size (MiB of float32 LoRA weights) it measures, side by side in one run:
-  blocked   time the caller spends inside `await publisher.publish(...)` (the capture: a memcpy)
-  total     time until every stand-in server has loaded the adapter and `current()` switched
-  rps       stand-in request throughput (chat completions from `--concurrency` clients over all servers)
-            during the publication vs. over a window without one, measured back to back.
+Setup: a local Ray, `--servers` stand-in servers (`--latency-s` per model call) and a `RolloutPlane` over
+them (2 workers, one env pool), its policy storage in a temporary directory. A driver-side loop keeps
+`--inflight` real plane rollouts in flight all run long, on the same event loop as the publishing caller,
+as a trainer's would be: token mode, the bundled `CalculatorEnv` (always two model turns, a tool call then
+the answer, so a rollout is the same work under any policy); each result that arrives is recorded with its
+arrival time and a new rollout is submitted. Nothing is timed before 3 x `--inflight` results arrived.
 
-Rollout throughput during publication needs the RolloutPlane; until the plane's `publish_policy` is wired
-this measures the servers' request throughput instead (a rollout is a sequence of such requests), with
-the load generator on the same event loop as the publisher, as the plane's would be.
+Per adapter size (MiB of float32 LoRA weights: rank 64, 32 tensors), in order:
+  cold   one publication of a fresh adapter of that size (capture into fresh memory), reported apart;
+         the first size's also builds the plane's publisher (its writer thread and HTTP client)
+  idle   `--window` s without publication
+  pubs   publications one after another: publish, wait until every server loaded it and the plane
+         switched, publish the next version (the same arrays updated in place, as a trainer's are),
+         paced by `--gap` and the retention rule below; for at least `--window` s and until
+         `--min-during` rollouts completed inside publications (at most 6 windows)
+  idle   `--window` s without publication again: idle before and after, so a drift of the shared
+         machine's load does not read as an effect of publication
+
+Columns:
+  blocked        seconds inside `await plane.publish_policy(...)` (the capture: a memcpy); median of `pubs`
+  total          from calling `publish_policy` until `handle.wait()` returned; median of `pubs`
+  blocked/total  median of the per-publication ratios (min and max below the table)
+  ro/s idle      rollouts completed per second over both idle windows
+  ro/s during    rollouts completed inside publications ([start, start + total] of each) over the summed
+                 length of those intervals. One publication lasts tens to hundreds of ms, a handful of
+                 completions, so every publication of the phase counts; `n during` is how many completions
+                 the rate rests on (relative noise at least 1/sqrt(n)). Work a publication slowed down but
+                 that finished after it is not in it: `ro/s phase` is the whole `pubs` phase, waits included.
+  failures       results that were not `ok`, from the cold publication to the end of the second idle window
+
+Retention: the plane's publisher keeps the last 4 adapters loaded and unloads older ones whether or not a
+rollout in flight still uses one (that rollout then fails: the server answers 404 for its model). So before
+publishing version v the benchmark waits until every rollout in flight was submitted after v-3 switched
+in, as a trainer publishing this often would have to.
+
+In-flight rollouts keep their policy: every `ok` rollout that started before some publication began and
+finished after it switched must report `policy_version_start` = the version active when the plane stamped
+it and `policy_version_end` >= the newer one. The stamp falls between the driver's submit and the worker's
+`started_at` (one machine, one clock); rollouts for which that span overlaps a publication are not checked.
+
 Target: blocked / total < 0.10. The last line is `publish caller-blocked/total at 64MiB: <ratio>`.
 """
 
@@ -18,25 +50,36 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
+import math
 import shutil
+import statistics
 import tempfile
 import time
+from dataclasses import dataclass
 
 import numpy as np
+import ray
 
 from renderer_actors.tokenizer import BUNDLED_MODEL
 from rollout_actors.inference.launch import StandinOptions, StandinServer
 from rollout_actors.lora import LoraAdapter, lora_config
-from rollout_actors.publish import PolicyPublisher
-
-try:
-    import httpx2 as httpx
-except ImportError:  # pragma: no cover
-    import httpx
+from rollout_actors.plane import PlaneConfig, RolloutPlane
+from rollout_actors.wire import ClientConfig, Ref, RolloutRequest, SamplingConfig
 
 RANK = 64
 TENSORS = 32  # 8 layers x (q, v) x (A, B): enough tensors that per-tensor overhead shows, if any
-REQUEST = {"model": BUNDLED_MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 16}
+CALCULATOR = Ref(
+    target="env_actors.examples.calculator_env:CalculatorEnv", config={"num_tasks": 300, "max_turns": 4}
+)
+MAX_TURNS = 4  # the env ends every episode after 2 model turns; this only guards against a runaway loop
+MAX_TOKENS = 256  # the scripted policy writes < 150 tokens a turn; nothing is cut
+RESULT_TIMEOUT_S = 120.0  # one result with `--inflight` in flight; far past any healthy rollout
+PUBLISH_TIMEOUT_S = 300.0
+MAX_PHASE_WINDOWS = 6  # a publication phase may run this many windows to reach `--min-during`
+RETAINED = 4  # adapters the plane's publisher keeps loaded (PolicyPublisher's default `retain`)
+RAMP_S = 2.0  # the first `--inflight` submissions are spread over this
+WARMUP_ROLLOUTS = 3  # x `--inflight` results before anything is timed: pools, renderers, connections warm
 
 
 def make_adapter(mib: int, seed: int) -> LoraAdapter:
@@ -51,116 +94,351 @@ def make_adapter(mib: int, seed: int) -> LoraAdapter:
     return LoraAdapter(tensors, lora_config(RANK, 2 * RANK, ["q_proj", "v_proj"], BUNDLED_MODEL))
 
 
-class Load:
-    """`concurrency` clients sending chat completions round-robin over the servers; counts answers."""
+@dataclass
+class Finished:
+    """One rollout's result, as much of it as the benchmark reads."""
 
-    def __init__(self, urls: list[str], concurrency: int):
+    received: float
+    """Driver monotonic time the result arrived."""
+    submitted_wall: float
+    """Driver wall time just before `submit`: the plane stamps the policy after this."""
+    ok: bool
+    error: str | None
+    version_start: int | None
+    version_end: int | None
+    started_at: float
+    """Worker wall time the rollout started (after the plane stamped its policy)."""
+    finished_at: float
+
+
+@dataclass
+class Publication:
+    version: int
+    start: float
+    """Monotonic, just before `publish_policy`."""
+    blocked: float
+    """Seconds inside `await plane.publish_policy(...)`."""
+    total: float
+    """Seconds from `start` until `handle.wait()` returned: written, loaded everywhere, switched."""
+    start_wall: float
+    end_wall: float
+    """Wall times of the same two instants, to compare with the workers' `started_at`/`finished_at`."""
+
+    @property
+    def end(self) -> float:
+        return self.start + self.total
+
+
+class SteadyLoad:
+    """Keeps `inflight` rollouts in the plane: a new one each time a result arrives, until `stop()`."""
+
+    def __init__(self, plane: RolloutPlane, urls: list[str], inflight: int):
+        self.plane = plane
         self.urls = urls
-        self.concurrency = concurrency
-        self.done: list[float] = []
-        """Completion times (monotonic)."""
+        self.inflight = inflight
+        self.finished: list[Finished] = []
+        self._submitted: dict[str, float] = {}
+        self._stopping = False
+        self._count = 0
 
-    async def run(self, stop: asyncio.Event) -> None:
-        limits = httpx.Limits(max_connections=self.concurrency)
-        async with httpx.AsyncClient(timeout=30, limits=limits, trust_env=False) as client:
+    def request(self) -> RolloutRequest:
+        self._count += 1
+        return RolloutRequest(
+            env=CALCULATOR,
+            task_index=self._count % 300,
+            # The plane routes every rollout to the least loaded endpoint; this base_url is replaced.
+            client=ClientConfig(base_url=self.urls[0], model=BUNDLED_MODEL),
+            sampling=SamplingConfig(max_tokens=MAX_TOKENS),
+            max_turns=MAX_TURNS,
+        )
 
-            async def one(index: int) -> None:
-                while not stop.is_set():
-                    url = self.urls[index % len(self.urls)]
-                    response = await client.post(f"{url}/chat/completions", json=REQUEST)
-                    response.raise_for_status()
-                    self.done.append(time.monotonic())
-                    index += 1
+    async def _submit(self) -> None:
+        request = self.request()
+        self._submitted[request.request_id] = time.time()
+        await self.plane.submit(request)
 
-            await asyncio.gather(*(one(i) for i in range(self.concurrency)))
-
-    def rate(self, start: float, end: float) -> float:
-        return sum(start <= t <= end for t in self.done) / (end - start)
-
-
-async def measure(urls: list[str], sizes: list[int], concurrency: int, window: float) -> list[dict]:
-    storage = tempfile.mkdtemp(prefix="bench-publish-")
-    publisher = PolicyPublisher(urls, storage, load_timeout=60, retries=1, retain=2)
-    # retain=2: old adapters are unloaded and deleted as the run goes, as in training.
-    load, stop = Load(urls, concurrency), asyncio.Event()
-    traffic = asyncio.create_task(load.run(stop))
-    rows = []
-    try:
-        await asyncio.sleep(1.0)  # connections open, servers warm
-        version = 0
-        for mib in sizes:
-            # A training run publishes the same shapes every step: the first publication of a size
-            # (cold: fresh capture memory) is reported apart from the steady state (the next one).
-            cold = make_adapter(mib, seed=version)
-            version += 1
-            cold_handle = await publisher.publish(cold, version)
-            await cold_handle.wait(timeout=600)
-            del cold
-            adapter = make_adapter(mib, seed=version)
-            version += 1
-            idle_start = time.monotonic()
-            await asyncio.sleep(window)
-            idle_rps = load.rate(idle_start, time.monotonic())
-            started = time.monotonic()
-            handle = await publisher.publish(adapter, version)
-            blocked = time.monotonic() - started
-            await handle.wait(timeout=600)
-            total = time.monotonic() - started
-            during = load.rate(started, started + total)
-            rows.append(
-                dict(
-                    mib=mib,
-                    cold=cold_handle.blocked_s,
-                    blocked=blocked,
-                    total=total,
-                    idle=idle_rps,
-                    during=during,
+    async def run(self) -> None:
+        # Staggered over one ramp: started together, equal rollouts finish in waves and stay in step,
+        # and a rate over a 50 ms publication would measure where it fell in the wave.
+        for _ in range(self.inflight):
+            await self._submit()
+            await asyncio.sleep(RAMP_S / self.inflight)
+        while self._submitted:
+            result = await self.plane.next_result(timeout=RESULT_TIMEOUT_S)
+            received = time.monotonic()
+            submitted_wall = self._submitted.pop(result.request_id)
+            self.finished.append(
+                Finished(
+                    received=received,
+                    submitted_wall=submitted_wall,
+                    ok=result.ok,
+                    error=None
+                    if result.error is None
+                    else f"{result.kind}: {result.error.type}: {result.error.message}",
+                    version_start=result.policy_version_start,
+                    version_end=result.policy_version_end,
+                    started_at=result.started_at or math.nan,
+                    finished_at=result.finished_at or math.nan,
                 )
             )
-            del adapter
+            if not self._stopping:
+                await self._submit()
+
+    def oldest_in_flight(self) -> float:
+        """Wall time the oldest rollout still in flight was submitted (inf when none is)."""
+        return min(self._submitted.values(), default=math.inf)
+
+    def stop(self) -> None:
+        """No new submissions; `run` returns once every rollout in flight has answered."""
+        self._stopping = True
+
+    def count(self, start: float, end: float, failed: bool = False) -> int:
+        return sum(start <= f.received < end and not (failed and f.ok) for f in self.finished)
+
+
+@dataclass
+class SizeRow:
+    mib: int
+    cold: Publication
+    pubs: list[Publication]
+    idle_rate: float
+    during_rate: float
+    during_n: int
+    phase_rate: float
+    failures: int
+
+
+class Bench:
+    def __init__(
+        self, plane: RolloutPlane, load: SteadyLoad, traffic: asyncio.Task[None], args: argparse.Namespace
+    ):
+        self.plane = plane
+        self.load = load
+        self.traffic = traffic
+        self.args = args
+        self.publications: list[Publication] = []
+        self.version = 0
+
+    async def hold(self, seconds: float) -> None:
+        """Sleep, but fail at once if the load loop died (a measurement without load means nothing)."""
+        await asyncio.wait({self.traffic}, timeout=seconds)
+        if self.traffic.done():
+            self.traffic.result()
+            raise RuntimeError("the load loop stopped early")
+
+    def enough(self, pubs: list[Publication], elapsed: float) -> bool:
+        """At least a window, and enough completions inside publications for the rate to mean something."""
+        if elapsed >= MAX_PHASE_WINDOWS * self.args.window:
+            return True
+        during = sum(self.load.count(p.start, p.end) for p in pubs)
+        return elapsed >= self.args.window and during >= self.args.min_during
+
+    async def until_nothing_in_flight_uses_what_the_next_publication_retires(self) -> None:
+        """Publishing version v unloads v - RETAINED from the servers. Every rollout in flight must have
+        been submitted after v - RETAINED + 1 switched in (so it is stamped with that or newer)."""
+        oldest_kept = self.version + 1 - RETAINED + 1
+        if oldest_kept < 1:
+            return
+        switched = next(p.end_wall for p in self.publications if p.version == oldest_kept)
+        while self.load.oldest_in_flight() < switched:
+            await self.hold(0.02)
+
+    async def publish(self, adapter: LoraAdapter) -> Publication:
+        self.version += 1
+        start_wall, start = time.time(), time.monotonic()
+        handle = await self.plane.publish_policy(adapter, self.version)
+        blocked = time.monotonic() - start
+        await handle.wait(timeout=PUBLISH_TIMEOUT_S)
+        total = time.monotonic() - start
+        pub = Publication(self.version, start, blocked, total, start_wall, time.time())
+        self.publications.append(pub)
+        return pub
+
+    async def size(self, mib: int) -> SizeRow:
+        window = self.args.window
+        adapter = make_adapter(mib, seed=mib)
+        phase_start = time.monotonic()
+        cold = await self.publish(adapter)
+        idle_a = time.monotonic()
+        await self.hold(window)
+        pubs_start = time.monotonic()
+        pubs: list[Publication] = []
+        while not pubs or not self.enough(pubs, time.monotonic() - pubs_start):
+            for array in adapter.tensors.values():  # the trainer's step: new values, same arrays
+                array[0, 0] += 1.0
+            await self.until_nothing_in_flight_uses_what_the_next_publication_retires()
+            pubs.append(await self.publish(adapter))
+            await self.hold(self.args.gap)
+        idle_b = time.monotonic()
+        await self.hold(window)
+        end = time.monotonic()
+        idle_n = self.load.count(idle_a, pubs_start) + self.load.count(idle_b, end)
+        during_n = sum(self.load.count(p.start, p.end) for p in pubs)
+        return SizeRow(
+            mib=mib,
+            cold=cold,
+            pubs=pubs,
+            idle_rate=idle_n / ((pubs_start - idle_a) + (end - idle_b)),
+            during_rate=during_n / sum(p.total for p in pubs),
+            during_n=during_n,
+            phase_rate=self.load.count(pubs_start, idle_b) / (idle_b - pubs_start),
+            failures=self.load.count(phase_start, end, failed=True),
+        )
+
+
+def check_versions(finished: list[Finished], publications: list[Publication]) -> tuple[int, list[str]]:
+    """Rollouts in flight across a whole publication: how many were checked, and the violations."""
+    intervals = [(p.start_wall, p.end_wall, p) for p in sorted(publications, key=lambda p: p.start_wall)]
+
+    def stamped_version(f: Finished) -> tuple[bool, int | None]:
+        # The stamp happened in [submitted_wall, started_at]; known only if no publication overlaps that.
+        if any(a <= f.started_at and f.submitted_wall <= b for a, b, _ in intervals):
+            return False, None
+        active = None
+        for _, b, p in intervals:
+            if b < f.submitted_wall:
+                active = p.version
+        return True, active
+
+    checked, violations = 0, []
+    for f in finished:
+        spanned = [p.version for a, b, p in intervals if f.started_at < a and b < f.finished_at]
+        known, expected = stamped_version(f)
+        if f.ok and spanned and known:
+            checked += 1
+            if f.version_start != expected or (f.version_end or 0) < max(spanned):
+                violations.append(f"start {f.version_start} (expected {expected}), end {f.version_end}")
+    return checked, violations
+
+
+async def measure(args: argparse.Namespace, urls: list[str], storage: str) -> tuple[list[SizeRow], Bench]:
+    plane = RolloutPlane(
+        PlaneConfig(
+            lanes={"train": args.inflight, "eval": 1},
+            workers=2,
+            worker_num_cpus=0.5,
+            env_pool={
+                "min_workers": 1,
+                "max_workers": 1,
+                "multiplex": max(64, args.inflight),
+                "num_cpus": 0.25,
+            },
+            endpoints=urls,
+            policy_storage_dir=storage,
+        )
+    )
+    await plane.start()
+    load = SteadyLoad(plane, urls, args.inflight)
+    traffic = asyncio.create_task(load.run())
+    bench = Bench(plane, load, traffic, args)
+    rows = []
+    try:
+        while len(load.finished) < WARMUP_ROLLOUTS * args.inflight:
+            await bench.hold(0.2)
+        for mib in args.sizes:
+            rows.append(await bench.size(mib))
     finally:
-        stop.set()
-        await asyncio.wait_for(traffic, 60)
-        await publisher.aclose()
-        shutil.rmtree(storage, ignore_errors=True)
-    return rows
+        load.stop()
+        try:
+            await asyncio.wait_for(traffic, RESULT_TIMEOUT_S)
+        finally:
+            await plane.close()
+    return rows, bench
+
+
+def print_report(args: argparse.Namespace, rows: list[SizeRow], bench: Bench) -> None:
+    finished = bench.load.finished
+    print(
+        f"{args.servers} stand-in servers ({args.latency_s:g} s per model call), {args.inflight} calculator "
+        f"rollouts in flight (2 model turns each), LoRA rank {RANK}, float32, window {args.window:g} s, "
+        f"gap {args.gap:g} s"
+    )
+    print(
+        "blocked cold = first publication of that size (fresh capture memory; the first size's also builds "
+        "the plane's publisher); blocked, total: medians over the phase's publications"
+    )
+    header = (
+        f"{'size':>8} {'pubs':>5} {'blocked cold ms':>16} {'blocked ms':>11} {'total ms':>9} "
+        f"{'blocked/total':>14} {'ro/s idle':>10} {'ro/s during':>12} {'n during':>9} {'during/idle':>12} "
+        f"{'ro/s phase':>11} {'failures':>9}"
+    )
+    print(header)
+    for r in rows:
+        print(
+            f"{r.mib:>5}MiB {len(r.pubs):>5} {r.cold.blocked * 1e3:>16.1f} "
+            f"{statistics.median(p.blocked for p in r.pubs) * 1e3:>11.1f} "
+            f"{statistics.median(p.total for p in r.pubs) * 1e3:>9.1f} {ratio(r):>14.3f} "
+            f"{r.idle_rate:>10.1f} {r.during_rate:>12.1f} {r.during_n:>9} {r.during_rate / r.idle_rate:>12.2f} "
+            f"{r.phase_rate:>11.1f} {r.failures:>9}"
+        )
+    for r in rows:
+        ratios = [p.blocked / p.total for p in r.pubs]
+        print(
+            f"  {r.mib}MiB: cold total {r.cold.total * 1e3:.0f} ms; blocked/total min {min(ratios):.3f} "
+            f"max {max(ratios):.3f}; total ms min {min(p.total for p in r.pubs) * 1e3:.0f} "
+            f"max {max(p.total for p in r.pubs) * 1e3:.0f}"
+        )
+    failed = [f for f in finished if not f.ok]
+    print(f"rollouts completed: {len(finished)}, failures: {len(failed)}")
+    for error in sorted({f.error or "" for f in failed})[:3]:
+        print(f"  failure: {error[:300]}")
+    checked, violations = check_versions(finished, bench.publications)
+    print(
+        f"in flight across a publication (started before it began, finished after it switched): {checked} "
+        f"rollouts; kept the version they were stamped with: {checked - len(violations)}; "
+        f"violations: {len(violations)}"
+    )
+    for violation in violations[:3]:
+        print(f"  violation: {violation}")
+    at64 = next((r for r in rows if r.mib == 64), None)
+    print(f"publish caller-blocked/total at 64MiB: {f'{ratio(at64):.3f}' if at64 else 'n/a'}")
+
+
+def ratio(row: SizeRow) -> float:
+    return statistics.median(p.blocked / p.total for p in row.pubs)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--quick", action="store_true", help="16 MiB only, 1.5 s windows: well under a minute"
+    )
+    parser.add_argument("--sizes", default="16,64,256", help="adapter sizes in MiB")
+    parser.add_argument("--servers", type=int, default=2)
+    parser.add_argument("--inflight", type=int, default=64, help="rollouts kept in flight")
+    parser.add_argument(
+        "--window", type=float, default=5.0, help="seconds per idle and per publication phase"
+    )
+    parser.add_argument("--gap", type=float, default=0.0, help="pause between publications of a phase")
+    parser.add_argument(
+        "--min-during", type=int, default=150, help="completions inside publications a phase aims for"
+    )
+    parser.add_argument("--latency-s", type=float, default=0.05, help="stand-in latency per model call")
+    args = parser.parse_args()
+    if args.quick:
+        args.sizes, args.window, args.min_during = "16", 1.5, 30
+    args.sizes = [int(s) for s in args.sizes.split(",")]
+    return args
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--sizes", default="16,64,256", help="adapter sizes in MiB")
-    parser.add_argument("--servers", type=int, default=2)
-    parser.add_argument("--concurrency", type=int, default=32)
-    parser.add_argument("--window", type=float, default=3.0, help="seconds of traffic without publication")
-    parser.add_argument("--latency-s", type=float, default=0.02, help="stand-in latency per request")
-    args = parser.parse_args()
-    sizes = [int(s) for s in args.sizes.split(",")]
-
+    args = parse_args()
+    logging.basicConfig(level=logging.WARNING)
     servers = [StandinServer(StandinOptions(latency_s=args.latency_s)) for _ in range(args.servers)]
+    storage = tempfile.mkdtemp(prefix="bench-publish-")
     try:
+        for server in servers:  # they load their tokenizer while Ray starts
+            server.start(wait=False)
+        ray.init(num_cpus=8, include_dashboard=False)
         for server in servers:
-            server.start()
-        rows = asyncio.run(measure([s.base_url for s in servers], sizes, args.concurrency, args.window))
+            server.wait_ready()
+        rows, bench = asyncio.run(measure(args, [s.base_url for s in servers], storage))
     finally:
+        ray.shutdown()
         for server in servers:
             server.stop()
-
-    print(
-        f"{args.servers} stand-in servers, {args.concurrency} concurrent clients, LoRA rank {RANK}, float32"
-    )
-    print("rps = stand-in chat completions/s (the plane is not wired yet: request, not rollout, throughput)")
-    print("blocked cold = first publication of that size (fresh capture memory); the rest: the next one")
-    header = f"{'size':>8} {'blocked cold ms':>16} {'blocked ms':>11} {'total ms':>9} {'blocked/total':>14} "
-    print(header + f"{'rps idle':>9} {'rps during':>11} {'during/idle':>12}")
-    for r in rows:
-        print(
-            f"{r['mib']:>5}MiB {r['cold'] * 1e3:>16.1f} {r['blocked'] * 1e3:>11.1f} {r['total'] * 1e3:>9.1f} "
-            f"{r['blocked'] / r['total']:>14.3f} {r['idle']:>9.1f} {r['during']:>11.1f} "
-            f"{r['during'] / r['idle']:>12.2f}"
-        )
-    at64 = next((r for r in rows if r["mib"] == 64), None)
-    if at64 is not None:
-        print(f"publish caller-blocked/total at 64MiB: {at64['blocked'] / at64['total']:.3f}")
+        shutil.rmtree(storage, ignore_errors=True)
+    print_report(args, rows, bench)
 
 
 if __name__ == "__main__":

@@ -19,3 +19,9 @@ def unload_adapters(endpoints: list[str]) -> None:
                     client.post(
                         f"{url.removesuffix('/v1')}/v1/unload_lora_adapter", json={"lora_name": card["id"]}
                     )
+
+
+def served_models(url: str) -> set[str]:
+    """The model names a server lists (the base model and every loaded adapter)."""
+    with httpx.Client(timeout=5, trust_env=False) as client:
+        return {card["id"] for card in client.get(f"{url}/models").json()["data"]}

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import signal
 
 import pytest
 import ray
-from adapters import unload_adapters
+from adapters import served_models, unload_adapters
 from waiting import wait_until
 
 from renderer_actors.tokenizer import BUNDLED_MODEL
@@ -211,6 +212,48 @@ def test_published_policy_reaches_new_rollouts_while_in_flight_ones_keep_theirs(
     assert (early.policy_version_start, early.policy_version_end) == (None, 1)
     assert (late.policy_version_start, late.policy_version_end) == (1, 1)
     assert active.version == 1
+
+
+def test_an_adapter_in_use_is_not_unloaded_however_many_versions_follow(ray_session, standin_pair, tmp_path):
+    """Retention (4 adapters) must not unload the one a rollout in flight still samples from."""
+    import numpy as np
+
+    from rollout_actors.lora import LoraAdapter, lora_config
+
+    def adapter(seed: int) -> LoraAdapter:
+        rng = np.random.default_rng(seed)
+        tensors = {
+            f"base_model.model.layers.0.self_attn.q_proj.lora_{ab}.weight": rng.standard_normal(
+                (8, 8), dtype=np.float32
+            )
+            for ab in ("A", "B")
+        }
+        return LoraAdapter(tensors, lora_config(8, 16, ["q_proj"], BUNDLED_MODEL))
+
+    endpoints = [server.base_url for server in standin_pair]
+    served = functools.partial(served_models, endpoints[0])
+
+    async def scenario():
+        async with plane(endpoints=endpoints, policy_storage_dir=str(tmp_path)) as p:
+            await (await p.publish_policy(adapter(1), version=1)).wait(timeout=30)
+            echo = Ref(target="env_actors.faults.envs:EchoEnv", config={"num_tasks": 4, "turns": 3})
+            await p.submit(slow_request(standin_pair[0], 1.5, 0, env=echo))  # 3 turns of 1.5 s on policy-v1
+            await wait_until(lambda: any(s.in_flight > 0 for s in p._workers.live()), 20)
+            for version in range(2, 7):  # retention alone would unload v1 at v5
+                await (await p.publish_policy(adapter(version), version=version)).wait(timeout=30)
+            still_loaded = "policy-v1" in served()
+            result = await p.next_result(timeout=60)
+            await wait_until(lambda: "policy-v1" not in served(), 20)  # retired once its user is done
+            return still_loaded, result
+
+    try:
+        still_loaded, result = run(scenario())
+    finally:
+        unload_adapters(endpoints)
+    assert still_loaded
+    assert result.kind == "ok", result.error
+    assert (result.policy_version_start, result.policy_version_end) == (1, 6)
+    assert len(result.turns) == 3
 
 
 def test_endpoint_that_drops_out_of_the_live_set_gets_no_new_rollouts(ray_session, standin_pair):

@@ -8,7 +8,7 @@ import socket
 
 import numpy as np
 import pytest
-from adapters import unload_adapters
+from adapters import served_models, unload_adapters
 from safetensors.numpy import load_file
 
 from renderer_actors.tokenizer import BUNDLED_MODEL
@@ -49,11 +49,6 @@ def adapter(seed: int = 0, rank: int = 8, width: int = 64) -> LoraAdapter:
         for ab in ("A", "B")
     }
     return LoraAdapter(tensors, lora_config(rank, 2 * rank, ["q_proj", "v_proj"], BUNDLED_MODEL))
-
-
-def served_models(url: str) -> set[str]:
-    with httpx.Client(timeout=5, trust_env=False) as client:
-        return {card["id"] for card in client.get(f"{url}/models").json()["data"]}
 
 
 def load_directly(url: str, name: str, path: str) -> int:
@@ -251,6 +246,32 @@ def test_old_versions_are_unloaded_and_deleted_past_retention(servers, tmp_path)
         assert {"policy-v2", "policy-v3"} <= served_models(url)
         assert "policy-v1" not in served_models(url)
     assert sorted(p.name.split("-")[1] for p in tmp_path.iterdir()) == ["v2", "v3"]
+
+
+def test_a_checked_out_version_outlives_retention_until_checked_in(servers, tmp_path):
+    async def scenario():
+        publisher = PolicyPublisher(servers, tmp_path, load_timeout=10, retries=1, retain=2)
+        try:
+            await (await publisher.publish(adapter(seed=1), version=1)).wait()
+            in_use = publisher.checkout()
+            for version in (2, 3, 4):
+                await (await publisher.publish(adapter(seed=version), version=version)).wait()
+            kept = {url: served_models(url) for url in servers}
+            publisher.checkin(in_use.version)
+            for _ in range(100):
+                if all("policy-v1" not in served_models(url) for url in servers):
+                    break
+                await asyncio.sleep(0.05)
+            return in_use, kept
+        finally:
+            await publisher.aclose()
+
+    in_use, kept = run(scenario())
+    assert in_use.version == 1
+    for url in servers:
+        assert {"policy-v1", "policy-v3", "policy-v4"} <= kept[url] and "policy-v2" not in kept[url]
+        assert "policy-v1" not in served_models(url)
+    assert sorted(p.name.split("-")[1] for p in tmp_path.iterdir()) == ["v3", "v4"]
 
 
 def test_replacement_server_gets_the_active_adapter_before_traffic(servers, tmp_path):
