@@ -5,9 +5,12 @@
     ...
     await stop_env_pool(pool)
 
-The pool is an async actor that only waits (num_cpus=0). Every session call goes through it: it places a
-new session on the least-busy ready worker, sends the session's later calls to that worker, and answers
-each call with an `EnvResponse` within the call's deadline, whatever happens to the worker meanwhile.
+The pool is an async actor that only waits (num_cpus=0). It places each new session on the least-busy ready
+worker (`reset`) and ends sessions (`close`), answering each call with an `EnvResponse` within the call's
+deadline, whatever happens to the worker meanwhile. A session's steps and score go straight to its worker
+(`direct.py`): a relay would double every call's Ray round trips. The pool still hears of everything it
+must know: a session that ended with its scored step (`forget_many`), a worker a session saw die
+(`worker_lost`), and, for its idle reaper, which sessions their worker has seen no call from.
 Worker lifecycle (readiness, probes, budget, scaling) is the supervisor's job (`supervisor.py`).
 """
 
@@ -39,6 +42,7 @@ value the worker returned before dying is kept), so a call whose worker died wai
 POOL_MAX_CONCURRENCY = 10_000  # every in-flight env call of every rollout waits inside this actor
 POOL_STARTUP_SLACK_S = 10.0  # the pool actor's own process start, on top of the environment's deadline
 LOST_SESSION_MEMORY = 10_000  # sessions remembered as lost (so their calls say why), oldest forgotten first
+RETIRED_WORKER_MEMORY = 1_000  # retired workers remembered with the reason (a session asks why its died)
 SESSION_REAP_EVERY_S = 1.0
 
 
@@ -69,6 +73,8 @@ class EnvPool:
         self._name, self._config = name, config
         self._sessions: dict[str, _Session] = {}
         self._lost: OrderedDict[str, str] = OrderedDict()
+        self._retired: OrderedDict[str, str] = OrderedDict()
+        """Worker name -> why it was retired, for sessions whose direct call found it dead."""
         self._supervisor = Supervisor(name, env, config, self._on_retire)
         self._started = False
         self._closed = False
@@ -165,6 +171,29 @@ class EnvPool:
         if slot is None or slot.state != "ready":
             return EnvResponse.ok()
         return await self._call(slot, None, "close", (session_id,), min(timeout, self._config.close_timeout))
+
+    async def server_handle(self, worker: str, timeout: float = 0.0) -> EnvResponse:
+        """The handle of a ready worker, for a session to call it directly (`timeout` is unused)."""
+        slot = self._supervisor.workers.get(worker)
+        if slot is None or slot.state != "ready":
+            reason = self._retired.get(worker, "not a ready worker of this pool")
+            return EnvResponse.failed(Failure(type="EnvWorkerLost", message=f"{worker}: {reason}"))
+        return EnvResponse.ok(slot.handle, worker)
+
+    async def forget_many(self, session_ids: list[str]) -> int:
+        """Sessions that ended on their worker with a scored step: drop them from placement."""
+        known = [sid for sid in session_ids if sid in self._sessions]
+        for session_id in known:
+            self._forget(session_id)
+        return len(known)
+
+    async def worker_lost(self, worker: str, detail: str) -> str:
+        """A session's direct call found `worker` dead: retire it now if the supervisor has not yet (its
+        replacement starts at once), and say why it ended (a wedge the supervisor judged, or the death)."""
+        slot = self._supervisor.workers.get(worker)
+        if slot is not None:
+            self._supervisor.retire(slot, f"died: {detail}", "died")
+        return self._retired.get(worker, f"died: {detail}")
 
     async def num_tasks(self, timeout: float = 0.0) -> EnvResponse:
         """How many tasks the environment has (learned at readiness; `timeout` is unused)."""
@@ -263,6 +292,9 @@ class EnvPool:
         return _caller_failure("UnknownEnvSession", f"no session {session_id!r} in env pool {self._name!r}")
 
     def _on_retire(self, slot: WorkerSlot, reason: str) -> None:
+        self._retired[slot.name] = reason
+        while len(self._retired) > RETIRED_WORKER_MEMORY:
+            self._retired.popitem(last=False)
         for session_id in slot.sessions:
             self._sessions.pop(session_id, None)
             self._lost[session_id] = f"its env worker {slot.name} was retired: {reason}"
@@ -280,13 +312,36 @@ class EnvPool:
                 slot.idle_since = time.monotonic()
 
     async def _reap_idle_sessions(self) -> None:
-        """Close sessions untouched for `session_idle_timeout`: their owner is gone without closing."""
+        """Close sessions untouched for `session_idle_timeout`: their owner is gone without closing. Steps
+        bypass the pool, so a session idle here is only a candidate: its worker says whether it is."""
+        idle_s = self._config.session_idle_timeout
         while not self._closed:
             await asyncio.sleep(SESSION_REAP_EVERY_S)
-            cutoff = time.monotonic() - self._config.session_idle_timeout
-            for session_id, session in list(self._sessions.items()):
+            cutoff = time.monotonic() - idle_s
+            candidates: dict[str, list[str]] = {}
+            for session_id, session in self._sessions.items():
                 if session.started and not session.calls and session.last_used < cutoff:
-                    self._supervisor.own(self.close(session_id, self._config.close_timeout))
+                    candidates.setdefault(session.worker, []).append(session_id)
+            for worker, session_ids in candidates.items():
+                slot = self._supervisor.workers.get(worker)
+                if slot is None or slot.state != "ready":
+                    continue
+                try:
+                    idle = await asyncio.wait_for(
+                        resolve(slot.handle.idle_sessions.remote(session_ids, idle_s)),
+                        self._config.probe_timeout,
+                    )
+                except Exception:  # dead or wedged: the supervisor deals with the worker, and its sessions
+                    continue
+                now = time.monotonic()
+                for session_id in session_ids:
+                    session = self._sessions.get(session_id)
+                    if session is None:
+                        continue
+                    if session_id in idle:
+                        self._supervisor.own(self.close(session_id, self._config.close_timeout))
+                    else:
+                        session.last_used = now  # busy on its worker: look again a timeout from now
 
     def _no_live_worker(self) -> EnvResponse:
         sup = self._supervisor

@@ -14,9 +14,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import time
-from collections.abc import Awaitable
+from collections import Counter
+from collections.abc import Awaitable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import ray
@@ -44,10 +47,22 @@ class EnvServer:
     Every call takes the deadline the pool computed and answers an `EnvResponse`; it never raises.
     """
 
-    def __init__(self, env: Ref, worker: str, allowed_prefixes: tuple[str, ...] = DEFAULT_ALLOWED_PREFIXES):
+    def __init__(
+        self,
+        env: Ref,
+        worker: str,
+        allowed_prefixes: tuple[str, ...] = DEFAULT_ALLOWED_PREFIXES,
+        limits: tuple[float, float] = (math.inf, math.inf),
+    ):
         self._ref = env
         self._worker = worker
         self._prefixes = allowed_prefixes
+        self._step_limit, self._score_limit = limits
+        """The pool's step and score timeouts: sessions call this server directly, so it caps their
+        deadlines itself."""
+        self._last_used: dict[str, float] = {}
+        self._busy: Counter[str] = Counter()
+        """Calls in flight per session: a session in the middle of a call is never idle."""
         self._env: Any = None
         self._phase = "created"
         """created -> constructing -> loading -> ready | failed; shown in readiness diagnostics."""
@@ -120,10 +135,35 @@ class EnvServer:
         """One step. With `score_if_done`, a step that ends the episode also scores it and ends the session
         in the same call (two relayed calls fewer per rollout); `timeout` bounds the whole of it."""
         method = "step (scoring if done)" if score_if_done else "step"
-        return await self._guard(method, timeout, self._step(session_id, message, score_if_done))
+        limit = self._step_limit + (self._score_limit if score_if_done else 0.0)
+        with self._using(session_id):
+            return await self._guard(
+                method, min(timeout, limit), self._step(session_id, message, score_if_done)
+            )
 
     async def score(self, session_id: str, timeout: float) -> EnvResponse:
-        return await self._guard("score", timeout, self._score(session_id))
+        with self._using(session_id):
+            return await self._guard("score", min(timeout, self._score_limit), self._score(session_id))
+
+    async def idle_sessions(self, session_ids: list[str], idle_s: float) -> list[str]:
+        """Which of these sessions have had no call for `idle_s` and none in flight (the pool's reaper
+        asks: steps come here directly, so only this server knows). Unknown ids count as idle."""
+        cutoff = time.monotonic() - idle_s
+        return [
+            sid for sid in session_ids if not self._busy[sid] and self._last_used.get(sid, -math.inf) < cutoff
+        ]
+
+    @contextmanager
+    def _using(self, session_id: str) -> Iterator[None]:
+        self._busy[session_id] += 1
+        try:
+            yield
+        finally:
+            self._busy[session_id] -= 1
+            if not self._busy[session_id]:
+                del self._busy[session_id]
+            if session_id in self._sessions:
+                self._last_used[session_id] = time.monotonic()
 
     async def close(self, session_id: str, timeout: float) -> EnvResponse:
         return await self._guard("close", timeout, self._close(session_id))
@@ -165,6 +205,7 @@ class EnvServer:
         start = await env.reset(task)
         out = ResetOut(session_id=session_id, messages=start.messages, tools=start.tools, worker=self._worker)
         self._sessions[session_id] = start.state
+        self._last_used[session_id] = time.monotonic()
         return out.model_dump()
 
     async def _step(self, session_id: str, message: dict[str, Any], score_if_done: bool = False) -> dict:
@@ -189,6 +230,7 @@ class EnvServer:
         if session_id not in self._sessions:
             return None
         state = self._sessions.pop(session_id)
+        self._last_used.pop(session_id, None)
         if hasattr(self._env, "close"):
             await self._env.close(state)
         return None
@@ -214,7 +256,7 @@ def create_env_server(name: str, env: Ref, config: EnvPoolConfig) -> ray.actor.A
         resources=dict(config.resources) or None,
         max_concurrency=max(MIN_SERVER_CONCURRENCY, 2 * config.multiplex),
     )
-    return actor.remote(env, name, tuple(prefixes))
+    return actor.remote(env, name, tuple(prefixes), (config.step_timeout, config.score_timeout))
 
 
 # Concurrency groups can only be declared here, not in `.options()`. No Ray-level restarts: the

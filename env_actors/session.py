@@ -16,7 +16,8 @@
 the episode comes back with its score, and the session has already ended on its worker (`close` is then
 a no-op; `score` fails as on any closed session). Without it, or while not done, a step is just a step.
 
-Every call has a deadline. A failed call raises `EnvCallFailed` carrying the pool's `Failure` and its
+Steps and score go straight to the session's worker after `reset` placed it (`direct.py`); reset and
+close go through the pool. Every call has a deadline. A failed call raises `EnvCallFailed` carrying the pool's `Failure` and its
 kind: `caller` when the request was at fault (a `CallerError` in the environment: bad task index, malformed
 task), `infrastructure` for everything else (the environment's code raised, its worker died or wedged,
 a deadline passed, no live worker, the pool itself is gone). A rollout maps the kind onto its `Result`.
@@ -26,11 +27,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
-from typing import Any, Literal
+from dataclasses import dataclass, field
+from typing import Any
 
 from ray.exceptions import RayError
 
+from env_actors.direct import EnvCallFailed, call_server, forget_later, server_handle, unwrap
 from env_actors.interface import EnvResponse, ResetOut, ScoreOut, StepOut
 from env_actors.server import DEADLINE_FAILURE
 from env_actors.supervisor import resolve
@@ -40,20 +42,6 @@ logger = logging.getLogger(__name__)
 
 SESSION_CALL_SLACK_S = 3.0
 """Beyond the pool's own deadline (which already has its slack): only a dead or wedged pool needs it."""
-
-FailureKind = Literal["infrastructure", "caller"]
-
-
-class EnvCallFailed(Exception):
-    """An env call failed; `.failure` says how and where, `.kind` whose fault it was."""
-
-    def __init__(
-        self, failure: Failure, kind: FailureKind = "infrastructure", worker_exit: str | None = None
-    ):
-        super().__init__(f"{failure.type}: {failure.message}")
-        self.failure = failure
-        self.kind: FailureKind = kind
-        self.worker_exit = worker_exit
 
 
 @dataclass
@@ -68,7 +56,11 @@ class EnvSession:
     tools: list[dict[str, Any]] | None
     worker: str | None = None
     """The env worker holding this session."""
+    server: Any = None
+    """Its handle: steps and score go to it directly. None: they are relayed through the pool."""
     closed: bool = False
+    _inflight: set[Any] = field(default_factory=set, init=False, repr=False)
+    """Direct calls in flight (asyncio tasks), cancelled by `close`."""
 
     @classmethod
     async def open(
@@ -92,8 +84,14 @@ class EnvSession:
             _submit_close(pool, session_id)
             raise
         out = ResetOut.model_validate(value)
+        server = await server_handle(pool, out.worker) if out.worker else None
         return cls(
-            pool=pool, session_id=session_id, messages=out.messages, tools=out.tools, worker=out.worker
+            pool=pool,
+            session_id=session_id,
+            messages=out.messages,
+            tools=out.tools,
+            worker=out.worker,
+            server=server,
         )
 
     async def step(
@@ -101,19 +99,27 @@ class EnvSession:
     ) -> StepOut:
         """One turn. With `score_if_done`, a done step also scores and ends the session (`out.score`)."""
         self._check_open("step")
-        value = await _call(
-            lambda: self.pool.step.remote(self.session_id, assistant_message, timeout, score_if_done),
-            timeout,
-            "step",
-        )
+        if self.server is not None:
+            value = await self._direct("step", (assistant_message,), timeout, score_if_done=score_if_done)
+        else:
+            value = await _call(
+                lambda: self.pool.step.remote(self.session_id, assistant_message, timeout, score_if_done),
+                timeout,
+                "step",
+            )
         out = StepOut.model_validate(value)
         if out.score is not None:
             self.closed = True  # the worker ended the session with this step; nothing is left to close
+            if self.server is not None:
+                forget_later(self.pool, self.session_id)  # a relayed step told the pool itself
         return out
 
     async def score(self, timeout: float) -> ScoreOut:
         self._check_open("score")
-        value = await _call(lambda: self.pool.score.remote(self.session_id, timeout), timeout, "score")
+        if self.server is not None:
+            value = await self._direct("score", (), timeout)
+        else:
+            value = await _call(lambda: self.pool.score.remote(self.session_id, timeout), timeout, "score")
         return ScoreOut.model_validate(value)
 
     async def close(self, timeout: float = 5.0) -> None:
@@ -122,6 +128,8 @@ class EnvSession:
         if self.closed:
             return
         self.closed = True
+        for task in list(self._inflight):  # a step still running on the worker stops there too
+            task.cancel()
         try:
             await _call(lambda: self.pool.close.remote(self.session_id, timeout), timeout, "close")
         except EnvCallFailed as exc:
@@ -136,6 +144,18 @@ class EnvSession:
     @staticmethod
     async def num_tasks(pool: Any, timeout: float) -> int:
         return int(await _call(lambda: pool.num_tasks.remote(timeout), timeout, "num_tasks"))
+
+    async def _direct(self, method: str, args: tuple, timeout: float, **kwargs: Any) -> Any:
+        """One call straight to the worker, cancellable by `close` from another task."""
+        call = (self.session_id, *args)
+        task = asyncio.ensure_future(
+            call_server(self.pool, self.server, self.worker or "?", method, call, timeout, **kwargs)
+        )
+        self._inflight.add(task)
+        try:
+            return await task
+        finally:
+            self._inflight.discard(task)
 
     def _check_open(self, method: str) -> None:
         if self.closed:
@@ -157,11 +177,7 @@ async def _call(submit: Any, timeout: float, method: str) -> Any:
         raise EnvCallFailed(
             Failure(type="PoolUnreachable", message=failure.message, traceback=failure.traceback)
         ) from exc
-    if not response.success:
-        failure = response.error or Failure(type="EnvCallFailed", message=f"{method} failed")
-        kind: FailureKind = "caller" if response.kind == "caller" else "infrastructure"
-        raise EnvCallFailed(failure, kind, response.worker_exit)
-    return response.value
+    return unwrap(response, method)
 
 
 def _submit_close(pool: Any, session_id: str) -> None:

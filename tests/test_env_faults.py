@@ -143,7 +143,7 @@ def test_worker_killed_with_a_call_in_flight_fails_that_call_and_is_replaced():
             os.kill(await worker_pid(pool, session.worker), signal.SIGKILL)
             with pytest.raises(EnvCallFailed) as failed:
                 await step
-            assert failed.value.kind == "infrastructure" and failed.value.failure.type == "ActorDiedError"
+            assert failed.value.kind == "infrastructure" and failed.value.failure.type == "EnvWorkerLost"
             assert failed.value.worker_exit
             await session.close()
             await eventually(lambda: ready_count(pool, 1), 20)

@@ -181,6 +181,25 @@ def test_a_session_its_owner_abandoned_is_closed_after_the_idle_timeout():
     run(body(), 50)
 
 
+@pytest.mark.timeout(60)
+def test_a_session_stepping_directly_on_its_worker_is_not_idle_to_the_pool():
+    """Steps bypass the pool; its reaper must ask the worker before calling a session abandoned."""
+
+    async def body():
+        async with env_pool(ECHO, EnvPoolConfig(session_idle_timeout=1.0), turns=100) as pool:
+            session = await EnvSession.open(pool, task_index=0, timeout=10)
+            assert session.server is not None  # steps go straight to the worker
+            for _ in range(12):  # 3.6 s of steps, more than three idle timeouts by the pool's own clock
+                await session.step({"role": "assistant", "content": "again"}, timeout=10)
+                await asyncio.sleep(0.3)
+            assert (await pool.stats.remote()).sessions == 1
+            worker = ray.get_actor(session.worker)
+            assert await eventually(lambda: _worker_sessions(worker, 0), 10)  # abandoned now: reaped
+            assert (await pool.stats.remote()).sessions == 0
+
+    run(body(), 50)
+
+
 async def _ready(pool, count: int, exact: bool = False) -> bool:
     ready = (await pool.stats.remote()).ready
     return ready == count if exact else ready >= count
