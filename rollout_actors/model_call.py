@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import openai
+from openai.types import Completion
 
 from rollout_actors.failures import MalformedResponse
 from rollout_actors.wire import SamplingConfig
@@ -59,13 +60,14 @@ def _extra(obj: Any, name: str) -> Any:
 async def complete_tokens(
     client: openai.AsyncOpenAI, model: str, prompt_ids: list[int], sampling: SamplingConfig
 ) -> Sampled:
-    response = await client.completions.create(
-        model=model,
-        prompt=prompt_ids,
-        logprobs=1 if sampling.logprobs else None,
-        extra_body={"return_token_ids": True, **sampling.extra_body},
-        **_sampling_kwargs(sampling),
-    )
+    # `completions.create` walks every prompt id through the SDK's TypedDict transform: about 8% of a
+    # rollout worker's CPU at 1k-token prompts, and it grows with the prompt. The body is plain JSON
+    # already, so it goes through `client.post`, which keeps the client's retries, timeouts and headers.
+    body: dict[str, Any] = {"model": model, "prompt": prompt_ids, **_sampling_kwargs(sampling)}
+    if sampling.logprobs:
+        body["logprobs"] = 1
+    body.update({"return_token_ids": True, **sampling.extra_body})
+    response = await client.post("/completions", cast_to=Completion, body=body)
     choices = getattr(response, "choices", None)
     if not choices:
         raise MalformedResponse("completion response has no choices")
