@@ -104,3 +104,30 @@ def process_resources(pid: int) -> tuple[int, int]:
     """(OS threads, RSS bytes) of one process now."""
     proc = psutil.Process(pid)
     return proc.num_threads(), proc.memory_info().rss
+
+
+def cpu_by_role(server_pid: int) -> dict[str, float]:
+    """CPU seconds (user + system) used so far, by role: this process, the stand-in server, each Ray actor
+    class (`ray::EnvServer`, ...), and Ray's own daemons. Diff two snapshots for a wave's cost; a process
+    that exits between them (a retired renderer) is missed."""
+    roles: dict[str, float] = {}
+    me = psutil.Process()
+    for proc in psutil.process_iter(["pid", "cmdline", "cpu_times"]):
+        cmdline, times = proc.info["cmdline"] or [], proc.info["cpu_times"]
+        if times is None or not cmdline:
+            continue
+        first = cmdline[0].split()[0] if cmdline[0].strip() else ""
+        if proc.pid == me.pid:
+            role = "driver"
+        elif proc.pid == server_pid:
+            role = "stand-in"
+        elif first.startswith("ray::"):
+            role = first.split(".")[0].removeprefix("ray::")
+        elif any(part.endswith(("raylet", "gcs_server")) for part in cmdline[:1]) or "ray/" in " ".join(
+            cmdline[:2]
+        ):
+            role = "ray daemons"
+        else:
+            continue
+        roles[role] = roles.get(role, 0.0) + times.user + times.system
+    return roles

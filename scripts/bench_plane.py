@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import ray
-from _bench_probe import Probe, ProbeSample, time_wait_count
+from _bench_probe import Probe, ProbeSample, cpu_by_role, time_wait_count
 from _bench_single_process import SingleProcessWorkload, run_wave
 
 from renderer_actors.tokenizer import BUNDLED_MODEL
@@ -80,6 +80,8 @@ class WayResult:
     failures: int
     probe: ProbeSample
     time_wait: int
+    cpu: dict[str, float] = field(default_factory=dict)
+    """CPU seconds the wave cost, by role (`cpu_by_role`, after minus before)."""
     notes: dict[str, Any] = field(default_factory=dict)
 
 
@@ -117,7 +119,9 @@ async def run_single(args: argparse.Namespace, c: int, way: str, server: Standin
     time_wait_before = time_wait_count(server.port)  # the launcher's /health polls
     probe = Probe(server.pid, server.port, [os.getpid()]).start()
     await asyncio.sleep(0.6)  # the probe's first sample: the idle baseline
+    cpu_before = cpu_by_role(server.pid)
     wall, timings = await run_wave(workload, c, per_rollout_client=(way == "b"))
+    cpu = _cpu_diff(cpu_before, cpu_by_role(server.pid))
     sample = probe.stop()
     return WayResult(
         way=way,
@@ -128,6 +132,7 @@ async def run_single(args: argparse.Namespace, c: int, way: str, server: Standin
         failures=sum(not t.ok for t in timings),
         probe=sample,
         time_wait=time_wait_count(server.port) - time_wait_before,
+        cpu=cpu,
         notes={"errors": sorted({t.error for t in timings if not t.ok})[:3]},
     )
 
@@ -175,13 +180,16 @@ async def run_plane(args: argparse.Namespace, c: int, server: StandinServer) -> 
         probe = Probe(server.pid, server.port, [r["pid"] for r in before]).start()
         await asyncio.sleep(0.6)
         order: dict[str, int] = {}
-        started = time.monotonic()
+        cpu_before = cpu_by_role(server.pid)
+        started, started_wall = time.monotonic(), time.time()
         for i in range(c):
             order[await plane.submit(request(i))] = i
         results = [
             await plane.next_result(timeout=args.latency * args.max_turns * 20 + 300) for _ in range(c)
         ]
         wall = time.monotonic() - started
+        ended_wall = time.time()
+        cpu = _cpu_diff(cpu_before, cpu_by_role(server.pid))
         sample = probe.stop()
         after = await asyncio.gather(*(w.resources.remote(server.port) for w in workers))
         time_wait = time_wait_count(server.port) - time_wait_before
@@ -198,16 +206,27 @@ async def run_plane(args: argparse.Namespace, c: int, server: StandinServer) -> 
         failures=sum(not r.ok for r in results),
         probe=sample,
         time_wait=time_wait,
+        cpu=cpu,
         notes={
             "warmup_ok": sum(r.ok for r in warm),
             "open_clients_after": sum(r["open_clients"] for r in after),
             "worker_conns_after": sum(r["connections"] for r in after),
             "redispatched": stats["redispatched"],
+            # Where the wall goes beyond the rollouts themselves (worker clocks; one machine, one clock):
+            "first_start_s": round(min(r.started_at or 0 for r in results) - started_wall, 2),
+            "last_start_s": round(max(r.started_at or 0 for r in results) - started_wall, 2),
+            "after_last_finish_s": round(ended_wall - max(r.finished_at or 0 for r in results), 2),
             "errors": sorted(
                 {f"{r.kind}: {r.error.type}: {r.error.message[:120]}" for r in results if r.error}
             )[:3],
         },
     )
+
+
+def _cpu_diff(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {
+        role: after[role] - before.get(role, 0.0) for role in after if after[role] > before.get(role, 0.0)
+    }
 
 
 async def run_way(args: argparse.Namespace, c: int, way: str) -> WayResult:
@@ -264,6 +283,15 @@ def print_table(args: argparse.Namespace, c: int, results: dict[str, WayResult])
                 + "".join(f"{x:>8.3f}" for x in q)
                 + f"{q[0] / q[3]:>8.2f}{slow:>7}"
             )
+    print("CPU seconds of the wave by role (ms per rollout in brackets):")
+    for key in "abc":
+        r = by(key)
+        if r is None or not r.cpu:
+            continue
+        parts = sorted(r.cpu.items(), key=lambda kv: -kv[1])
+        total = sum(r.cpu.values())
+        shown = ", ".join(f"{role} {sec:.1f}" for role, sec in parts if sec >= 0.05)
+        print(f"({key}) total {total:.1f} s [{total / c * 1e3:.1f} ms]: {shown}")
     for key in "abc":
         r = by(key)
         if r is not None and any(r.notes.values()):
