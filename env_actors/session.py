@@ -84,7 +84,11 @@ class EnvSession:
             _submit_close(pool, session_id)
             raise
         out = ResetOut.model_validate(value)
-        server = await server_handle(pool, out.worker) if out.worker else None
+        try:
+            server = await server_handle(pool, out.worker) if out.worker else None
+        except BaseException:  # cancelled (or a bug) between reset and the session object: end it
+            _submit_close(pool, session_id)
+            raise
         return cls(
             pool=pool,
             session_id=session_id,

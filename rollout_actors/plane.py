@@ -225,15 +225,16 @@ class RolloutPlane:
         current = self._publisher.current() if self._publisher is not None else None
         return current.version if current is not None else None
 
-    async def publish_policy(self, adapter: Any, version: int) -> PublishHandle:
+    async def publish_policy(self, adapter: Any, version: int, donate: bool = False) -> PublishHandle:
         """Publish a LoRA adapter (arrays or a directory) to every endpoint. Returns once an immutable CPU
         capture exists; `await handle.wait()` for the servers. New rollouts switch to it atomically when
-        every server has loaded it; rollouts in flight keep the policy they started with."""
+        every server has loaded it; rollouts in flight keep the policy they started with. `donate=True`
+        hands fresh arrays over instead of copying them (they are frozen; see `capture_adapter`)."""
         if self._publisher is None:
             if self.config.policy_storage_dir is None:
                 raise ValueError("publish_policy needs PlaneConfig.policy_storage_dir")
             self._publisher = PolicyPublisher(self._endpoints, self.config.policy_storage_dir)
-        return await self._publisher.publish(adapter, version)
+        return await self._publisher.publish(adapter, version, donate=donate)
 
     def _with_policy(self, request: RolloutRequest) -> RolloutRequest:
         """The request on the active policy, checked out until `_dispatch` checks it in."""

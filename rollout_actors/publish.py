@@ -180,8 +180,11 @@ class PolicyPublisher:
         raw = self._endpoints() if callable(self._endpoints) else self._endpoints
         return [_server_root(url) for url in raw]
 
-    async def publish(self, adapter: LoraAdapter | str | os.PathLike[str], version: int) -> PublishHandle:
-        """Capture `adapter` and return; writing and loading continue in the background.
+    async def publish(
+        self, adapter: LoraAdapter | str | os.PathLike[str], version: int, donate: bool = False
+    ) -> PublishHandle:
+        """Capture `adapter` and return; writing and loading continue in the background. `donate=True`
+        hands the arrays over (frozen, not copied; see `capture_adapter`).
 
         Raises ValueError at once for an adapter no server could load or a version that is not newer
         than the active one and every publication in flight.
@@ -192,7 +195,7 @@ class PolicyPublisher:
         newest = max([self._current.version if self._current else -1, *self._pending])
         if version <= newest:
             raise ValueError(f"policy version {version} is not newer than {newest}")
-        capture = capture_adapter(adapter, self._buffers)
+        capture = capture_adapter(adapter, self._buffers, donate=donate)
         name = f"{self.name_prefix}-v{version}"
         task = asyncio.create_task(self._run(capture, name, version), name=f"publish-{name}")
         handle = PublishHandle(name, version, task, time.perf_counter() - started)

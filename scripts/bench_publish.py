@@ -22,7 +22,7 @@ Per adapter size (MiB of float32 LoRA weights: rank 64, 32 tensors), in order:
          machine's load does not read as an effect of publication
 
 Columns:
-  blocked        seconds inside `await plane.publish_policy(...)` (the capture: a memcpy); median of `pubs`
+  blocked        seconds inside `await plane.publish_policy(...)` (a memcpy; nothing with --donate); median
   total          from calling `publish_policy` until `handle.wait()` returned; median of `pubs`
   blocked/total  median of the per-publication ratios (min and max below the table)
   ro/s idle      rollouts completed per second over both idle windows
@@ -230,7 +230,7 @@ class Bench:
     async def publish(self, adapter: LoraAdapter) -> Publication:
         self.version += 1
         start_wall, start = time.time(), time.monotonic()
-        handle = await self.plane.publish_policy(adapter, self.version)
+        handle = await self.plane.publish_policy(adapter, self.version, donate=self.args.donate)
         blocked = time.monotonic() - start
         await handle.wait(timeout=PUBLISH_TIMEOUT_S)
         total = time.monotonic() - start
@@ -248,7 +248,9 @@ class Bench:
         pubs_start = time.monotonic()
         pubs: list[Publication] = []
         while not pubs or not self.enough(pubs, time.monotonic() - pubs_start):
-            for array in adapter.tensors.values():  # the trainer's step: new values, same arrays
+            if self.args.donate:  # the trainer's `tensor.cpu()`: fresh arrays every step, handed over
+                adapter = LoraAdapter({k: a.copy() for k, a in adapter.tensors.items()}, adapter.config)
+            for array in adapter.tensors.values():  # the trainer's step: new values
                 array[0, 0] += 1.0
             pubs.append(await self.publish(adapter))
             await self.hold(self.args.gap)
@@ -334,7 +336,7 @@ def print_report(args: argparse.Namespace, rows: list[SizeRow], bench: Bench) ->
     print(
         f"{args.servers} stand-in servers ({args.latency_s:g} s per model call), {args.inflight} calculator "
         f"rollouts in flight (2 model turns each), LoRA rank {RANK}, float32, window {args.window:g} s, "
-        f"gap {args.gap:g} s"
+        f"gap {args.gap:g} s, capture: {'donated (fresh arrays handed over)' if args.donate else 'copy'}"
     )
     print(
         "blocked cold = first publication of that size (fresh capture memory; the first size's also builds "
@@ -393,6 +395,9 @@ def parse_args() -> argparse.Namespace:
         "--window", type=float, default=5.0, help="seconds per idle and per publication phase"
     )
     parser.add_argument("--gap", type=float, default=0.0, help="pause between publications of a phase")
+    parser.add_argument(
+        "--donate", action="store_true", help="publish_policy(..., donate=True): fresh arrays handed over"
+    )
     parser.add_argument(
         "--min-during", type=int, default=150, help="completions inside publications a phase aims for"
     )

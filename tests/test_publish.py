@@ -104,6 +104,27 @@ def test_caller_may_overwrite_its_arrays_as_soon_as_publish_returns(servers, tmp
     assert all(np.array_equal(written[k], original[k]) for k in original)
 
 
+def test_donated_arrays_are_frozen_not_copied_and_published(servers, tmp_path):
+    donated = adapter(seed=3)
+
+    async def scenario():
+        publisher = PolicyPublisher(servers, tmp_path, load_timeout=10, retries=1)
+        try:
+            handle = await publisher.publish(donated, version=1, donate=True)
+            return await handle.wait(timeout=30)
+        finally:
+            await publisher.aclose()
+
+    active = run(scenario())
+    assert active.version == 1 and all("policy-v1" in served_models(url) for url in servers)
+    written = load_file(str(next(tmp_path.iterdir()) / WEIGHTS_FILE))
+    for name, array in donated.tensors.items():
+        assert not array.flags.writeable  # handed over: the caller can no longer change it under us
+        with pytest.raises(ValueError):
+            array[0, 0] = 1.0
+        np.testing.assert_array_equal(written[name], array)
+
+
 def test_adapter_directory_is_captured_so_the_trainer_can_overwrite_it(servers, tmp_path):
     source = tmp_path / "trainer-out"
     source.mkdir()
