@@ -1,7 +1,11 @@
 """A session's direct line to its `EnvServer`: handle lookup, the call itself, and telling the pool.
 
-A session's steps and score go from the rollout's process straight to the worker holding it, one Ray
-round trip each instead of two through the pool. What the pool still has to know travels on the side:
+A session's steps and score go from the rollout's process straight to the worker holding it, not through
+the pool, and batched: every call this event loop makes of one worker in one tick travels in one
+`call_many`. The worker answers each call that finished by the time the first did plus a short linger
+(`server.BATCH_LINGER_S`); the rest come back from `collect`, so a slow step never holds a fast one back
+for long. Turns that finish together (many rollouts' completions arriving in one tick) then cost one
+Ray round trip, not one each. What the pool still has to know travels on the side:
 
 - **The handle.** Asked of the pool once per worker per event loop (`server_handle`), then cached.
 - **A death.** Ray fails a dead actor's calls within milliseconds (`ActorDiedError`). The session then
@@ -21,7 +25,6 @@ import logging
 import weakref
 from typing import Any, Literal
 
-import ray
 from ray.exceptions import ActorDiedError, RayError
 
 from env_actors.interface import EnvResponse
@@ -62,19 +65,26 @@ def unwrap(response: EnvResponse, method: str) -> Any:
 
 
 async def call_server(
-    pool: Any, server: Any, worker: str, method: str, args: tuple, timeout: float, **kwargs: Any
+    pool: Any,
+    server: Any,
+    worker: str,
+    method: str,
+    session_id: str,
+    args: tuple,
+    timeout: float,
+    **kwargs: Any,
 ) -> Any:
-    """`server.<method>(*args, timeout, **kwargs)` straight to the worker, every failure an
-    `EnvCallFailed`. A cancelled caller cancels the call on the worker too."""
-    ref = getattr(server, method).remote(*args, timeout, **kwargs)
+    """`server.<method>(session_id, *args, timeout, **kwargs)` straight to the worker, in one `call_many`
+    with every call this loop makes of that worker in the same tick; every failure an `EnvCallFailed`.
+    A caller that gives up stops waiting; the call itself ends with its session (`close`)."""
+    call = (method, session_id, args, timeout, kwargs)
     try:
-        response: EnvResponse = await asyncio.wait_for(resolve(ref), timeout + DIRECT_CALL_SLACK_S)
+        response: EnvResponse = await asyncio.wait_for(
+            _state().call(server, call), timeout + DIRECT_CALL_SLACK_S
+        )
     except TimeoutError:
         message = f"env worker {worker} gave no answer to {method} within {timeout + DIRECT_CALL_SLACK_S:g} s"
         raise EnvCallFailed(Failure(type=DEADLINE_FAILURE, message=message)) from None
-    except asyncio.CancelledError:
-        _cancel(ref)
-        raise
     except ActorDiedError as exc:
         reason = await _why_lost(pool, worker, exit_detail(exc))
         message = f"env worker {worker} was lost during {method}: {reason}"
@@ -103,13 +113,6 @@ async def _why_lost(pool: Any, worker: str, detail: str) -> str:
         return f"died: {detail}"
 
 
-def _cancel(ref: Any) -> None:
-    try:
-        ray.cancel(ref)
-    except Exception:  # already finished, or the worker is gone
-        pass
-
-
 def _actor_key(handle: Any) -> Any:
     to_hex = getattr(getattr(handle, "_actor_id", None), "hex", None)  # stable across handle copies
     return to_hex() if callable(to_hex) else id(handle)
@@ -121,7 +124,52 @@ class _LoopState:
     def __init__(self) -> None:
         self._handles: dict[tuple[Any, str], asyncio.Task[Any]] = {}
         self._forgets: dict[Any, tuple[Any, list[str]]] = {}
+        self._calls: dict[Any, tuple[Any, list[tuple], list[asyncio.Future[Any]]]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
+
+    async def call(self, server: Any, call: tuple) -> EnvResponse:
+        """One session call, sent with this tick's other calls to the same worker."""
+        key = _actor_key(server)
+        batch = self._calls.get(key)
+        if batch is None:
+            batch = self._calls[key] = (server, [], [])
+            self._own(self._flush_calls(key))
+        waiter = asyncio.get_running_loop().create_future()
+        batch[1].append(call)
+        batch[2].append(waiter)
+        return await waiter
+
+    async def _flush_calls(self, key: Any) -> None:
+        await asyncio.sleep(0)  # every call asked of this worker in this tick joins the batch
+        server, calls, waiters = self._calls.pop(key)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + max(call[3] for call in calls) + DIRECT_CALL_SLACK_S
+        try:
+            replies = await asyncio.wait_for(server.call_many.remote(calls), deadline - loop.time())
+            by_ticket = {ticket: waiter for (ticket, _), waiter in zip(replies, waiters, strict=True)}
+            while by_ticket:
+                for ticket, answer in replies:
+                    if answer is None:
+                        continue
+                    waiter = by_ticket.pop(ticket)
+                    if not waiter.done():  # else its caller gave up: the answer is dropped
+                        waiter.set_result(answer)
+                if not by_ticket:
+                    break
+                replies = await asyncio.wait_for(
+                    server.collect.remote(list(by_ticket)), deadline - loop.time()
+                )
+        except BaseException as exc:  # the worker died, or the batch outlived every call's deadline
+            for waiter in waiters:
+                if not waiter.done():
+                    waiter.set_exception(exc)
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+
+    def _own(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def handle(self, pool: Any, worker: str) -> Any | None:
         key = (_actor_key(pool), worker)
@@ -146,9 +194,7 @@ class _LoopState:
         batch = self._forgets.get(key)
         if batch is None:
             batch = self._forgets[key] = (pool, [])
-            task = asyncio.get_running_loop().create_task(self._flush(key))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._own(self._flush(key))
         batch[1].append(session_id)
 
     async def _flush(self, key: Any) -> None:

@@ -13,6 +13,7 @@ stall past `hang_timeout` like a frozen process. A frozen (SIGSTOPped) or lost p
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import math
 import os
@@ -32,6 +33,10 @@ PROBE_GROUP = "probe"
 PROBE_GROUP_SIZE = 4  # a probe, a pid query and slack for a probe that outlived its caller's timeout
 HEARTBEAT_S = 0.1  # resolution of `loop_stall_s`; far below any sane hang_timeout
 MIN_SERVER_CONCURRENCY = 64
+BATCH_LINGER_S = 0.02
+"""Once one call of a batch has answered, how long the others may take to join its reply. Slower ones are
+answered by a later `collect`, so a slow step never holds a fast one back by more than this."""
+UNCOLLECTED_TTL_S = 60.0  # an answer nobody collected (its caller gave up) is dropped after this
 DEADLINE_FAILURE = "EnvDeadline"
 """`Failure.type` of a call that missed its deadline (raised here or by the pool)."""
 
@@ -63,6 +68,9 @@ class EnvServer:
         self._last_used: dict[str, float] = {}
         self._busy: Counter[str] = Counter()
         """Calls in flight per session: a session in the middle of a call is never idle."""
+        self._tickets = itertools.count()
+        self._batched: dict[int, tuple[str, asyncio.Task[EnvResponse]]] = {}
+        """Ticket -> (session, call) of batched calls not yet collected (`call_many` / `collect`)."""
         self._env: Any = None
         self._phase = "created"
         """created -> constructing -> loading -> ready | failed; shown in readiness diagnostics."""
@@ -145,6 +153,51 @@ class EnvServer:
         with self._using(session_id):
             return await self._guard("score", min(timeout, self._score_limit), self._score(session_id))
 
+    async def call_many(self, calls: list[tuple[str, str, tuple, float, dict]]) -> list[tuple[int, Any]]:
+        """Several `step` / `score` calls, `(method, session_id, args, timeout, kwargs)`, sent by one process
+        in one Ray call (`direct.py` batches a tick's worth). They run concurrently, each under its own
+        deadline; the reply is `(ticket, EnvResponse)` for each call answered by the time the first one
+        is plus `BATCH_LINGER_S`, and `(ticket, None)` for the rest, which `collect` answers later."""
+        loop = asyncio.get_running_loop()
+        tickets = []
+        for method, session_id, args, timeout, kwargs in calls:
+            if method not in ("step", "score"):
+                failure = Failure(type="CallerError", message=f"{method!r} cannot be batched")
+                task = loop.create_task(_answer(EnvResponse.failed(failure, "caller", self._worker)))
+            else:
+                task = loop.create_task(getattr(self, method)(session_id, *args, timeout, **kwargs))
+            ticket = next(self._tickets)
+            self._batched[ticket] = (session_id, task)
+            task.add_done_callback(
+                lambda _, t=ticket: loop.call_later(UNCOLLECTED_TTL_S, self._batched.pop, t, None)
+            )
+            tickets.append(ticket)
+        return await self.collect(tickets)
+
+    async def collect(self, tickets: list[int]) -> list[tuple[int, Any]]:
+        """Answers of batched calls: each one finished within `BATCH_LINGER_S` of the first to finish;
+        None for those still running (ask again). A ticket nobody holds any more answers a failure."""
+        running = [self._batched[t][1] for t in tickets if t in self._batched]
+        if running:
+            done, pending = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+            if pending:
+                await asyncio.wait(pending, timeout=BATCH_LINGER_S)
+        answers: list[tuple[int, Any]] = []
+        for ticket in tickets:
+            entry = self._batched.get(ticket)
+            if entry is not None and not entry[1].done():
+                answers.append((ticket, None))
+                continue
+            self._batched.pop(ticket, None)
+            if entry is None or entry[1].cancelled():
+                message = f"batched call {ticket} was ended before it answered (its session closed)"
+                answers.append(
+                    (ticket, EnvResponse.failed(Failure(type="EnvSessionClosed", message=message)))
+                )
+            else:
+                answers.append((ticket, entry[1].result()))
+        return answers
+
     async def idle_sessions(self, session_ids: list[str], idle_s: float) -> list[str]:
         """Which of these sessions have had no call for `idle_s` and none in flight (the pool's reaper
         asks: steps come here directly, so only this server knows). Unknown ids count as idle."""
@@ -166,6 +219,9 @@ class EnvServer:
                 self._last_used[session_id] = time.monotonic()
 
     async def close(self, session_id: str, timeout: float) -> EnvResponse:
+        for owner, task in list(self._batched.values()):  # its step or score still running stops here
+            if owner == session_id:
+                task.cancel()
         return await self._guard("close", timeout, self._close(session_id))
 
     async def _guard(self, method: str, timeout: float, work: Awaitable[Any]) -> EnvResponse:
@@ -245,6 +301,10 @@ class EnvServer:
             logger.warning(
                 "env worker %s: close of scored session %s raised", self._worker, session_id, exc_info=True
             )
+
+
+async def _answer(response: EnvResponse) -> EnvResponse:
+    return response
 
 
 def create_env_server(name: str, env: Ref, config: EnvPoolConfig) -> ray.actor.ActorHandle:

@@ -151,9 +151,10 @@ class EnvSession:
 
     async def _direct(self, method: str, args: tuple, timeout: float, **kwargs: Any) -> Any:
         """One call straight to the worker, cancellable by `close` from another task."""
-        call = (self.session_id, *args)
         task = asyncio.ensure_future(
-            call_server(self.pool, self.server, self.worker or "?", method, call, timeout, **kwargs)
+            call_server(
+                self.pool, self.server, self.worker or "?", method, self.session_id, args, timeout, **kwargs
+            )
         )
         self._inflight.add(task)
         try:

@@ -200,6 +200,29 @@ def test_a_session_stepping_directly_on_its_worker_is_not_idle_to_the_pool():
     run(body(), 50)
 
 
+@pytest.mark.timeout(60)
+def test_a_slow_step_does_not_hold_back_a_fast_one_sent_in_the_same_batch():
+    """Steps to one worker in one tick travel in one `call_many`; each answers on its own time."""
+
+    async def body():
+        async with env_pool("env_actors.faults.envs:SleepsOnRequestEnv", turns=5) as pool:
+            slow, fast = [await EnvSession.open(pool, task_index=i, timeout=10) for i in range(2)]
+            assert slow.worker == fast.worker
+            loop = asyncio.get_running_loop()
+            began = loop.time()
+
+            async def timed(session, content):
+                await session.step({"role": "assistant", "content": content}, timeout=10)
+                return loop.time() - began
+
+            slow_s, fast_s = await asyncio.gather(timed(slow, "sleep:2.0"), timed(fast, "now"))
+            assert slow_s >= 2.0 and fast_s < 1.0, (slow_s, fast_s)
+            for session in (slow, fast):
+                await session.close()
+
+    run(body(), 50)
+
+
 async def _ready(pool, count: int, exact: bool = False) -> bool:
     ready = (await pool.stats.remote()).ready
     return ready == count if exact else ready >= count

@@ -183,3 +183,13 @@ class ScoreRaisesEnv(RecordsClosesEnv):
 
     async def score(self, state: _Episode) -> ScoreOut:
         raise ConnectionError("reward model at http://reward-model:8000 refused the connection")
+
+
+class SleepsOnRequestEnv(EchoEnv):
+    """Healthy; a step whose assistant message says `sleep:<seconds>` takes that long (awaited)."""
+
+    async def step(self, state: _Episode, assistant_message: Message) -> StepOut:
+        content = str(assistant_message.get("content") or "")
+        if content.startswith("sleep:"):
+            await asyncio.sleep(float(content.removeprefix("sleep:")))
+        return await super().step(state, assistant_message)
