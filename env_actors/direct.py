@@ -7,7 +7,8 @@ the pool, and batched: every call this event loop makes of one worker in one tic
 for long. Turns that finish together (many rollouts' completions arriving in one tick) then cost one
 Ray round trip, not one each. What the pool still has to know travels on the side:
 
-- **The handle.** Asked of the pool once per worker per event loop (`server_handle`), then cached.
+- **Placement.** The pool picks the worker (`place_many`, one call per pool per tick for every session
+  this loop opens) and hands back its handle; the session's reset then goes to the worker directly.
 - **A death.** Ray fails a dead actor's calls within milliseconds (`ActorDiedError`). The session then
   asks the pool why the worker ended (`worker_lost`): the supervisor may have killed it as wedged, and
   that reason is what the caller gets; if the supervisor had not noticed yet, it retires the worker now.
@@ -95,10 +96,20 @@ async def call_server(
     return unwrap(response, method)
 
 
-async def server_handle(pool: Any, worker: str) -> Any | None:
-    """The worker's handle, from this loop's cache or the pool; None when the pool has no such ready
-    worker (the caller then relays through the pool, which answers for a lost worker)."""
-    return await _state().handle(pool, worker)
+async def place(pool: Any, session_id: str, timeout: float) -> tuple[str, Any]:
+    """(worker name, handle) the pool placed the new session on; `EnvCallFailed` if it could not."""
+    try:
+        response: EnvResponse = await asyncio.wait_for(_state().place(pool, session_id), timeout)
+    except TimeoutError:
+        message = f"env pool gave no placement within {timeout:g} s"
+        raise EnvCallFailed(Failure(type=DEADLINE_FAILURE, message=message)) from None
+    except RayError as exc:  # the pool actor itself died or is unreachable
+        failure = Failure.from_exception(exc)
+        raise EnvCallFailed(
+            Failure(type="PoolUnreachable", message=failure.message, traceback=failure.traceback)
+        ) from exc
+    value = unwrap(response, "place")
+    return value["worker"], value["handle"]
 
 
 def forget_later(pool: Any, session_id: str) -> None:
@@ -122,7 +133,7 @@ class _LoopState:
     """Per event loop (futures belong to one loop): cached handles and pending forget notices."""
 
     def __init__(self) -> None:
-        self._handles: dict[tuple[Any, str], asyncio.Task[Any]] = {}
+        self._places: dict[Any, tuple[Any, list[str], list[asyncio.Future[Any]]]] = {}
         self._forgets: dict[Any, tuple[Any, list[str]]] = {}
         self._calls: dict[Any, tuple[Any, list[tuple], list[asyncio.Future[Any]]]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -142,6 +153,10 @@ class _LoopState:
     async def _flush_calls(self, key: Any) -> None:
         await asyncio.sleep(0)  # every call asked of this worker in this tick joins the batch
         server, calls, waiters = self._calls.pop(key)
+        live = [(call, waiter) for call, waiter in zip(calls, waiters, strict=True) if not waiter.done()]
+        if not live:  # every caller gave up within the tick: nothing to send
+            return
+        calls, waiters = [call for call, _ in live], [waiter for _, waiter in live]
         loop = asyncio.get_running_loop()
         deadline = loop.time() + max(call[3] for call in calls) + DIRECT_CALL_SLACK_S
         try:
@@ -171,23 +186,37 @@ class _LoopState:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def handle(self, pool: Any, worker: str) -> Any | None:
-        key = (_actor_key(pool), worker)
-        task = self._handles.get(key)
-        if task is None or (task.done() and (task.cancelled() or task.exception() or task.result() is None)):
-            task = self._handles[key] = asyncio.get_running_loop().create_task(self._ask(pool, worker))
-        # Shielded: one session's deadline must not cancel the answer others wait on.
-        return await asyncio.wait_for(asyncio.shield(task), POOL_NOTICE_TIMEOUT_S + 1.0)
+    async def place(self, pool: Any, session_id: str) -> EnvResponse:
+        """One placement, asked with every other session this loop opens on the pool in this tick."""
+        key = _actor_key(pool)
+        batch = self._places.get(key)
+        if batch is None:
+            batch = self._places[key] = (pool, [], [])
+            self._own(self._flush_places(key))
+        waiter = asyncio.get_running_loop().create_future()
+        batch[1].append(session_id)
+        batch[2].append(waiter)
+        return await waiter
 
-    @staticmethod
-    async def _ask(pool: Any, worker: str) -> Any | None:
+    async def _flush_places(self, key: Any) -> None:
+        await asyncio.sleep(0)
+        pool, session_ids, waiters = self._places.pop(key)
         try:
-            response: EnvResponse = await asyncio.wait_for(
-                resolve(pool.server_handle.remote(worker)), POOL_NOTICE_TIMEOUT_S
+            answers = await asyncio.wait_for(
+                resolve(pool.place_many.remote(session_ids)), POOL_NOTICE_TIMEOUT_S
             )
-        except Exception:  # no handle is not fatal: the session relays through the pool
-            return None
-        return response.value if response.success else None
+        except BaseException as exc:
+            for waiter in waiters:
+                if not waiter.done():
+                    waiter.set_exception(exc)
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+            return
+        for session_id, waiter, answer in zip(session_ids, waiters, answers, strict=True):
+            if not waiter.done():
+                waiter.set_result(answer)
+            elif answer.success:  # its opener gave up meanwhile: the placement is ended at once
+                self.forget(pool, session_id)
 
     def forget(self, pool: Any, session_id: str) -> None:
         key = _actor_key(pool)

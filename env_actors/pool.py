@@ -6,9 +6,9 @@
     await stop_env_pool(pool)
 
 The pool is an async actor that only waits (num_cpus=0). It places each new session on the least-busy ready
-worker (`reset`) and ends sessions (`close`), answering each call with an `EnvResponse` within the call's
-deadline, whatever happens to the worker meanwhile. A session's steps and score go straight to its worker
-(`direct.py`): a relay would double every call's Ray round trips. The pool still hears of everything it
+worker (`place_many`; `reset` also starts it there) and ends sessions (`close`), answering each call with
+an `EnvResponse` within the call's deadline, whatever happens to the worker meanwhile. A session's reset,
+steps and score go straight to its worker (`direct.py`): a relay would double every call's Ray round trips. The pool still hears of everything it
 must know: a session that ended with its scored step (`forget_many`), a worker a session saw die
 (`worker_lost`), and, for its idle reaper, which sessions their worker has seen no call from.
 Worker lifecycle (readiness, probes, budget, scaling) is the supervisor's job (`supervisor.py`).
@@ -172,13 +172,27 @@ class EnvPool:
             return EnvResponse.ok()
         return await self._call(slot, None, "close", (session_id,), min(timeout, self._config.close_timeout))
 
-    async def server_handle(self, worker: str, timeout: float = 0.0) -> EnvResponse:
-        """The handle of a ready worker, for a session to call it directly (`timeout` is unused)."""
-        slot = self._supervisor.workers.get(worker)
-        if slot is None or slot.state != "ready":
-            reason = self._retired.get(worker, "not a ready worker of this pool")
-            return EnvResponse.failed(Failure(type="EnvWorkerLost", message=f"{worker}: {reason}"))
-        return EnvResponse.ok(slot.handle, worker)
+    async def place_many(self, session_ids: list[str]) -> list[EnvResponse]:
+        """Place new sessions on the least-busy ready workers without starting them; each value is
+        `{"worker": name, "handle": handle}`. The opener then sends `reset` to the worker itself (batched
+        with that worker's other calls, see `direct.py`), and ends the session with `close` if the reset
+        fails. A placed session counts toward placement at once."""
+        answers = []
+        for session_id in session_ids:
+            if self._closed:
+                answers.append(self._closed_response())
+                continue
+            if session_id in self._sessions or session_id in self._lost:
+                answers.append(_caller_failure("DuplicateEnvSession", f"session id {session_id!r} is in use"))
+                continue
+            slot = self._supervisor.least_busy()
+            if slot is None:
+                answers.append(self._no_live_worker())
+                continue
+            self._sessions[session_id] = _Session(worker=slot.name, last_used=time.monotonic(), started=True)
+            slot.sessions.add(session_id)
+            answers.append(EnvResponse.ok({"worker": slot.name, "handle": slot.handle}, slot.name))
+        return answers
 
     async def forget_many(self, session_ids: list[str]) -> int:
         """Sessions that ended on their worker with a scored step: drop them from placement."""

@@ -18,7 +18,7 @@ import logging
 import math
 import os
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -36,6 +36,7 @@ MIN_SERVER_CONCURRENCY = 64
 BATCH_LINGER_S = 0.02
 """Once one call of a batch has answered, how long the others may take to join its reply. Slower ones are
 answered by a later `collect`, so a slow step never holds a fast one back by more than this."""
+ENDED_MEMORY = 10_000  # ids of sessions closed before they started, oldest forgotten first
 UNCOLLECTED_TTL_S = 60.0  # an answer nobody collected (its caller gave up) is dropped after this
 DEADLINE_FAILURE = "EnvDeadline"
 """`Failure.type` of a call that missed its deadline (raised here or by the pool)."""
@@ -57,14 +58,17 @@ class EnvServer:
         env: Ref,
         worker: str,
         allowed_prefixes: tuple[str, ...] = DEFAULT_ALLOWED_PREFIXES,
-        limits: tuple[float, float] = (math.inf, math.inf),
+        limits: tuple[float, float, float] = (math.inf, math.inf, math.inf),
     ):
         self._ref = env
         self._worker = worker
         self._prefixes = allowed_prefixes
-        self._step_limit, self._score_limit = limits
-        """The pool's step and score timeouts: sessions call this server directly, so it caps their
-        deadlines itself."""
+        self._step_limit, self._score_limit, self._reset_limit = limits
+        """The pool's step, score and reset timeouts: sessions call this server directly, so it caps
+        their deadlines itself."""
+        self._ended: OrderedDict[str, None] = OrderedDict()
+        """Sessions closed before their reset arrived (a cancelled open): their late reset is refused, so
+        it cannot start a session nobody will close."""
         self._last_used: dict[str, float] = {}
         self._busy: Counter[str] = Counter()
         """Calls in flight per session: a session in the middle of a call is never idle."""
@@ -135,7 +139,10 @@ class EnvServer:
     async def reset(
         self, session_id: str, task_index: int | None, task: dict[str, Any] | None, timeout: float
     ) -> EnvResponse:
-        return await self._guard("reset", timeout, self._reset(session_id, task_index, task))
+        with self._using(session_id):
+            return await self._guard(
+                "reset", min(timeout, self._reset_limit), self._reset(session_id, task_index, task)
+            )
 
     async def step(
         self, session_id: str, message: dict[str, Any], timeout: float, score_if_done: bool = False
@@ -154,14 +161,14 @@ class EnvServer:
             return await self._guard("score", min(timeout, self._score_limit), self._score(session_id))
 
     async def call_many(self, calls: list[tuple[str, str, tuple, float, dict]]) -> list[tuple[int, Any]]:
-        """Several `step` / `score` calls, `(method, session_id, args, timeout, kwargs)`, sent by one process
+        """Several `reset` / `step` / `score` calls, `(method, session_id, args, timeout, kwargs)`, sent by one process
         in one Ray call (`direct.py` batches a tick's worth). They run concurrently, each under its own
         deadline; the reply is `(ticket, EnvResponse)` for each call answered by the time the first one
         is plus `BATCH_LINGER_S`, and `(ticket, None)` for the rest, which `collect` answers later."""
         loop = asyncio.get_running_loop()
         tickets = []
         for method, session_id, args, timeout, kwargs in calls:
-            if method not in ("step", "score"):
+            if method not in ("reset", "step", "score"):
                 failure = Failure(type="CallerError", message=f"{method!r} cannot be batched")
                 task = loop.create_task(_answer(EnvResponse.failed(failure, "caller", self._worker)))
             else:
@@ -252,6 +259,8 @@ class EnvServer:
         env = self._loaded()
         if session_id in self._sessions:
             raise CallerError(f"session {session_id!r} already exists")
+        if session_id in self._ended:
+            raise CallerError(f"session {session_id!r} was closed before it started")
         if (task_index is None) == (task is None):
             raise CallerError("give exactly one of task_index and task")
         if task is None:
@@ -282,8 +291,12 @@ class EnvServer:
         return ScoreOut.model_validate(await self._loaded().score(state)).model_dump()
 
     async def _close(self, session_id: str) -> None:
-        # Idempotent: closing an unknown session is a no-op, so a retried or late close is harmless.
+        # Idempotent: closing an unknown session is a no-op, so a retried or late close is harmless. It is
+        # remembered, so a reset still on its way (the opener was cancelled) does not start it afterwards.
         if session_id not in self._sessions:
+            self._ended[session_id] = None
+            while len(self._ended) > ENDED_MEMORY:
+                self._ended.popitem(last=False)
             return None
         state = self._sessions.pop(session_id)
         self._last_used.pop(session_id, None)
@@ -316,7 +329,8 @@ def create_env_server(name: str, env: Ref, config: EnvPoolConfig) -> ray.actor.A
         resources=dict(config.resources) or None,
         max_concurrency=max(MIN_SERVER_CONCURRENCY, 2 * config.multiplex),
     )
-    return actor.remote(env, name, tuple(prefixes), (config.step_timeout, config.score_timeout))
+    limits = (config.step_timeout, config.score_timeout, config.reset_timeout)
+    return actor.remote(env, name, tuple(prefixes), limits)
 
 
 # Concurrency groups can only be declared here, not in `.options()`. No Ray-level restarts: the

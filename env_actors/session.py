@@ -12,13 +12,13 @@
     finally:
         await session.close()                   # idempotent, never raises
 
-`score_if_done=True` folds the last step, the score and the close into one relayed call: a step that ends
-the episode comes back with its score, and the session has already ended on its worker (`close` is then
-a no-op; `score` fails as on any closed session). Without it, or while not done, a step is just a step.
+`score_if_done=True` folds the last step, the score and the close into one call: a step that ends the
+episode comes back with its score, and the session has already ended on its worker (`close` is then a
+no-op; `score` fails as on any closed session). Without it, or while not done, a step is just a step.
 
-Steps and score go straight to the session's worker after `reset` placed it (`direct.py`); reset and
-close go through the pool. Every call has a deadline. A failed call raises `EnvCallFailed` carrying the pool's `Failure` and its
-kind: `caller` when the request was at fault (a `CallerError` in the environment: bad task index, malformed
+The pool places the session (`place_many`); its reset, steps and score then go straight to the worker,
+batched per event-loop tick (`direct.py`); close goes through the pool. Every call has a deadline. A
+failed call raises `EnvCallFailed` carrying the `Failure` and its kind: `caller` when the request was at fault (a `CallerError` in the environment: bad task index, malformed
 task), `infrastructure` for everything else (the environment's code raised, its worker died or wedged,
 a deadline passed, no live worker, the pool itself is gone). A rollout maps the kind onto its `Result`.
 """
@@ -32,7 +32,7 @@ from typing import Any
 
 from ray.exceptions import RayError
 
-from env_actors.direct import EnvCallFailed, call_server, forget_later, server_handle, unwrap
+from env_actors.direct import EnvCallFailed, call_server, forget_later, place, unwrap
 from env_actors.interface import EnvResponse, ResetOut, ScoreOut, StepOut
 from env_actors.server import DEADLINE_FAILURE
 from env_actors.supervisor import resolve
@@ -54,10 +54,10 @@ class EnvSession:
     messages: list[dict[str, Any]]
     """The opening messages from `reset`."""
     tools: list[dict[str, Any]] | None
-    worker: str | None = None
+    worker: str
     """The env worker holding this session."""
-    server: Any = None
-    """Its handle: steps and score go to it directly. None: they are relayed through the pool."""
+    server: Any
+    """Its handle: reset, steps and score go to it directly."""
     closed: bool = False
     _inflight: set[Any] = field(default_factory=set, init=False, repr=False)
     """Direct calls in flight (asyncio tasks), cancelled by `close`."""
@@ -72,23 +72,13 @@ class EnvSession:
     ) -> EnvSession:
         """Start a session for a task (by index, or the task itself) on the least-busy ready worker."""
         session_id = new_id("envsess")
+        worker, server = await place(pool, session_id, timeout)
         try:
-            value = await _call(
-                lambda: pool.reset.remote(session_id, task_index, task, timeout), timeout, "reset"
-            )
-        except EnvCallFailed as exc:
-            if exc.failure.type in (DEADLINE_FAILURE, "PoolUnreachable"):
-                _submit_close(pool, session_id)  # the pool may yet start it: make sure it is ended
-            raise
-        except asyncio.CancelledError:
+            value = await call_server(pool, server, worker, "reset", session_id, (task_index, task), timeout)
+        except BaseException:  # failed, timed out or cancelled: the placement (or a late reset) is ended
             _submit_close(pool, session_id)
             raise
         out = ResetOut.model_validate(value)
-        try:
-            server = await server_handle(pool, out.worker) if out.worker else None
-        except BaseException:  # cancelled (or a bug) between reset and the session object: end it
-            _submit_close(pool, session_id)
-            raise
         return cls(
             pool=pool,
             session_id=session_id,
@@ -103,28 +93,16 @@ class EnvSession:
     ) -> StepOut:
         """One turn. With `score_if_done`, a done step also scores and ends the session (`out.score`)."""
         self._check_open("step")
-        if self.server is not None:
-            value = await self._direct("step", (assistant_message,), timeout, score_if_done=score_if_done)
-        else:
-            value = await _call(
-                lambda: self.pool.step.remote(self.session_id, assistant_message, timeout, score_if_done),
-                timeout,
-                "step",
-            )
+        value = await self._direct("step", (assistant_message,), timeout, score_if_done=score_if_done)
         out = StepOut.model_validate(value)
         if out.score is not None:
             self.closed = True  # the worker ended the session with this step; nothing is left to close
-            if self.server is not None:
-                forget_later(self.pool, self.session_id)  # a relayed step told the pool itself
+            forget_later(self.pool, self.session_id)
         return out
 
     async def score(self, timeout: float) -> ScoreOut:
         self._check_open("score")
-        if self.server is not None:
-            value = await self._direct("score", (), timeout)
-        else:
-            value = await _call(lambda: self.pool.score.remote(self.session_id, timeout), timeout, "score")
-        return ScoreOut.model_validate(value)
+        return ScoreOut.model_validate(await self._direct("score", (), timeout))
 
     async def close(self, timeout: float = 5.0) -> None:
         """End the session on its worker. Idempotent; never raises. The close request is submitted before
@@ -152,9 +130,7 @@ class EnvSession:
     async def _direct(self, method: str, args: tuple, timeout: float, **kwargs: Any) -> Any:
         """One call straight to the worker, cancellable by `close` from another task."""
         task = asyncio.ensure_future(
-            call_server(
-                self.pool, self.server, self.worker or "?", method, self.session_id, args, timeout, **kwargs
-            )
+            call_server(self.pool, self.server, self.worker, method, self.session_id, args, timeout, **kwargs)
         )
         self._inflight.add(task)
         try:

@@ -206,6 +206,8 @@ def test_session_whose_worker_is_killed_mid_episode_fails_as_infrastructure_othe
             assert not (await doomed.step(assistant(), timeout=10)).done
             assert not (await survivor.step(assistant(), timeout=10)).done
             ray.kill(ray.get_actor(doomed.worker))
+            # ray.kill is asynchronous: a step sent at once may still be answered. Wait for the death.
+            await eventually(lambda: _deaths(pool, 1), 10)
             with pytest.raises(EnvCallFailed) as failed:
                 await doomed.step(assistant(), timeout=10)
             assert failed.value.kind == "infrastructure"

@@ -91,7 +91,7 @@ def test_a_done_step_with_score_if_done_returns_the_score_and_ends_the_session_i
             with pytest.raises(EnvCallFailed) as late:
                 await session.score(timeout=10)
             assert late.value.kind == "caller" and late.value.failure.type == "EnvSessionClosed"
-            assert spy.sent == Counter(reset=1, server_handle=1, forget_many=1)  # no close, no score
+            assert spy.sent == Counter(place_many=1, forget_many=1)  # no close, no score
             assert closes(tmp_path) == 1
 
     run(body(), 50)
@@ -227,12 +227,12 @@ class OneEnvPool:
         (
             4,
             1.0,
-            Counter(reset=1, server_handle=1, forget_many=1),
+            Counter(place_many=1, forget_many=1),
         ),  # done on turn 2: the step scored and ended it
         (
             1,
             0.0,
-            Counter(reset=1, server_handle=1, close=1),
+            Counter(place_many=1, close=1),
         ),  # out of turns: scored directly, closed as before
     ],
     ids=["done", "out-of-turns"],

@@ -223,6 +223,24 @@ def test_a_slow_step_does_not_hold_back_a_fast_one_sent_in_the_same_batch():
     run(body(), 50)
 
 
+@pytest.mark.timeout(60)
+def test_a_reset_that_arrives_after_its_session_was_closed_does_not_start_it():
+    """A cancelled opener closes its placement; its reset may still be on the way to the worker."""
+
+    async def body():
+        async with env_pool(ECHO) as pool:
+            (placed,) = await pool.place_many.remote(["envsess-late"])
+            assert placed.success and (await pool.stats.remote()).sessions == 1
+            await pool.close.remote("envsess-late", 5.0)  # the opener gave up: the pool ends it first
+            worker = placed.value["handle"]
+            ((_, answer),) = await worker.call_many.remote([("reset", "envsess-late", (0, None), 5.0, {})])
+            assert not answer.success and answer.kind == "caller" and "closed before" in answer.error.message
+            assert (await worker.health.remote())["sessions"] == 0
+            assert (await pool.stats.remote()).sessions == 0
+
+    run(body(), 50)
+
+
 async def _ready(pool, count: int, exact: bool = False) -> bool:
     ready = (await pool.stats.remote()).ready
     return ready == count if exact else ready >= count
