@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import weakref
+from collections.abc import Awaitable
 from typing import Any, Literal
 
 from ray.exceptions import ActorDiedError, RayError
@@ -98,18 +99,23 @@ async def call_server(
 
 async def place(pool: Any, session_id: str, timeout: float) -> tuple[str, Any]:
     """(worker name, handle) the pool placed the new session on; `EnvCallFailed` if it could not."""
+    value = await pool_call(_state().place(pool, session_id), timeout, "place")
+    return value["worker"], value["handle"]
+
+
+async def pool_call(answer: Awaitable[EnvResponse], wait_s: float, method: str) -> Any:
+    """Await one answer of the pool within `wait_s`; every way it can fail is an `EnvCallFailed`."""
     try:
-        response: EnvResponse = await asyncio.wait_for(_state().place(pool, session_id), timeout)
+        response = await asyncio.wait_for(answer, wait_s)
     except TimeoutError:
-        message = f"env pool gave no placement within {timeout:g} s"
+        message = f"env pool gave no answer to {method} within {wait_s:g} s"
         raise EnvCallFailed(Failure(type=DEADLINE_FAILURE, message=message)) from None
     except RayError as exc:  # the pool actor itself died or is unreachable
         failure = Failure.from_exception(exc)
         raise EnvCallFailed(
             Failure(type="PoolUnreachable", message=failure.message, traceback=failure.traceback)
         ) from exc
-    value = unwrap(response, "place")
-    return value["worker"], value["handle"]
+    return unwrap(response, method)
 
 
 def forget_later(pool: Any, session_id: str) -> None:
@@ -175,9 +181,7 @@ class _LoopState:
                     server.collect.remote(list(by_ticket)), deadline - loop.time()
                 )
         except BaseException as exc:  # the worker died, or the batch outlived every call's deadline
-            for waiter in waiters:
-                if not waiter.done():
-                    waiter.set_exception(exc)
+            _fail_all(waiters, exc)
             if isinstance(exc, asyncio.CancelledError):
                 raise
 
@@ -206,9 +210,7 @@ class _LoopState:
                 resolve(pool.place_many.remote(session_ids)), POOL_NOTICE_TIMEOUT_S
             )
         except BaseException as exc:
-            for waiter in waiters:
-                if not waiter.done():
-                    waiter.set_exception(exc)
+            _fail_all(waiters, exc)
             if isinstance(exc, asyncio.CancelledError):
                 raise
             return
@@ -233,6 +235,13 @@ class _LoopState:
             await asyncio.wait_for(resolve(pool.forget_many.remote(session_ids)), POOL_NOTICE_TIMEOUT_S)
         except Exception as exc:
             logger.debug("env pool did not take %d forget notices: %s", len(session_ids), exc)
+
+
+def _fail_all(waiters: list[asyncio.Future[Any]], exc: BaseException) -> None:
+    """A batch call failed as a whole: every caller still waiting gets that failure."""
+    for waiter in waiters:
+        if not waiter.done():
+            waiter.set_exception(exc)
 
 
 _PER_LOOP: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopState] = weakref.WeakKeyDictionary()

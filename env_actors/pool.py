@@ -6,11 +6,11 @@
     await stop_env_pool(pool)
 
 The pool is an async actor that only waits (num_cpus=0). It places each new session on the least-busy ready
-worker (`place_many`; `reset` also starts it there) and ends sessions (`close`), answering each call with
-an `EnvResponse` within the call's deadline, whatever happens to the worker meanwhile. A session's reset,
-steps and score go straight to its worker (`direct.py`): a relay would double every call's Ray round trips. The pool still hears of everything it
-must know: a session that ended with its scored step (`forget_many`), a worker a session saw die
-(`worker_lost`), and, for its idle reaper, which sessions their worker has seen no call from.
+worker (`place_many`) and ends sessions (`close`), answering each call with an `EnvResponse` within the
+call's deadline, whatever happens to the worker meanwhile. A session's reset, steps and score go straight
+to its worker (`direct.py`): a relay would double every call's Ray round trips. The pool still hears of
+everything it must know: a session that ended with its scored step (`forget_many`), a worker a session
+saw die (`worker_lost`), and, for its idle reaper, which sessions their worker has seen no call from.
 Worker lifecycle (readiness, probes, budget, scaling) is the supervisor's job (`supervisor.py`).
 """
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -41,7 +41,6 @@ DEAD_WORKER_GRACE_S = 1.0
 value the worker returned before dying is kept), so a call whose worker died waits this long for it."""
 POOL_MAX_CONCURRENCY = 10_000  # every in-flight env call of every rollout waits inside this actor
 POOL_STARTUP_SLACK_S = 10.0  # the pool actor's own process start, on top of the environment's deadline
-LOST_SESSION_MEMORY = 10_000  # sessions remembered as lost (so their calls say why), oldest forgotten first
 RETIRED_WORKER_MEMORY = 1_000  # retired workers remembered with the reason (a session asks why its died)
 SESSION_REAP_EVERY_S = 1.0
 
@@ -59,11 +58,7 @@ class EnvStartupError(RuntimeError):
 class _Session:
     worker: str
     last_used: float
-    started: bool = False
-    """False while the reset is in flight; a close then only marks `closing` and the reset ends it."""
-    closing: bool = False
-    calls: set[Any] = field(default_factory=set)
-    """ObjectRefs of this session's calls in flight on its worker; cancelled when the session closes."""
+    """When the pool last heard of it (placement, or its worker saying it is busy)."""
 
 
 class EnvPool:
@@ -72,7 +67,6 @@ class EnvPool:
     def __init__(self, name: str, env: Ref, config: EnvPoolConfig):
         self._name, self._config = name, config
         self._sessions: dict[str, _Session] = {}
-        self._lost: OrderedDict[str, str] = OrderedDict()
         self._retired: OrderedDict[str, str] = OrderedDict()
         """Worker name -> why it was retired, for sessions whose direct call found it dead."""
         self._supervisor = Supervisor(name, env, config, self._on_retire)
@@ -94,83 +88,17 @@ class EnvPool:
 
     # ----------------------------------------------------------------------------- session calls
 
-    async def reset(
-        self, session_id: str, task_index: int | None, task: dict[str, Any] | None, timeout: float
-    ) -> EnvResponse:
-        """Start a session on the least-busy ready worker; the value is a `ResetOut` dict."""
-        if self._closed:
-            return self._closed_response()
-        if session_id in self._sessions or session_id in self._lost:
-            return _caller_failure("DuplicateEnvSession", f"session id {session_id!r} is already in use")
-        slot = self._supervisor.least_busy()
-        if slot is None:
-            return self._no_live_worker()
-        session = _Session(worker=slot.name, last_used=time.monotonic())
-        self._sessions[session_id] = session
-        slot.sessions.add(session_id)
-        deadline = min(timeout, self._config.reset_timeout)
-        response = await self._call(slot, session, "reset", (session_id, task_index, task), deadline)
-        if response.success and not session.closing:
-            session.started = True
-            return response
-        self._forget(session_id)
-        maybe_on_worker = response.success or (response.error and response.error.type == DEADLINE_FAILURE)
-        if maybe_on_worker and slot.state == "ready":
-            # The worker holds (or, after an overrun, may yet hold) the session: end it there.
-            self._supervisor.own(self._call(slot, None, "close", (session_id,), self._config.close_timeout))
-        if response.success:
-            return _caller_failure("EnvSessionClosed", f"session {session_id!r} was closed while starting")
-        return response
-
-    async def step(
-        self, session_id: str, message: dict[str, Any], timeout: float, score_if_done: bool = False
-    ) -> EnvResponse:
-        """Send one assistant message to the session; the value is a `StepOut` dict.
-
-        With `score_if_done`, a step that ends the episode also scores it and ends the session on its
-        worker (`StepOut.score` is set); the pool then forgets the session as `close` would. If scoring
-        fails, the failure is the answer and the session stays open for the caller's `close`."""
-        found = self._lookup(session_id)
-        if isinstance(found, EnvResponse):
-            return found
-        session, slot = found
-        if not score_if_done:
-            deadline = min(timeout, self._config.step_timeout)
-            return await self._call(slot, session, "step", (session_id, message), deadline)
-        deadline = min(timeout, self._config.step_timeout + self._config.score_timeout)
-        response = await self._call(
-            slot, session, "step", (session_id, message), deadline, {"score_if_done": True}
-        )
-        if response.success and (response.value or {}).get("score") is not None:
-            self._forget(session_id)  # ended on the worker: no close follows
-        return response
-
-    async def score(self, session_id: str, timeout: float) -> EnvResponse:
-        """Score the session; the value is a `ScoreOut` dict."""
-        found = self._lookup(session_id)
-        if isinstance(found, EnvResponse):
-            return found
-        session, slot = found
-        return await self._call(
-            slot, session, "score", (session_id,), min(timeout, self._config.score_timeout)
-        )
-
     async def close(self, session_id: str, timeout: float) -> EnvResponse:
-        """End the session on its worker. Idempotent; a lost or unknown session is already ended."""
-        self._lost.pop(session_id, None)
+        """End the session on its worker (which also stops a call of it still running there). Idempotent;
+        a lost or unknown session is already ended."""
         session = self._sessions.get(session_id)
         if session is None:
             return EnvResponse.ok()
-        if not session.started:
-            session.closing = True
-            return EnvResponse.ok()
         self._forget(session_id)
-        for ref in session.calls:  # a cancelled rollout's step or score stops running on the worker
-            _cancel(ref)
         slot = self._supervisor.workers.get(session.worker)
         if slot is None or slot.state != "ready":
             return EnvResponse.ok()
-        return await self._call(slot, None, "close", (session_id,), min(timeout, self._config.close_timeout))
+        return await self._call(slot, "close", (session_id,), min(timeout, self._config.close_timeout))
 
     async def place_many(self, session_ids: list[str]) -> list[EnvResponse]:
         """Place new sessions on the least-busy ready workers without starting them; each value is
@@ -182,14 +110,14 @@ class EnvPool:
             if self._closed:
                 answers.append(self._closed_response())
                 continue
-            if session_id in self._sessions or session_id in self._lost:
+            if session_id in self._sessions:
                 answers.append(_caller_failure("DuplicateEnvSession", f"session id {session_id!r} is in use"))
                 continue
             slot = self._supervisor.least_busy()
             if slot is None:
                 answers.append(self._no_live_worker())
                 continue
-            self._sessions[session_id] = _Session(worker=slot.name, last_used=time.monotonic(), started=True)
+            self._sessions[session_id] = _Session(worker=slot.name, last_used=time.monotonic())
             slot.sessions.add(session_id)
             answers.append(EnvResponse.ok({"worker": slot.name, "handle": slot.handle}, slot.name))
         return answers
@@ -241,21 +169,11 @@ class EnvPool:
 
     # ---------------------------------------------------------------------------------- internals
 
-    async def _call(
-        self,
-        slot: WorkerSlot,
-        session: _Session | None,
-        method: str,
-        args: tuple,
-        deadline: float,
-        kwargs: dict[str, Any] | None = None,
-    ) -> EnvResponse:
+    async def _call(self, slot: WorkerSlot, method: str, args: tuple, deadline: float) -> EnvResponse:
         """One call on one worker, answered within `deadline` + slack whatever the worker does."""
-        ref = getattr(slot.handle, method).remote(*args, deadline, **(kwargs or {}))
+        ref = getattr(slot.handle, method).remote(*args, deadline)
         call = asyncio.ensure_future(resolve(ref))
         slot.inflight += 1
-        if session is not None:
-            session.calls.add(ref)
         try:
             await asyncio.wait(
                 {call, slot.gone}, timeout=deadline + POOL_CALL_SLACK_S, return_when=asyncio.FIRST_COMPLETED
@@ -275,9 +193,6 @@ class EnvPool:
             return EnvResponse.failed(Failure(type=DEADLINE_FAILURE, message=message), worker=slot.name)
         finally:
             slot.inflight -= 1
-            if session is not None:
-                session.calls.discard(ref)
-                session.last_used = time.monotonic()
 
     def _answer(self, slot: WorkerSlot, method: str, call: asyncio.Future) -> EnvResponse:
         exc = call.exception()
@@ -292,32 +207,15 @@ class EnvPool:
             return EnvResponse.failed(failure, worker=slot.name, worker_exit=detail)
         return EnvResponse.failed(Failure.from_exception(exc), worker=slot.name)
 
-    def _lookup(self, session_id: str) -> tuple[_Session, WorkerSlot] | EnvResponse:
-        session = self._sessions.get(session_id)
-        if session is not None:
-            slot = self._supervisor.workers.get(session.worker)
-            if slot is not None and slot.state == "ready":
-                session.last_used = time.monotonic()
-                return session, slot
-        lost = self._lost.get(session_id)
-        if lost is not None:
-            failure = Failure(type="EnvWorkerLost", message=f"session {session_id!r} is gone: {lost}")
-            return EnvResponse.failed(failure, worker_exit=lost)
-        return _caller_failure("UnknownEnvSession", f"no session {session_id!r} in env pool {self._name!r}")
-
     def _on_retire(self, slot: WorkerSlot, reason: str) -> None:
         self._retired[slot.name] = reason
         while len(self._retired) > RETIRED_WORKER_MEMORY:
             self._retired.popitem(last=False)
-        for session_id in slot.sessions:
+        for session_id in slot.sessions:  # their calls fail on the dead worker; `close` finds them gone
             self._sessions.pop(session_id, None)
-            self._lost[session_id] = f"its env worker {slot.name} was retired: {reason}"
         slot.sessions.clear()
-        while len(self._lost) > LOST_SESSION_MEMORY:
-            self._lost.popitem(last=False)
 
     def _forget(self, session_id: str) -> None:
-        self._lost.pop(session_id, None)
         session = self._sessions.pop(session_id, None)
         slot = self._supervisor.workers.get(session.worker) if session else None
         if slot is not None:
@@ -334,7 +232,7 @@ class EnvPool:
             cutoff = time.monotonic() - idle_s
             candidates: dict[str, list[str]] = {}
             for session_id, session in self._sessions.items():
-                if session.started and not session.calls and session.last_used < cutoff:
+                if session.last_used < cutoff:
                     candidates.setdefault(session.worker, []).append(session_id)
             for worker, session_ids in candidates.items():
                 slot = self._supervisor.workers.get(worker)
@@ -430,13 +328,6 @@ async def stop_env_pool(handle: Any, timeout: float = 10.0) -> EnvPoolStats | No
         pass
     _kill(handle)
     return stats
-
-
-def _cancel(ref: Any) -> None:
-    try:
-        ray.cancel(ref)
-    except Exception:  # already finished
-        pass
 
 
 def _kill(handle: Any) -> None:

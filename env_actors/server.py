@@ -148,7 +148,7 @@ class EnvServer:
         self, session_id: str, message: dict[str, Any], timeout: float, score_if_done: bool = False
     ) -> EnvResponse:
         """One step. With `score_if_done`, a step that ends the episode also scores it and ends the session
-        in the same call (two relayed calls fewer per rollout); `timeout` bounds the whole of it."""
+        in the same call (two calls fewer per rollout); `timeout` bounds the whole of it."""
         method = "step (scoring if done)" if score_if_done else "step"
         limit = self._step_limit + (self._score_limit if score_if_done else 0.0)
         with self._using(session_id):

@@ -18,8 +18,9 @@ no-op; `score` fails as on any closed session). Without it, or while not done, a
 
 The pool places the session (`place_many`); its reset, steps and score then go straight to the worker,
 batched per event-loop tick (`direct.py`); close goes through the pool. Every call has a deadline. A
-failed call raises `EnvCallFailed` carrying the `Failure` and its kind: `caller` when the request was at fault (a `CallerError` in the environment: bad task index, malformed
-task), `infrastructure` for everything else (the environment's code raised, its worker died or wedged,
+failed call raises `EnvCallFailed` carrying the `Failure` and its kind: `caller` when the request was at
+fault (a `CallerError` in the environment: bad task index, malformed task), `infrastructure` for
+everything else (the environment's code raised, its worker died or wedged,
 a deadline passed, no live worker, the pool itself is gone). A rollout maps the kind onto its `Result`.
 """
 
@@ -30,11 +31,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from ray.exceptions import RayError
-
-from env_actors.direct import EnvCallFailed, call_server, forget_later, place, unwrap
+from env_actors.direct import EnvCallFailed, call_server, forget_later, place, pool_call
 from env_actors.interface import EnvResponse, ResetOut, ScoreOut, StepOut
-from env_actors.server import DEADLINE_FAILURE
 from env_actors.supervisor import resolve
 from rollout_actors.wire import Failure, new_id
 
@@ -147,18 +145,12 @@ class EnvSession:
 
 
 async def _call(submit: Any, timeout: float, method: str) -> Any:
-    """Submit one pool call and turn every way it can fail into `EnvCallFailed`."""
-    try:
-        response: EnvResponse = await asyncio.wait_for(resolve(submit()), timeout + SESSION_CALL_SLACK_S)
-    except TimeoutError:
-        message = f"env pool gave no answer to {method} within {timeout + SESSION_CALL_SLACK_S:g} s"
-        raise EnvCallFailed(Failure(type=DEADLINE_FAILURE, message=message)) from None
-    except RayError as exc:  # the pool actor itself died or is unreachable
-        failure = Failure.from_exception(exc)
-        raise EnvCallFailed(
-            Failure(type="PoolUnreachable", message=failure.message, traceback=failure.traceback)
-        ) from exc
-    return unwrap(response, method)
+    """Submit one pool call (inside the deadline, so a failing submit is caught too) and await it."""
+
+    async def answer() -> EnvResponse:
+        return await resolve(submit())
+
+    return await pool_call(answer(), timeout + SESSION_CALL_SLACK_S, method)
 
 
 def _submit_close(pool: Any, session_id: str) -> None:
