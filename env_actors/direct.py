@@ -32,7 +32,7 @@ from ray.exceptions import ActorDiedError, RayError
 from env_actors.interface import EnvResponse
 from env_actors.server import DEADLINE_FAILURE
 from env_actors.supervisor import exit_detail, resolve
-from rollout_actors.wire import Failure
+from rollout_actors.kernel import Failure
 
 logger = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ Rules an environment follows:
   belongs in `asyncio.to_thread`, because a loop blocked for `hang_timeout` is treated as wedged and killed.
 - `state` is whatever the environment likes (it never leaves the server); everything returned is JSON.
 - A problem with the request itself (task index out of range, malformed task, a step after `done`) raises
-  `rollout_actors.wire.CallerError`, which the rollout reports as a `caller` result. Any other exception is
+  `rollout_actors.kernel.CallerError`, which the rollout reports as a `caller` result. Any other exception is
   the environment's fault and is reported as `infrastructure`, with its traceback.
 - Messages use the OpenAI chat format. Assistant messages arrive as
   `{"role": "assistant", "content": ..., "tool_calls": [{"id", "type": "function", "function": {"name",
@@ -40,7 +40,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from rollout_actors.wire import CallerError, Failure
+from rollout_actors.kernel import CallerError, Failure, ref_target
 
 Message = dict[str, Any]
 """One chat message in OpenAI format."""
@@ -130,6 +130,7 @@ class EnvResponse(BaseModel):
         return cls.failed(Failure.from_exception(exc), kind, worker=worker)
 
 
+@ref_target("environment")
 class Environment(abc.ABC):
     """Base class of environments served by `EnvServer`. Subclasses take their config as keyword
     arguments and implement the dataset view (`num_tasks`, `task`) and the session calls."""

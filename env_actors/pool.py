@@ -29,7 +29,7 @@ from env_actors.config import EnvPoolConfig, EnvPoolStats
 from env_actors.interface import EnvResponse
 from env_actors.server import DEADLINE_FAILURE
 from env_actors.supervisor import Supervisor, WorkerSlot, exit_detail, resolve
-from rollout_actors.wire import Failure, Ref
+from rollout_actors.kernel import Failure, Ref
 
 __all__ = ["EnvPool", "EnvPoolConfig", "EnvStartupError", "get_env_pool", "start_env_pool", "stop_env_pool"]
 

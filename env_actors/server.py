@@ -27,7 +27,7 @@ import ray
 
 from env_actors.config import EnvPoolConfig
 from env_actors.interface import EnvResponse, ResetOut, ScoreOut, StepOut, check_index
-from rollout_actors.wire import DEFAULT_ALLOWED_PREFIXES, CallerError, Failure, Ref, resolve_ref
+from rollout_actors.kernel import DEFAULT_ALLOWED_PREFIXES, CallerError, Failure, Ref, RefResolver
 
 PROBE_GROUP = "probe"
 PROBE_GROUP_SIZE = 4  # a probe, a pid query and slack for a probe that outlived its caller's timeout
@@ -62,7 +62,8 @@ class EnvServer:
     ):
         self._ref = env
         self._worker = worker
-        self._prefixes = allowed_prefixes
+        self._resolver = RefResolver(allowed_prefixes)
+        """The allowlist is the pool's configuration, fixed here: nothing a request carries reaches it."""
         self._step_limit, self._score_limit, self._reset_limit = limits
         """The pool's step, score and reset timeouts: sessions call this server directly, so it caps
         their deadlines itself."""
@@ -91,7 +92,7 @@ class EnvServer:
             self._heartbeat = asyncio.create_task(self._beat())
         try:
             self._phase = "constructing"
-            env = resolve_ref(self._ref, self._prefixes)
+            env = self._resolver.resolve(self._ref, role="environment")
             missing = [m for m in ("num_tasks", "task", *_SESSION_METHODS[:3]) if not hasattr(env, m)]
             if missing:
                 raise CallerError(f"{self._ref.target} is not an environment: it lacks {', '.join(missing)}")

@@ -34,7 +34,7 @@ from typing import Any
 from env_actors.direct import EnvCallFailed, call_server, forget_later, place, pool_call
 from env_actors.interface import EnvResponse, ResetOut, ScoreOut, StepOut
 from env_actors.supervisor import resolve
-from rollout_actors.wire import Failure, new_id
+from rollout_actors.kernel import Failure, new_id
 
 logger = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ from ray.exceptions import ActorDiedError
 from env_actors.budget import RestartBudget
 from env_actors.config import EnvPoolConfig, WorkerInfo
 from env_actors.server import create_env_server
-from rollout_actors.wire import Failure, Ref
+from rollout_actors.kernel import Failure, Ref
 
 logger = logging.getLogger(__name__)
 

@@ -33,7 +33,7 @@ from renderer_actors.renderer import (
     StartReply,
     build_renderer,
 )
-from rollout_actors.wire import Failure
+from rollout_actors.kernel import Failure
 
 BATCHABLE = frozenset({"start", "bridge", "parse", "render"})
 """The methods `call_many` runs: the stateless render calls."""

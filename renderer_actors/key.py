@@ -13,8 +13,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from renderer_actors.config import RendererConfig
 from renderer_actors.tokenizer import BUNDLED_MODEL
-from rollout_actors.wire import RendererConfig
 
 Family = Literal["auto", "qwen3", "hf"]
 

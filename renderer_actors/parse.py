@@ -16,14 +16,22 @@ import hashlib
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
 from renderer_actors.matching import find_first
-from rollout_actors.wire import ToolCall
 
 Ids = tuple[int, ...]
+
+
+class ToolCall(BaseModel):
+    """One tool call parsed from a completion (or, in chat mode, as the server parsed it)."""
+
+    name: str | None
+    arguments: Any = None
+    status: Literal["ok", "invalid_json", "unclosed", "missing_name", "unknown_tool"] = "ok"
+    raw: str = ""
 
 
 @dataclass(frozen=True)

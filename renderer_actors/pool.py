@@ -40,7 +40,7 @@ from ray.exceptions import RayActorError
 
 from renderer_actors.actor import RendererActor
 from renderer_actors.key import RendererKey
-from rollout_actors.wire import new_id
+from rollout_actors.kernel import new_id
 
 log = logging.getLogger(__name__)
 

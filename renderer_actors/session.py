@@ -33,6 +33,7 @@ from pydantic import BaseModel
 from ray.exceptions import RayActorError, RayTaskError
 
 from renderer_actors.batching import RenderCallFailed, batched_calls
+from renderer_actors.config import RendererConfig
 from renderer_actors.key import RendererKey
 from renderer_actors.parse import ParsedCompletion
 from renderer_actors.renderer import (
@@ -44,7 +45,7 @@ from renderer_actors.renderer import (
     TrajectoryState,
     check_new_messages,
 )
-from rollout_actors.wire import CallerError, Failure, RendererConfig
+from rollout_actors.kernel import CallerError, Failure
 
 CLOSE_TIMEOUT_S = 5.0  # returning a lease must not hold a finished rollout hostage
 

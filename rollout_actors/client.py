@@ -20,6 +20,7 @@ try:  # openai >= 3 ships its own fork of httpx
 except ImportError:  # pragma: no cover - openai 1.x / 2.x
     import httpx
 
+from rollout_actors.kernel import register_secret
 from rollout_actors.wire import CallerError, ClientConfig
 
 _ssl_lock = threading.Lock()
@@ -55,6 +56,7 @@ def api_key_from_env(config: ClientConfig) -> str:
         raise CallerError(
             f"environment variable {config.api_key_var!r} (api_key_var) is not set on this node"
         )
+    register_secret(key)  # whatever echoes it back (an error body, a traceback) is redacted
     return key
 
 

@@ -26,6 +26,7 @@ from typing import Any
 import ray
 from pydantic import BaseModel, Field, ValidationError
 
+from rollout_actors.kernel import RefResolver
 from rollout_actors.lanes import Lanes
 from rollout_actors.naming import PoolNames
 from rollout_actors.publish import PolicyPublisher, PublishHandle
@@ -37,7 +38,6 @@ from rollout_actors.wire import (
     Failure,
     Result,
     RolloutRequest,
-    check_allowed,
     new_id,
 )
 from rollout_actors.worker_set import WorkerSet, WorkerSlot
@@ -101,6 +101,7 @@ class RolloutPlane:
         prefix = self.config.name_prefix or f"rollouts-{uuid.uuid4().hex[:8]}"
         self.names = PoolNames(prefix=prefix)
         self.lanes = Lanes(self.config.lanes)
+        self._refs = RefResolver(self.config.allowed_ref_prefixes)
         self._pools = SharedPools(self.names, self.config)
         size = self.config.workers or max(
             1, math.ceil(self.lanes.total_limit / self.config.rollouts_per_worker)
@@ -161,7 +162,7 @@ class RolloutPlane:
         try:
             request = RolloutRequest.model_validate(request)
             lane = self.lanes.get(request.lane)
-            check_allowed(request.env.target, self.config.allowed_ref_prefixes)
+            self._refs.check_allowed(request.env.target)
         except (ValidationError, CallerError, KeyError) as exc:
             request_id = request.get("request_id") if isinstance(request, dict) else None
             request_id = request_id or (

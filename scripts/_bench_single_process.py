@@ -25,8 +25,9 @@ from typing import Any
 from renderer_actors.key import RendererKey
 from renderer_actors.renderer import BridgeRequest, History, Renderer, build_renderer
 from rollout_actors.client import build_client
+from rollout_actors.kernel import RefResolver
 from rollout_actors.model_call import complete_tokens
-from rollout_actors.wire import ClientConfig, RendererConfig, SamplingConfig, load_target
+from rollout_actors.wire import ClientConfig, RendererConfig, SamplingConfig
 
 
 @dataclass
@@ -56,7 +57,7 @@ class SingleProcessWorkload:
     async def load(self) -> None:
         key = RendererKey.from_config(self.client.model, RendererConfig())
         self.renderer = await asyncio.to_thread(build_renderer, key)
-        self.env = load_target(self.env_target)(**self.env_config)
+        self.env = RefResolver(("env_actors.",)).load(self.env_target)(**self.env_config)
         await self.env.load()
 
 

@@ -146,6 +146,7 @@ async def run_plane(args: argparse.Namespace, c: int, server: StandinServer) -> 
     plane = RolloutPlane(
         PlaneConfig(
             lanes={"train": c, "eval": 1},
+            allowed_ref_prefixes=("env_actors.examples.", "env_actors.faults."),
             workers=args.workers,
             worker_num_cpus=args.worker_num_cpus,
             env_pool={

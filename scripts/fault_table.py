@@ -53,6 +53,13 @@ class Row:
         return f"<= {self.target_s:g} s " + ("ok" if self.seconds <= self.target_s else "MISSED")
 
 
+FAULT_PREFIXES = ("env_actors.examples.", "env_actors.faults.")  # the fault environments, named explicitly
+
+
+def pool_config(**settings) -> EnvPoolConfig:
+    return EnvPoolConfig(allowed_ref_prefixes=FAULT_PREFIXES, **settings)
+
+
 def name() -> str:
     return f"fault-{uuid.uuid4().hex[:6]}"
 
@@ -97,7 +104,7 @@ async def wait_for(check: Callable[[], Awaitable[bool]], timeout: float) -> bool
 
 async def healthy() -> list[Row]:
     started = time.monotonic()
-    pool = await start_env_pool(name(), ref("env_actors.examples.math_env:MathEnv"), EnvPoolConfig(), 60)
+    pool = await start_env_pool(name(), ref("env_actors.examples.math_env:MathEnv"), pool_config(), 60)
     ready = time.monotonic() - started
     await stop_env_pool(pool)
     return [Row("healthy pool", "ready (environment loaded, health answered)", ready)]
@@ -120,7 +127,7 @@ async def startup_failure(
 
 
 async def killed_worker() -> list[Row]:
-    pool = await start_env_pool(name(), ref(ECHO, step_delay=30.0), EnvPoolConfig(**PROBES), 60)
+    pool = await start_env_pool(name(), ref(ECHO, step_delay=30.0), pool_config(**PROBES), 60)
     try:
         session = await EnvSession.open(pool, task_index=0, timeout=5)
         step = asyncio.ensure_future(session.step(ASSISTANT, timeout=60))
@@ -144,7 +151,7 @@ async def killed_worker() -> list[Row]:
 
 
 async def wedged_worker() -> list[Row]:
-    pool = await start_env_pool(name(), ref(ECHO, step_delay=30.0), EnvPoolConfig(**FAST), 60)
+    pool = await start_env_pool(name(), ref(ECHO, step_delay=30.0), pool_config(**FAST), 60)
     pid = None
     try:
         session = await EnvSession.open(pool, task_index=0, timeout=5)
@@ -175,7 +182,7 @@ async def wedged_worker() -> list[Row]:
 
 async def blocked_loop() -> list[Row]:
     env = ref("env_actors.faults.envs:BlocksLoopEnv", block_s=30.0)
-    pool = await start_env_pool(name(), env, EnvPoolConfig(**FAST), 60)
+    pool = await start_env_pool(name(), env, pool_config(**FAST), 60)
     try:
         session = await EnvSession.open(pool, task_index=0, timeout=5)
         started = time.monotonic()
@@ -192,7 +199,7 @@ async def blocked_loop() -> list[Row]:
 async def dies_on_every_load() -> list[Row]:
     with tempfile.TemporaryDirectory() as attempts:
         env = ref("env_actors.faults.envs:DiesOnLoadEnv", attempts_dir=attempts)
-        rows = await startup_failure("env dies on every load (budget 3)", env, EnvPoolConfig(), 30, None)
+        rows = await startup_failure("env dies on every load (budget 3)", env, pool_config(), 30, None)
         await asyncio.sleep(1.0)
         count = len(list(Path(attempts).iterdir()))
         rows.append(
@@ -207,7 +214,7 @@ async def dies_on_every_load() -> list[Row]:
 
 
 async def budget_spent_under_load() -> list[Row]:
-    config = EnvPoolConfig(
+    config = pool_config(
         max_workers=3, multiplex=2, grow_fraction=0.5, restart=RestartIntensity(max_restarts=1), **PROBES
     )
     pool = await start_env_pool(name(), ref(ECHO), config, 60)
@@ -228,9 +235,7 @@ async def budget_spent_under_load() -> list[Row]:
 
 async def spawn_failure_mid_serve() -> list[Row]:
     with tempfile.TemporaryDirectory() as state:
-        config = EnvPoolConfig(
-            min_workers=2, max_workers=2, restart=RestartIntensity(max_restarts=1), **PROBES
-        )
+        config = pool_config(min_workers=2, max_workers=2, restart=RestartIntensity(max_restarts=1), **PROBES)
         env = ref("env_actors.faults.envs:FlakyLoadEnv", state_dir=state, good_loads=2)
         pool = await start_env_pool(name(), env, config, 60)
         try:
@@ -256,7 +261,7 @@ async def spawn_failure_mid_serve() -> list[Row]:
 
 async def answered_then_exited() -> list[Row]:
     env = ref("env_actors.faults.envs:ExitsAfterAnsweringEnv", answer_steps=3, turns=5)
-    pool = await start_env_pool(name(), env, EnvPoolConfig(**PROBES), 60)
+    pool = await start_env_pool(name(), env, pool_config(**PROBES), 60)
     try:
         sessions = [await EnvSession.open(pool, task_index=i, timeout=5) for i in range(3)]
         answers = await asyncio.gather(
@@ -286,7 +291,7 @@ async def answered_then_exited() -> list[Row]:
 
 async def no_live_worker() -> list[Row]:
     pool = await start_env_pool(
-        name(), ref(ECHO), EnvPoolConfig(restart=RestartIntensity(max_restarts=0), **PROBES), 60
+        name(), ref(ECHO), pool_config(restart=RestartIntensity(max_restarts=0), **PROBES), 60
     )
     try:
         worker = (await pool.stats.remote()).workers[0].worker
@@ -327,7 +332,7 @@ CASES: list[tuple[str, Callable[[], Awaitable[list[Row]]]]] = [
         lambda: startup_failure(
             "env fails to import",
             ref("env_actors.faults.broken_import:BrokenImportEnv"),
-            EnvPoolConfig(),
+            pool_config(),
             30,
             2.0,
         ),
@@ -344,7 +349,7 @@ CASES: list[tuple[str, Callable[[], Awaitable[list[Row]]]]] = [
         lambda: startup_failure(
             "constructor hangs (ready_timeout 2 s)",
             ref("env_actors.faults.envs:HangsInConstructorEnv"),
-            EnvPoolConfig(),
+            pool_config(),
             2.0,
             None,
         ),
@@ -354,7 +359,7 @@ CASES: list[tuple[str, Callable[[], Awaitable[list[Row]]]]] = [
         lambda: startup_failure(
             "resources never granted (ready_timeout 2 s)",
             ref(ECHO),
-            EnvPoolConfig(resources={"never_granted": 1.0}),
+            pool_config(resources={"never_granted": 1.0}),
             2.0,
             None,
         ),

@@ -11,6 +11,16 @@ from env_actors.pool import EnvPoolConfig, start_env_pool, stop_env_pool
 from rollout_actors.wire import Ref
 
 READY_TIMEOUT_S = 30
+TEST_REF_PREFIXES = ("env_actors.examples.", "env_actors.faults.")
+"""The fault-injection environments are outside the default allowlist: tests widen it explicitly."""
+
+
+def widened(config: EnvPoolConfig | None = None) -> EnvPoolConfig:
+    """`config` (or the defaults) with the allowlist widened to the fault environments, unless it names one."""
+    config = config or EnvPoolConfig()
+    if config.allowed_ref_prefixes is not None:
+        return config
+    return config.model_copy(update={"allowed_ref_prefixes": TEST_REF_PREFIXES})
 
 
 def pool_name() -> str:
@@ -20,9 +30,7 @@ def pool_name() -> str:
 @asynccontextmanager
 async def env_pool(target: str, config: EnvPoolConfig | None = None, **env_config: Any) -> AsyncIterator[Any]:
     name = f"test-env-{uuid.uuid4().hex[:8]}"
-    pool = await start_env_pool(
-        name, Ref(target=target, config=env_config), config or EnvPoolConfig(), READY_TIMEOUT_S
-    )
+    pool = await start_env_pool(name, Ref(target=target, config=env_config), widened(config), READY_TIMEOUT_S)
     try:
         yield pool
     finally:

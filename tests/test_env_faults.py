@@ -11,7 +11,7 @@ from contextlib import suppress
 
 import pytest
 import ray
-from env_pools import env_pool, pool_name
+from env_pools import env_pool, pool_name, widened
 from waiting import eventually
 
 from env_actors.budget import RestartIntensity
@@ -74,7 +74,9 @@ def test_healthy_pool_serves_as_soon_as_start_returns():
 def test_environment_that_fails_to_import_raises_with_its_traceback():
     async def body():
         with pytest.raises(EnvStartupError) as failed:
-            await start_env_pool(pool_name(), Ref(target="env_actors.faults.broken_import:BrokenImportEnv"))
+            await start_env_pool(
+                pool_name(), Ref(target="env_actors.faults.broken_import:BrokenImportEnv"), widened()
+            )
         text = str(failed.value)
         assert "ray_rollouts_missing_dependency" in text and "broken_import.py" in text
         assert failed.value.failure.type == "CallerError"
@@ -86,7 +88,7 @@ def test_environment_that_fails_to_import_raises_with_its_traceback():
 def test_environment_whose_load_raises_fails_startup_with_its_traceback():
     async def body():
         with pytest.raises(EnvStartupError) as failed:
-            await start_env_pool(pool_name(), Ref(target="env_actors.faults.envs:LoadRaisesEnv"))
+            await start_env_pool(pool_name(), Ref(target="env_actors.faults.envs:LoadRaisesEnv"), widened())
         assert "train-00000-of-00001.parquet" in str(failed.value) and "in load" in str(failed.value)
 
     run(body(), 50)
@@ -98,7 +100,7 @@ def test_environment_that_dies_on_every_load_fails_after_the_budget_without_a_re
         config = EnvPoolConfig(restart=RestartIntensity(max_restarts=2, window_s=60))
         env = Ref(target="env_actors.faults.envs:DiesOnLoadEnv", config={"attempts_dir": str(tmp_path)})
         with pytest.raises(EnvStartupError) as failed:
-            await start_env_pool(pool_name(), env, config, 30)
+            await start_env_pool(pool_name(), env, widened(config), 30)
         assert failed.value.failure.type == "EnvWorkerDied" and "3 time(s)" in str(failed.value)
         await asyncio.sleep(1.0)  # a respawn loop would keep adding attempts
         assert len(list(tmp_path.iterdir())) == 3  # the first spawn + 2 restarts, then nothing
@@ -119,7 +121,9 @@ def test_worker_that_never_gets_ready_is_reported_and_killed_not_left_pending(ta
     async def body():
         name = pool_name()
         with pytest.raises(EnvStartupError) as failed:
-            await start_env_pool(name, Ref(target=target), EnvPoolConfig(**config), ready_timeout=2.0)
+            await start_env_pool(
+                name, Ref(target=target), widened(EnvPoolConfig(**config)), ready_timeout=2.0
+            )
         assert failed.value.failure.type == "EnvReadinessTimeout" and symptom in str(failed.value)
         assert await eventually(lambda: _async(no_actor_named(name)), 10)
 

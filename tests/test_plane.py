@@ -10,6 +10,7 @@ import signal
 import pytest
 import ray
 from adapters import served_models, unload_adapters
+from env_pools import TEST_REF_PREFIXES
 from waiting import wait_until
 
 from renderer_actors.tokenizer import BUNDLED_MODEL
@@ -32,6 +33,7 @@ def plane(**overrides) -> RolloutPlane:
         hang_timeout_s=3.0,
         probe_interval_s=0.5,
         env_pool={"num_cpus": 0.25},
+        allowed_ref_prefixes=TEST_REF_PREFIXES,
     )
     config.update(overrides)
     return RolloutPlane(PlaneConfig(**config))

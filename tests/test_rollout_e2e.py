@@ -8,6 +8,7 @@ import os
 
 import openai
 import pytest
+from env_pools import TEST_REF_PREFIXES
 
 from renderer_actors.tokenizer import BUNDLED_MODEL
 from rollout_actors.plane import PlaneConfig, RolloutPlane
@@ -23,7 +24,13 @@ def run(coro):
 
 
 def small_plane(**overrides) -> RolloutPlane:
-    config = dict(lanes={"train": 32, "eval": 8}, workers=1, worker_num_cpus=0.5, env_pool={"num_cpus": 0.25})
+    config = dict(
+        lanes={"train": 32, "eval": 8},
+        workers=1,
+        worker_num_cpus=0.5,
+        env_pool={"num_cpus": 0.25},
+        allowed_ref_prefixes=TEST_REF_PREFIXES,
+    )
     config.update(overrides)
     return RolloutPlane(PlaneConfig(**config))
 
@@ -120,6 +127,35 @@ def test_bad_refs_and_malformed_tasks_come_back_as_caller_results(ray_session, s
     assert "no_such_module" in messages
     assert "allowlist" in messages
     assert "temprature" in messages
+
+
+def test_a_request_cannot_widen_the_allowlist_or_run_a_command_in_an_env_server(
+    ray_session, standin, tmp_path
+):
+    """The reported bypass, on a real EnvServer, with the plane's allowlist widened as far as an operator
+    might (so only the server's own checks stand in the way): nothing runs, the result is `caller`."""
+    planted = tmp_path / "ran"
+    inner = {"target": "os:system", "config": {"command": f"touch {planted}"}, "not_a_ref": 1}
+    exploits = [
+        Ref(target="rollout_actors.kernel:RefResolver", config={"allowed_prefixes": ["os"], "ref": inner}),
+        Ref(target="os:system", config={"command": f"touch {planted}"}),
+        Ref(
+            target="env_actors.examples.math_env:MathEnv",
+            config={"path": Ref("os:system", {"command": "id"})},
+        ),
+    ]
+
+    async def scenario():
+        wide = ("env_actors.", "rollout_actors.", "os")
+        async with small_plane(allowed_ref_prefixes=wide) as plane:
+            for env in exploits:
+                await plane.submit(request(standin, env=env))
+            return await collect(plane, len(exploits))
+
+    results = run(scenario())
+    assert [r.kind for r in results] == ["caller"] * len(exploits), [r.error for r in results]
+    assert all("not meant to be named" in r.error.message for r in results), [r.error for r in results]
+    assert not planted.exists()
 
 
 @pytest.mark.parametrize(

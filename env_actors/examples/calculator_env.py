@@ -20,7 +20,7 @@ from typing import Any
 
 from env_actors.examples.answers import boxed_equals, content_text
 from env_actors.interface import Environment, Message, Reset, ScoreOut, StepOut, check_index, tool_arguments
-from rollout_actors.wire import CallerError
+from rollout_actors.kernel import CallerError
 
 SYSTEM_PROMPT = "You are a careful assistant. Use the calculator tool for arithmetic; do not compute by hand."
 TOOL_NAME = "calculator"

@@ -19,7 +19,7 @@ from typing import Any
 
 from env_actors.examples.answers import boxed_equals, content_text
 from env_actors.interface import Environment, Message, Reset, ScoreOut, StepOut, check_index
-from rollout_actors.wire import CallerError
+from rollout_actors.kernel import CallerError
 
 BUNDLED_PATH = Path(__file__).parent / "data" / "math_problems.jsonl"
 SYSTEM_PROMPT = "You are a careful assistant who solves arithmetic word problems step by step."

@@ -15,9 +15,15 @@ from pathlib import Path
 from typing import Any
 
 from env_actors.interface import Environment, Message, Reset, ScoreOut, StepOut, check_index
-from rollout_actors.wire import CallerError
+from rollout_actors.kernel import CallerError, ref_target
 
 FOREVER_S = 3600.0
+
+
+@ref_target()
+def constant_grader(value: float) -> Any:
+    """A part an environment can take as a nested Ref (`Ref("...:constant_grader", {"value": 1.0})`)."""
+    return lambda _answer: value
 
 
 @dataclass
