@@ -222,9 +222,10 @@ class RolloutPlane:
 
     # policy ----------------------------------------------------------------------------------------
     @property
-    def policy_version(self) -> int | None:
+    def policy_version(self) -> int:
+        """The version new rollouts sample under: the active adapter's, 0 for the base model."""
         current = self._publisher.current() if self._publisher is not None else None
-        return current.version if current is not None else None
+        return current.version if current is not None else 0
 
     async def publish_policy(self, adapter: Any, version: int, donate: bool = False) -> PublishHandle:
         """Publish a LoRA adapter (arrays or a directory) to every endpoint. Returns once an immutable CPU

@@ -82,7 +82,7 @@ async def run_rollout(
         turns=state.turns,
         messages=state.messages,
         forked=state.forked,
-        policy_version_start=request.policy_version,
+        policy_version_start=request.policy_version or 0,
         started_at=started,
         finished_at=time.time(),
     )
@@ -140,13 +140,14 @@ async def _run(
                     content=parsed.content,
                     reasoning=parsed.reasoning,
                     tool_calls=parsed.tool_calls,
+                    policy_version=request.policy_version or 0,
                 )
             else:
                 sampled = await complete_chat(
                     client, request.client.model, state.messages, tools, request.sampling
                 )
                 assistant = sampled.message
-                turn = _chat_turn(sampled)
+                turn = _chat_turn(sampled, request.policy_version or 0)
             state.turns.append(turn)
             state.messages.append(assistant)
             step = await env.step(assistant, timeout=_budget(scope, ceiling), score_if_done=True)
@@ -176,7 +177,7 @@ async def _run(
         await _release(client, env, renderer)
 
 
-def _chat_turn(sampled: Sampled) -> Turn:
+def _chat_turn(sampled: Sampled, policy_version: int) -> Turn:
     message = sampled.message
     return Turn(
         prompt_ids=sampled.prompt_ids or [],
@@ -186,6 +187,7 @@ def _chat_turn(sampled: Sampled) -> Turn:
         content=message.get("content"),
         reasoning=message.get("reasoning_content"),
         tool_calls=[ToolCall(**view) for view in tool_call_views(message)],
+        policy_version=policy_version,
     )
 
 

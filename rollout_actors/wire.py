@@ -35,6 +35,7 @@ __all__ = [
     "SamplingConfig",
     "ToolCall",
     "Turn",
+    "VersionChange",
     "new_id",
 ]
 
@@ -118,6 +119,16 @@ class RolloutRequest(BaseModel):
 ResultKind = Literal["ok", "model", "infrastructure", "caller", "cancelled"]
 
 
+class VersionChange(BaseModel):
+    """Where, inside one turn's completion, the policy changed (a full-weight update landed mid-turn)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    at: int = Field(ge=0)
+    """Index into the turn's `completion_ids`: tokens from here on were sampled under `version`."""
+    version: int = Field(ge=0)
+
+
 class Turn(BaseModel):
     """One model call: what was sent, what was sampled."""
 
@@ -131,6 +142,19 @@ class Turn(BaseModel):
     content: str | None = None
     reasoning: str | None = None
     tool_calls: list[ToolCall] = Field(default_factory=list)
+    policy_version: int = 0
+    """The policy version this turn's sampling started under (0: the base model)."""
+    version_changes: list[VersionChange] = Field(default_factory=list)
+    """Empty unless the policy changed while this turn was being sampled (a full-weight update in keep
+    mode): then each entry says from which completion token on a newer version sampled. The version of
+    `completion_ids[i]` is that of the last change with `at <= i`, else `policy_version`."""
+
+    def token_versions(self) -> list[int]:
+        """The policy version of every completion token, aligned to `completion_ids`."""
+        versions = [self.policy_version] * len(self.completion_ids)
+        for change in sorted(self.version_changes, key=lambda c: c.at):
+            versions[change.at :] = [change.version] * (len(versions) - change.at)
+        return versions
 
 
 class Result(BaseModel):

@@ -211,8 +211,9 @@ def test_published_policy_reaches_new_rollouts_while_in_flight_ones_keep_theirs(
     finally:
         unload_adapters(endpoints)
     assert early.kind == "ok" and late.kind == "ok", (early.error, late.error)
-    assert (early.policy_version_start, early.policy_version_end) == (None, 1)
+    assert (early.policy_version_start, early.policy_version_end) == (0, 1)  # the base model is version 0
     assert (late.policy_version_start, late.policy_version_end) == (1, 1)
+    assert [t.policy_version for t in early.turns] == [0] and [t.policy_version for t in late.turns] == [1]
     assert active.version == 1
 
 
