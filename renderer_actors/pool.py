@@ -35,10 +35,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import ray
-from pydantic import BaseModel, ConfigDict, Field
 from ray.exceptions import RayActorError
 
 from renderer_actors.actor import RendererActor
+from renderer_actors.config import RendererPoolConfig
 from renderer_actors.key import RendererKey
 from rollout_actors.kernel import new_id
 
@@ -50,29 +50,6 @@ RENDERER_MIN_CONCURRENCY = 64  # health checks and readiness waits on top of `mu
 
 class RendererStartupError(RuntimeError):
     """A renderer for this key failed to start recently; the message carries its traceback."""
-
-
-class PoolConfig(BaseModel):
-    """Pool sizing and timing. The defaults are production defaults; tests inject short ones."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    renderer_num_cpus: float = Field(default=0.5, ge=0)
-    """Logical CPUs per renderer actor: half a core, as rendering is bursts between model calls."""
-    idle_timeout_s: float = 300.0
-    """An idle renderer beyond the first of its key retires after this long without leases."""
-    reap_interval_s: float = 5.0
-    health_interval_s: float = 10.0
-    health_timeout_s: float = 30.0
-    """A renderer that cannot answer a health call this long is wedged: replaced like a dead one."""
-    startup_timeout_s: float = 300.0
-    """Tokenizer load budget (a hub download on first use can take minutes)."""
-    failure_hold_s: float = 10.0
-    """After a startup failure, leases for that key fail at once for this long."""
-    max_renderers_per_key: int = Field(default=64, ge=1)
-    """Beyond this, leases overfill the least-loaded renderer instead of growing the pool."""
-    max_lease_s: float = 6 * 3600.0
-    """A lease never released (its holder's process died) stops counting as load after this."""
 
 
 @dataclass
@@ -105,8 +82,10 @@ class _Lease:
 class RendererPool:
     """Leases renderer slots per `RendererKey`. Run as a named async actor: `get_or_create_renderer_pool`."""
 
-    def __init__(self, config: PoolConfig | dict[str, Any] | None = None) -> None:
-        self._config = config if isinstance(config, PoolConfig) else PoolConfig(**(config or {}))
+    def __init__(self, config: RendererPoolConfig | dict[str, Any] | None = None) -> None:
+        self._config = (
+            config if isinstance(config, RendererPoolConfig) else RendererPoolConfig(**(config or {}))
+        )
         self._keys: dict[str, _KeyPool] = {}
         self._leases: dict[str, _Lease] = {}
         self._loops: list[asyncio.Task[None]] = []
@@ -359,7 +338,7 @@ class RendererPool:
 
 
 def get_or_create_renderer_pool(
-    name: str, config: PoolConfig | dict[str, Any] | None = None, namespace: str | None = None
+    name: str, config: RendererPoolConfig | dict[str, Any] | None = None, namespace: str | None = None
 ) -> Any:
     """The named `RendererPool` actor, created on first call (num_cpus=0: it only waits). `config`
     applies only when this call creates it. Created without `lifetime="detached"`, so it fate-shares with

@@ -2,6 +2,8 @@
 
 rollouts run                          # embedded defaults: local Ray, stand-in server, bundled env
 rollouts run --base-url http://vllm:8000/v1 --model Qwen/Qwen3-8B --env env_actors.examples.math_env:MathEnv
+rollouts run --config run.toml [--print-config]     # every option as a TOML file; flags override it
+rollouts report rollouts-20261130-120000.jsonl --png report.png
 """
 
 from __future__ import annotations
@@ -18,9 +20,35 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from rollout_actors.wire import ClientConfig, Ref, RendererConfig, Result, RolloutRequest, SamplingConfig
+from rollout_actors.kernel import DEFAULT_ALLOWED_PREFIXES
+from rollout_actors.run_config import ConfigError, RunConfig, load_run_config, to_toml
+from rollout_actors.wire import Ref, Result, RolloutRequest
 
-DEFAULT_ENV = "env_actors.examples.calculator_env:CalculatorEnv"
+STATUS_EVERY_S = 5.0  # the plain status line of `--no-progress`
+
+# Flags of `rollouts run`: (flag, dotted config key, type, help). The default shown is the config's.
+RUN_FLAGS: list[tuple[str, str, Any, str]] = [
+    ("--env", "run.env", str, "environment Ref target, 'package.module:Class'"),
+    ("--env-config", "run.env_config", json.loads, "JSON config for the environment Ref"),
+    ("--tasks", "run.tasks", int, "number of tasks (task indices 0..N-1)"),
+    ("--group-size", "run.group_size", int, "rollouts per task (one group)"),
+    ("--max-turns", "run.max_turns", int, "model turns per rollout at most"),
+    ("--mode", "run.mode", str, "token ids (token) or relayed chat (chat)"),
+    ("--seed", "run.seed", int, "base sampling seed (each rollout of a task adds its index)"),
+    ("--deadline", "run.deadline_s", float, "per-rollout deadline, seconds"),
+    ("--ray-address", "run.ray_address", str, "join this Ray cluster (default: $RAY_ADDRESS or local)"),
+    ("--output", "run.output", str, "JSON-lines results file (default: rollouts-<time>.jsonl)"),
+    ("--report-png", "run.report_png", str, "write the run report's plots to this PNG at the end"),
+    ("--model", "servers.model", str, "model name at --base-url (default: the bundled model)"),
+    ("--api-key-var", "servers.api_key_var", str, "name of the env variable holding the API key"),
+    ("--latency", "servers.standin.latency_s", float, "stand-in: fixed latency per model call, s"),
+    ("--per-token-latency", "servers.standin.per_token_latency_s", float, "stand-in: s per token"),
+    ("--correct-rate", "servers.standin.correct_rate", float, "stand-in: how often the policy is right"),
+    ("--tokenizer", "renderer.tokenizer", str, "tokenizer name or path for token mode"),
+    ("--max-tokens", "sampling.max_tokens", int, "max tokens per turn"),
+    ("--temperature", "sampling.temperature", float, "sampling temperature"),
+    ("--workers", "plane.workers", int, "RolloutWorker actors (default: sized from the lanes)"),
+]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -29,62 +57,88 @@ def _parser() -> argparse.ArgumentParser:
     run = sub.add_parser(
         "run",
         help="run a batch of rollouts and write one JSON line per result",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        description="Run groups of rollouts on Ray and write one JSON line per result. With no --base-url, "
-        "starts the bundled stand-in inference server (CPU) with the bundled tokenizer.",
+        description="Run groups of rollouts on Ray and write one JSON line per result. With no endpoint, "
+        "starts the bundled stand-in inference server (CPU) with the bundled tokenizer. Every option is "
+        "also a key of the TOML file given with --config; flags override the file.",
     )
-    env = run.add_argument_group("environment")
-    env.add_argument("--env", default=DEFAULT_ENV, help="environment Ref target, 'package.module:Class'")
-    env.add_argument("--env-config", default="{}", help="JSON config for the environment Ref")
-    env.add_argument("--tasks", type=int, default=64, help="number of tasks (task indices 0..N-1)")
-    env.add_argument("--group-size", type=int, default=4, help="rollouts per task (one group)")
-    env.add_argument("--max-turns", type=int, default=4, help="model turns per rollout at most")
-    env.add_argument(
+    run.add_argument("--config", default=None, help="TOML file with any of the options below")
+    run.add_argument("--print-config", action="store_true", help="print the resolved config as TOML, exit")
+    defaults = RunConfig()
+    for flag, dotted, kind, text in RUN_FLAGS:
+        default = _lookup(defaults, dotted)
+        run.add_argument(flag, dest=dotted, type=kind, default=argparse.SUPPRESS, help=f"{text} [{default}]")
+    run.add_argument(
+        "--base-url",
+        dest="servers.endpoints",
+        action="append",
+        default=argparse.SUPPRESS,
+        help="OpenAI-compatible base URL, e.g. a vLLM server's /v1 (repeat for several servers)",
+    )
+    run.add_argument(
+        "--concurrency",
+        type=int,
+        default=argparse.SUPPRESS,
+        help=f"rollouts in flight at once in the train lane [{defaults.plane.lanes['train']}]",
+    )
+    run.add_argument(
         "--allow-ref-prefix",
         action="append",
-        default=[],
-        help="extra module prefix Refs may name (the project's own packages are always allowed)",
+        default=argparse.SUPPRESS,
+        help=f"extra module prefix Refs may name (always allowed: {list(DEFAULT_ALLOWED_PREFIXES)})",
     )
-    model = run.add_argument_group("model endpoint")
-    model.add_argument(
-        "--base-url", default=None, help="OpenAI-compatible base URL (e.g. a vLLM server's /v1)"
+    run.add_argument(
+        "--no-progress",
+        dest="run.progress",
+        action="store_false",
+        default=argparse.SUPPRESS,
+        help="no progress bar: a plain status line every few seconds (e.g. under ray job submit)",
     )
-    model.add_argument("--model", default=None, help="model name at --base-url (default: the bundled model)")
-    model.add_argument("--api-key-var", default=None, help="name of the env variable holding the API key")
-    model.add_argument("--mode", choices=["token", "chat"], default="token", help="token ids or relayed chat")
-    model.add_argument("--tokenizer", default=None, help="tokenizer name or path for token mode")
-    model.add_argument("--max-tokens", type=int, default=256, help="max tokens per turn")
-    model.add_argument("--temperature", type=float, default=1.0)
-    model.add_argument("--seed", type=int, default=0, help="base sampling seed (each rollout adds its index)")
-    standin = run.add_argument_group("stand-in server (only without --base-url)")
-    standin.add_argument("--latency", type=float, default=0.05, help="fixed latency per model call, seconds")
-    standin.add_argument(
-        "--per-token-latency", type=float, default=0.0005, help="seconds per completion token"
-    )
-    standin.add_argument(
-        "--correct-rate", type=float, default=0.7, help="how often the scripted policy is right"
-    )
-    plane = run.add_argument_group("plane")
-    plane.add_argument("--concurrency", type=int, default=64, help="rollouts in flight at once (train lane)")
-    plane.add_argument("--workers", type=int, default=None, help="RolloutWorker actors (default: sized)")
-    plane.add_argument("--deadline", type=float, default=600.0, help="per-rollout deadline, seconds")
-    plane.add_argument(
-        "--ray-address", default=None, help="join this Ray cluster (default: $RAY_ADDRESS or local)"
-    )
-    out = run.add_argument_group("output")
-    out.add_argument(
-        "--output", default=None, help="JSON-lines file for results (default: rollouts-<time>.jsonl)"
-    )
-    out.add_argument("--no-progress", action="store_true", help="no progress bar (e.g. under ray job submit)")
+    report = sub.add_parser("report", help="summarise a finished run's JSON lines (and plot it)")
+    report.add_argument("results", help="the JSON-lines file a run wrote")
+    report.add_argument("--png", default=None, help="write the plots to this PNG file")
     return parser
+
+
+def _lookup(config: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        config = getattr(config, part)
+    return config
+
+
+def overrides_from_flags(args: argparse.Namespace) -> dict[str, Any]:
+    """Dotted config keys for every flag given on the command line (none for flags left out)."""
+    given = {k: v for k, v in vars(args).items() if "." in k}
+    if hasattr(args, "concurrency"):
+        given["plane.lanes"] = {"train": args.concurrency, "eval": max(1, args.concurrency // 4)}
+    if hasattr(args, "allow_ref_prefix"):
+        given["plane.allowed_ref_prefixes"] = [*DEFAULT_ALLOWED_PREFIXES, *args.allow_ref_prefix]
+    return given
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    if args.command == "run":
-        return run(args)
-    return 2
+    if args.command == "report":
+        return report(args.results, args.png)
+    try:
+        config = load_run_config(args.config, overrides_from_flags(args))
+    except ConfigError as exc:
+        print(f"invalid configuration: {exc}", file=sys.stderr)
+        return 2
+    if args.print_config:
+        print(to_toml(config), end="")
+        return 0
+    return run(config)
+
+
+def report(path: str, png: str | None) -> int:
+    from rollout_actors.report import format_summary, read_results, summarize, write_png
+
+    results = read_results(path)
+    print(format_summary(summarize(results)))
+    if png:
+        print(f"plots: {write_png(results, png)}")
+    return 0
 
 
 def _init_ray(address: str | None) -> None:
@@ -98,102 +152,133 @@ def _init_ray(address: str | None) -> None:
         ray.init(num_cpus=max(4, 2 * (os.cpu_count() or 2)), include_dashboard=False, log_to_driver=False)
 
 
-def run(args: argparse.Namespace) -> int:
+def run(config: RunConfig) -> int:
     from renderer_actors.tokenizer import BUNDLED_MODEL
     from rollout_actors.inference.launch import StandinOptions, StandinServer
 
-    output = Path(args.output or f"rollouts-{time.strftime('%Y%m%d-%H%M%S')}.jsonl")
+    job, servers = config.run, config.servers
+    output = Path(job.output or f"rollouts-{time.strftime('%Y%m%d-%H%M%S')}.jsonl")
     with ExitStack() as stack:
-        base_url, model_name = args.base_url, args.model
-        if base_url is None:
+        endpoints, model = list(servers.endpoints), servers.model
+        if not endpoints:
+            settings = servers.standin
             server = stack.enter_context(
                 StandinServer(
                     StandinOptions(
-                        latency_s=args.latency,
-                        per_token_latency_s=args.per_token_latency,
-                        correct_rate=args.correct_rate,
-                        seed=args.seed,
+                        latency_s=settings.latency_s,
+                        per_token_latency_s=settings.per_token_latency_s,
+                        correct_rate=settings.correct_rate,
+                        seed=job.seed,
                     )
                 )
             )
-            base_url, model_name = server.base_url, model_name or BUNDLED_MODEL
-            print(f"stand-in inference server at {base_url}", file=sys.stderr)
-        if model_name is None:
-            print("--model is required with --base-url", file=sys.stderr)
+            endpoints, model = [server.base_url], model or BUNDLED_MODEL
+            print(f"stand-in inference server at {server.base_url}", file=sys.stderr)
+        if model is None:
+            print("servers.model (--model) is required with an endpoint", file=sys.stderr)
             return 2
-        _init_ray(args.ray_address)
+        _init_ray(job.ray_address)
         try:
-            return asyncio.run(_run_plane(args, base_url, model_name, output))
+            return asyncio.run(_run_plane(config, endpoints, model, output))
         finally:
             import ray
 
             ray.shutdown()
 
 
-async def _run_plane(args: argparse.Namespace, base_url: str, model: str, output: Path) -> int:
-    from rollout_actors.plane import PlaneConfig, RolloutPlane
-    from rollout_actors.wire import DEFAULT_ALLOWED_PREFIXES
+async def _run_plane(config: RunConfig, endpoints: list[str], model: str, output: Path) -> int:
+    from rollout_actors.plane import RolloutPlane
 
-    total = args.tasks * args.group_size
-    config = PlaneConfig(
-        lanes={"train": args.concurrency, "eval": max(1, args.concurrency // 4)},
-        workers=args.workers,
-        allowed_ref_prefixes=DEFAULT_ALLOWED_PREFIXES + tuple(args.allow_ref_prefix),
-    )
-    template = dict(
-        env=Ref(target=args.env, config=json.loads(args.env_config)),
-        client=ClientConfig(base_url=base_url, model=model, api_key_var=args.api_key_var),
-        sampling=SamplingConfig(max_tokens=args.max_tokens, temperature=args.temperature),
-        mode=args.mode,
-        renderer=RendererConfig(tokenizer=args.tokenizer),
-        max_turns=args.max_turns,
-        deadline_s=args.deadline,
+    job = config.run
+    total = job.tasks * job.group_size
+    plane_config = config.plane
+    if len(endpoints) > 1:
+        plane_config = plane_config.model_copy(update={"endpoints": endpoints})
+    template = RolloutRequest(
+        env=Ref(job.env, job.env_config),
+        client=config.client_config(endpoints[0], model),
+        sampling=config.sampling,
+        mode=job.mode,
+        renderer=config.renderer,
+        max_turns=job.max_turns,
+        deadline_s=job.deadline_s,
     )
     results: list[Result] = []
     started = time.perf_counter()
-    async with RolloutPlane(config) as plane:
-        progress = _progress(total, disabled=args.no_progress)
+    async with RolloutPlane(plane_config) as plane:
 
         async def feed() -> None:
-            for index in range(args.tasks):
-                seed = args.seed + index * args.group_size
-                request = RolloutRequest(
-                    task_index=index,
-                    **{**template, "sampling": template["sampling"].model_copy(update={"seed": seed})},
+            for index in range(job.tasks):
+                seed = job.seed + index * job.group_size
+                request = template.model_copy(
+                    update={
+                        "task_index": index,
+                        "sampling": config.sampling.model_copy(update={"seed": seed}),
+                    }
                 )
-                await plane.submit_group(request, args.group_size)
+                await plane.submit_group(request, job.group_size)
 
         feeder = asyncio.create_task(feed())
-        with output.open("w") as sink, progress:
-            task = progress.add_task("rollouts", total=total)
+        status = _Status(plane, total, started, live=job.progress)
+        with output.open("w") as sink, status:
             while len(results) < total:
                 # The plane answers every request within its deadline plus grace; past that, fail loudly.
-                result = await plane.next_result(timeout=args.deadline + config.answer_grace_s + 60)
+                result = await plane.next_result(timeout=job.deadline_s + plane_config.answer_grace_s + 60)
                 results.append(result)
                 sink.write(result.model_dump_json() + "\n")
-                progress.update(task, advance=1, description=f"rollouts ({_kinds_line(results)})")
+                status.update(results)
         await feeder
     elapsed = time.perf_counter() - started
     _print_summary(results, elapsed, output)
+    if job.report_png:
+        from rollout_actors.report import read_results, write_png
+
+        print(f"plots: {write_png(read_results(output), job.report_png)}")
     return 0 if any(r.kind == "ok" for r in results) else 1
 
 
-def _progress(total: int, disabled: bool) -> Any:
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+class _Status:
+    """Done / in flight / failed by kind and rollouts/s: a live bar, or a plain line every few seconds."""
 
-    return Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        disable=disabled,
-        transient=False,
-    )
+    def __init__(self, plane: Any, total: int, started: float, live: bool) -> None:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+        self._plane, self._total, self._started, self._live = plane, total, started, live
+        self._last_line = 0.0
+        self._progress = Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            disable=not live,
+            transient=False,
+        )
+        self._task = self._progress.add_task("rollouts", total=total)
 
-def _kinds_line(results: list[Result]) -> str:
-    counts = Counter(r.kind for r in results)
-    return " ".join(f"{k}={v}" for k, v in sorted(counts.items()))
+    def __enter__(self) -> _Status:
+        self._progress.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._progress.__exit__(*exc)
+
+    def line(self, results: list[Result]) -> str:
+        elapsed = max(time.perf_counter() - self._started, 1e-9)
+        in_flight = sum(lane["in_flight"] for lane in self._plane.lanes.snapshot().values())
+        failed = Counter(r.kind for r in results if r.kind != "ok")
+        kinds = " ".join(f"{k}={v}" for k, v in sorted(failed.items())) or "none"
+        return (
+            f"done {len(results)}/{self._total}  in flight {in_flight}  failed: {kinds}  "
+            f"{len(results) / elapsed:.1f} rollouts/s"
+        )
+
+    def update(self, results: list[Result]) -> None:
+        now = time.perf_counter()
+        if self._live:
+            self._progress.update(self._task, advance=1, description=self.line(results))
+        elif now - self._last_line >= STATUS_EVERY_S or len(results) == self._total:
+            self._last_line = now
+            print(self.line(results), flush=True)
 
 
 def summarize(results: list[Result], elapsed: float) -> dict[str, Any]:

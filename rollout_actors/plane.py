@@ -24,8 +24,9 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import ray
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import ValidationError
 
+from rollout_actors.config import PlaneConfig
 from rollout_actors.kernel import RefResolver
 from rollout_actors.lanes import Lanes
 from rollout_actors.naming import PoolNames
@@ -33,7 +34,6 @@ from rollout_actors.publish import PolicyPublisher, PublishHandle
 from rollout_actors.rollout import LoopLimits
 from rollout_actors.shared_pools import SharedPools
 from rollout_actors.wire import (
-    DEFAULT_ALLOWED_PREFIXES,
     CallerError,
     Failure,
     Result,
@@ -43,40 +43,6 @@ from rollout_actors.wire import (
 from rollout_actors.worker_set import WorkerSet, WorkerSlot
 
 log = logging.getLogger(__name__)
-
-
-class PlaneConfig(BaseModel):
-    """How a plane is sized and how patient it is. Defaults are production defaults."""
-
-    lanes: dict[str, int] = Field(default_factory=lambda: {"train": 1024, "eval": 256})
-    """Lane name -> most rollouts in flight at once."""
-    workers: int | None = None
-    """RolloutWorker actors; `None` sizes from the lane bounds and `rollouts_per_worker`."""
-    rollouts_per_worker: int = 1024
-    worker_num_cpus: float = 1.0
-    hang_timeout_s: float = 30.0
-    """A worker that misses liveness probes this long is lost (Ray takes ~65 s to declare a hung node)."""
-    probe_interval_s: float = 2.0
-    max_dispatches: int = Field(default=3, ge=1)
-    """First dispatch plus at most two re-dispatches after a lost worker, then `infrastructure`."""
-    answer_grace_s: float = 60.0
-    """How long past a request's own deadline the plane waits for its worker before giving up."""
-    cancel_grace_s: float = 10.0
-    """How long a cancelled rollout may take to clean up before the plane answers `cancelled` itself."""
-    call_timeout_s: float = 120.0
-    """Ceiling for one renderer or env call inside a rollout."""
-    endpoints: list[str] = Field(default_factory=list)
-    """Inference base URLs to spread rollouts over (each rollout keeps the one it starts on). Empty: every
-    request uses its own `client.base_url`."""
-    env_pool: dict[str, Any] = Field(default_factory=dict)
-    """`env_actors.pool.EnvPoolConfig` fields for every env pool this plane starts."""
-    env_ready_timeout_s: float = 120.0
-    allowed_ref_prefixes: tuple[str, ...] = DEFAULT_ALLOWED_PREFIXES
-    """Module prefixes a request's Refs may name. Widening it is explicit."""
-    policy_storage_dir: str | None = None
-    """Where published LoRA adapters are written; every server must read it under the same path."""
-    name_prefix: str | None = None
-    """Prefix of the named actors this plane starts; `None` picks a unique one."""
 
 
 def _refuse_inside_ray_worker() -> None:

@@ -15,6 +15,7 @@ import ray
 
 from env_actors.pool import EnvPoolConfig, start_env_pool, stop_env_pool
 from renderer_actors.pool import get_or_create_renderer_pool
+from rollout_actors.config import PlaneConfig
 from rollout_actors.naming import PoolNames, env_key
 from rollout_actors.wire import Ref
 
@@ -24,14 +25,22 @@ POOL_SHUTDOWN_TIMEOUT_S = 10.0  # a pool that cannot stop in this long is killed
 
 
 class SharedPools:
-    def __init__(self, names: PoolNames, config: Any) -> None:
+    def __init__(self, names: PoolNames, config: PlaneConfig) -> None:
         self._names = names
         self._config = config
         self._renderer_pool: Any = None
         self._env_pools: dict[str, asyncio.Future[Any]] = {}
 
     async def start(self) -> None:
-        self._renderer_pool = get_or_create_renderer_pool(self._names.renderer_pool)
+        self._renderer_pool = get_or_create_renderer_pool(
+            self._names.renderer_pool, self._config.renderer_pool
+        )
+
+    def _env_pool_config(self) -> EnvPoolConfig:
+        config: EnvPoolConfig = self._config.env_pool
+        if config.allowed_ref_prefixes is None:  # the plane's allowlist, unless the pool names its own
+            config = config.model_copy(update={"allowed_ref_prefixes": self._config.allowed_ref_prefixes})
+        return config
 
     async def ensure_env_pool(self, env: Ref) -> Any:
         key = env_key(env)
@@ -41,9 +50,7 @@ class SharedPools:
                 start_env_pool(
                     self._names.env_pool(env),
                     env,
-                    EnvPoolConfig(
-                        **{"allowed_ref_prefixes": self._config.allowed_ref_prefixes, **self._config.env_pool}
-                    ),
+                    self._env_pool_config(),
                     ready_timeout=self._config.env_ready_timeout_s,
                 )
             )

@@ -207,9 +207,11 @@ def test_rollouts_job_submitted_to_a_local_head_succeeds_and_logs_its_summary(lo
     assert refused.value.code == 401
 
     output = local_head.temp_dir / "results.jsonl"
+    png = local_head.temp_dir / "report.png"
     entrypoint = shlex.join(
-        ["rollouts", "run", "--tasks", str(TASKS), "--group-size", str(GROUP_SIZE), "--no-progress"]
-        + ["--output", str(output)]
+        ["rollouts", "run", "--config", "scripts/run.example.toml"]  # the shipped example file...
+        + ["--tasks", str(TASKS), "--group-size", str(GROUP_SIZE), "--no-progress"]  # ...flags over it
+        + ["--output", str(output), "--report-png", str(png)]
     )
     client = JobSubmissionClient(address=local_head.dashboard_url, headers=local_head.headers)
     job_id = client.submit_job(entrypoint=entrypoint, runtime_env={"working_dir": str(REPO_ROOT)})
@@ -229,6 +231,8 @@ def test_rollouts_job_submitted_to_a_local_head_succeeds_and_logs_its_summary(lo
 
     # The summary table the CLI prints, read back from the job's logs.
     assert "stand-in inference server at http://127.0.0.1:" in logs
+    assert f"done {TASKS * GROUP_SIZE}/{TASKS * GROUP_SIZE}  in flight" in logs  # the plain status line
+    assert png.stat().st_size > 10_000, logs  # the run report's plots
     assert re.search(rf"\b{TASKS * GROUP_SIZE}\s+rollouts\s+in\b", logs), logs
     table = {kind: int(count) for kind, count in re.findall(r"kind=(\w+)\W+(\d+)", logs)}
     assert set(table) == set(KINDS), logs

@@ -1,0 +1,59 @@
+"""`PlaneConfig`: how a plane is sized and how patient it is, typed down to its pools."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from env_actors.config import EnvPoolConfig
+from renderer_actors.config import RendererPoolConfig
+from rollout_actors.kernel import DEFAULT_ALLOWED_PREFIXES
+
+
+class PlaneConfig(BaseModel):
+    """How a plane is sized and how patient it is. Defaults are production defaults. Frozen, and an unknown
+    key (at any depth) is an error when the config is built, not at the first request that uses it."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    lanes: dict[str, int] = Field(default_factory=lambda: {"train": 1024, "eval": 256})
+    """Lane name -> most rollouts in flight at once."""
+    workers: int | None = None
+    """RolloutWorker actors; `None` sizes from the lane bounds and `rollouts_per_worker`."""
+    rollouts_per_worker: int = 1024
+    worker_num_cpus: float = 1.0
+    hang_timeout_s: float = 30.0
+    """A worker that misses liveness probes this long is lost (Ray takes ~65 s to declare a hung node)."""
+    probe_interval_s: float = 2.0
+    max_dispatches: int = Field(default=3, ge=1)
+    """First dispatch plus at most two re-dispatches after a lost worker, then `infrastructure`."""
+    answer_grace_s: float = 60.0
+    """How long past a request's own deadline the plane waits for its worker before giving up."""
+    cancel_grace_s: float = 10.0
+    """How long a cancelled rollout may take to clean up before the plane answers `cancelled` itself."""
+    call_timeout_s: float = 120.0
+    """Ceiling for one renderer or env call inside a rollout."""
+    endpoints: list[str] = Field(default_factory=list)
+    """Inference base URLs to spread rollouts over (each rollout keeps the one it starts on). Empty: every
+    request uses its own `client.base_url`."""
+    env_pool: EnvPoolConfig = Field(default_factory=EnvPoolConfig)
+    """Every env pool this plane starts (one per environment Ref). Its `allowed_ref_prefixes`, when unset,
+    is the plane's."""
+    renderer_pool: RendererPoolConfig = Field(default_factory=RendererPoolConfig)
+    """The plane's renderer pool: sizing, health checks, startup budget."""
+    env_ready_timeout_s: float = 120.0
+    allowed_ref_prefixes: tuple[str, ...] = DEFAULT_ALLOWED_PREFIXES
+    """Module prefixes a request's Refs may name. Widening it is explicit."""
+    policy_storage_dir: str | None = None
+    """Where published LoRA adapters are written; every server must read it under the same path."""
+    name_prefix: str | None = None
+    """Prefix of the named actors this plane starts; `None` picks a unique one."""
+
+    @field_validator("lanes")
+    @classmethod
+    def _lanes(cls, lanes: dict[str, int]) -> dict[str, int]:
+        if not lanes:
+            raise ValueError("a plane needs at least one lane")
+        bad = {name: limit for name, limit in lanes.items() if limit < 1}
+        if bad:
+            raise ValueError(f"lane limits must be >= 1, got {bad}")
+        return lanes
