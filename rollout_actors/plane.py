@@ -21,7 +21,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 from pydantic import ValidationError
@@ -42,6 +42,9 @@ from rollout_actors.wire import (
 )
 from rollout_actors.worker_set import WorkerSet, WorkerSlot
 
+if TYPE_CHECKING:
+    from rollout_actors.inference.server_set import InferenceServerSet
+
 log = logging.getLogger(__name__)
 
 
@@ -57,12 +60,24 @@ def _refuse_inside_ray_worker() -> None:
 
 class RolloutPlane:
     def __init__(
-        self, config: PlaneConfig | None = None, endpoints: Callable[[], Sequence[str]] | None = None
+        self,
+        config: PlaneConfig | None = None,
+        endpoints: Callable[[], Sequence[str]] | None = None,
+        servers: InferenceServerSet | None = None,
     ) -> None:
-        """`endpoints`: a live source of inference base URLs (e.g. `InferenceServerSet.endpoints`), asked at
-        each dispatch, so a server that died drops out of routing; otherwise `config.endpoints`."""
+        """`endpoints`: a live source of inference base URLs, asked at each dispatch, so a server that died
+        drops out of routing; otherwise `config.endpoints`.
+
+        `servers`: the `InferenceServerSet` to route to. The plane then reads its live endpoints and owns
+        its `before_routing`: a replacement server loads the active policy (`prepare_server`) before it
+        takes traffic."""
         _refuse_inside_ray_worker()
         self.config = config or PlaneConfig()
+        if servers is not None:
+            if endpoints is not None:
+                raise ValueError("give either `servers` or `endpoints`, not both")
+            endpoints = servers.endpoints
+            servers.before_routing = self.prepare_server
         self._endpoints = endpoints or (lambda: self.config.endpoints)
         prefix = self.config.name_prefix or f"rollouts-{uuid.uuid4().hex[:8]}"
         self.names = PoolNames(prefix=prefix)
@@ -189,36 +204,55 @@ class RolloutPlane:
     # policy ----------------------------------------------------------------------------------------
     @property
     def policy_version(self) -> int:
-        """The version new rollouts sample under: the active adapter's, 0 for the base model."""
+        """The policy new rollouts sample from; 0 is the base model."""
         current = self._publisher.current() if self._publisher is not None else None
         return current.version if current is not None else 0
+
+    @property
+    def publisher(self) -> PolicyPublisher:
+        """The plane's publisher (created on first use; needs `PlaneConfig.policy_storage_dir`)."""
+        if self._publisher is None:
+            if self.config.policy_storage_dir is None:
+                raise ValueError("policy publication needs PlaneConfig.policy_storage_dir")
+            self._publisher = PolicyPublisher(self._endpoints, self.config.policy_storage_dir)
+        return self._publisher
 
     async def publish_policy(self, adapter: Any, version: int, donate: bool = False) -> PublishHandle:
         """Publish a LoRA adapter (arrays or a directory) to every endpoint. Returns once an immutable CPU
         capture exists; `await handle.wait()` for the servers. New rollouts switch to it atomically when
         every server has loaded it; rollouts in flight keep the policy they started with. `donate=True`
         hands fresh arrays over instead of copying them (they are frozen; see `capture_adapter`)."""
-        if self._publisher is None:
-            if self.config.policy_storage_dir is None:
-                raise ValueError("publish_policy needs PlaneConfig.policy_storage_dir")
-            self._publisher = PolicyPublisher(self._endpoints, self.config.policy_storage_dir)
-        return await self._publisher.publish(adapter, version, donate=donate)
+        return await self.publisher.publish(adapter, version, donate=donate)
 
-    def _with_policy(self, request: RolloutRequest) -> RolloutRequest:
-        """The request on the active policy, checked out until `_dispatch` checks it in."""
-        if self._publisher is None or request.policy_version is not None:
-            return request
-        current = self._publisher.checkout()
-        if current is None:
-            return request
-        client = request.client.model_copy(update={"model": current.name})
+    async def prepare_server(self, url: str) -> None:
+        """Make a server that is about to join routing serve the active policy (load the active adapter).
+        `InferenceServerSet.before_routing` when the plane was given the set; raising keeps it out."""
+        if self._publisher is not None:
+            await self._publisher.load_current(url)
+
+    def _with_policy(self, request: RolloutRequest) -> tuple[RolloutRequest, int | None]:
+        """The request on its policy: the active one, or the version it pins. Returns the request and the
+        adapter version checked out for it (until `_dispatch` checks it in). CallerError when the pinned
+        version is not loaded."""
+        wanted = request.policy_version
+        policy = None
+        if self._publisher is not None and wanted != 0:
+            policy = self._publisher.checkout(wanted)
+        if policy is None:
+            if wanted not in (None, 0):
+                raise CallerError(
+                    f"policy_version={wanted} is not loaded on the servers (active: {self.policy_version})"
+                )
+            return request.model_copy(update={"policy_version": 0}), None
+        client = request.client.model_copy(update={"model": policy.name})
         # The renderer keeps the base model's tokenizer: an adapter does not change the vocabulary.
         renderer = request.renderer
         if renderer.tokenizer is None:
             renderer = renderer.model_copy(update={"tokenizer": request.client.model})
-        return request.model_copy(
-            update={"client": client, "renderer": renderer, "policy_version": current.version}
+        updated = request.model_copy(
+            update={"client": client, "renderer": renderer, "policy_version": policy.version}
         )
+        return updated, policy.version
 
     # control ---------------------------------------------------------------------------------------
     async def set_limit(self, lane: str, limit: int) -> None:
@@ -266,9 +300,10 @@ class RolloutPlane:
                 else "infrastructure"
             )
             return Result.failed(request, kind, failure)
-        policy_before = request.policy_version
-        request = self._with_policy(request)
-        checked_out = request.policy_version if policy_before is None else None
+        try:
+            request, checked_out = self._with_policy(request)
+        except CallerError as exc:
+            return Result.failed(request, "caller", Failure.from_exception(exc))
         try:
             return await self._dispatch_on_policy(request, cancelled)
         finally:

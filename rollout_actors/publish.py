@@ -158,13 +158,18 @@ class PolicyPublisher:
         """The active policy; None until the first publication (rollouts use the base model)."""
         return self._current
 
-    def checkout(self) -> ActivePolicy | None:
-        """The active policy, counted as in use until `checkin`: an adapter a rollout is using is never
-        unloaded under it, however many versions are published meanwhile."""
-        policy = self._current
+    def checkout(self, version: int | None = None) -> ActivePolicy | None:
+        """The active policy (or, with `version`, that published version while it is still loaded),
+        counted as in use until `checkin`: an adapter a rollout is using is never unloaded under it,
+        however many versions are published meanwhile. None: no such adapter is loaded."""
+        policy = self._current if version is None else self.loaded(version)
         if policy is not None:
             self._users[policy.version] += 1
         return policy
+
+    def loaded(self, version: int) -> ActivePolicy | None:
+        """The published adapter of `version`, if every server still holds it."""
+        return next((policy for policy, _ in self._published if policy.version == version), None)
 
     def checkin(self, version: int) -> None:
         """The rollout that checked `version` out is done with it; a retired version is unloaded now."""

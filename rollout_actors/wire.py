@@ -111,7 +111,9 @@ class RolloutRequest(BaseModel):
     deadline_s: float = Field(default=3600.0, gt=0)
     """Wall-clock budget for the whole rollout."""
     lane: Lane = "train"
-    policy_version: int | None = None
+    policy_version: int | None = Field(default=None, ge=0)
+    """The policy to sample from: None takes the active one when the rollout starts; N pins published
+    version N (0: the base model). A version no server holds any more is a `caller` result."""
 
 
 # ------------------------------------------------------------------------------------------- Result
