@@ -31,9 +31,21 @@ from ray.exceptions import ActorDiedError
 from env_actors.budget import RestartBudget
 from env_actors.config import EnvPoolConfig, WorkerInfo
 from env_actors.server import create_env_server
-from rollout_actors.kernel import Failure, Ref
+from rollout_actors.kernel import Failure, Metric, Ref
 
 logger = logging.getLogger(__name__)
+
+_POOL_TAGS = ("pool", "env")
+ENV_WORKERS = Metric(
+    kind="gauge", name="env_workers", description="Env servers", tag_keys=(*_POOL_TAGS, "state")
+)
+ENV_SESSIONS = Metric(kind="gauge", name="env_sessions", description="Open env sessions", tag_keys=_POOL_TAGS)
+ENV_RESTARTS_USED = Metric(
+    kind="gauge",
+    name="env_restarts_used",
+    description="Restart budget spent in its window",
+    tag_keys=_POOL_TAGS,
+)
 
 TICK_S = 0.1  # supervision resolution: wedge detection lands within hang_timeout + TICK_S
 DIAGNOSE_TIMEOUT_S = 0.5  # one probe to say why a worker missed its readiness deadline
@@ -275,12 +287,21 @@ class Supervisor:
             await asyncio.sleep(TICK_S)
 
     def _tick(self, now: float) -> None:
+        self._record()
         for slot in self.ready():
             silent = now - slot.last_alive
             if silent > self.config.hang_timeout:
                 reason = f"wedged: no sign of life for {silent:.1f} s (hang_timeout {self.config.hang_timeout:g} s)"
                 self.retire(slot, reason, "wedged")
         self._scale(now)
+
+    def _record(self) -> None:
+        tags = {"pool": self.name, "env": self.env.target}
+        ready = self.ready()
+        ENV_WORKERS.record(len(ready), {**tags, "state": "ready"})
+        ENV_WORKERS.record(len(self.starting()), {**tags, "state": "starting"})
+        ENV_SESSIONS.record(sum(len(w.sessions) for w in ready), tags)
+        ENV_RESTARTS_USED.record(self.config.restart.max_restarts - self.budget.remaining(), tags)
 
     def _scale(self, now: float) -> None:
         cfg = self.config

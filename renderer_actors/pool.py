@@ -40,12 +40,18 @@ from ray.exceptions import RayActorError
 from renderer_actors.actor import RendererActor
 from renderer_actors.config import RendererPoolConfig
 from renderer_actors.key import RendererKey
-from rollout_actors.kernel import new_id
+from rollout_actors.kernel import Metric, new_id
 
 log = logging.getLogger(__name__)
 
 POOL_MAX_CONCURRENCY = 10_000  # leases are instant; this only bounds how many callers may queue at once
 RENDERER_MIN_CONCURRENCY = 64  # health checks and readiness waits on top of `multiplex` rollouts
+
+
+RENDERERS = Metric(kind="gauge", name="renderers", description="Renderer actors per key", tag_keys=("key",))
+LEASES = Metric(
+    kind="gauge", name="renderer_leases", description="Renderer leases held per key", tag_keys=("key",)
+)
 
 
 class RendererStartupError(RuntimeError):
@@ -316,6 +322,9 @@ class RendererPool:
                     break
                 self._drop(pool, renderer)
                 self._counters["retired"] += 1
+            key = RendererKey.from_json(pool.key_json).short()
+            RENDERERS.record(len(pool.renderers), {"key": key})
+            LEASES.record(sum(len(r.leases) for r in pool.renderers.values()), {"key": key})
 
     async def _health_loop(self) -> None:
         while True:

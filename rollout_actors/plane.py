@@ -29,6 +29,7 @@ from pydantic import ValidationError
 from rollout_actors.config import PlaneConfig
 from rollout_actors.kernel import RefResolver
 from rollout_actors.lanes import Lanes
+from rollout_actors.metrics import PlaneMetrics
 from rollout_actors.naming import PoolNames
 from rollout_actors.publish import PolicyPublisher, PublishHandle
 from rollout_actors.rollout import LoopLimits
@@ -104,6 +105,8 @@ class RolloutPlane:
         self._endpoint_load: Counter[str] = Counter()
         self.counters: Counter[str] = Counter()
         self._publisher: PolicyPublisher | None = None
+        self._metrics = PlaneMetrics()
+        self._metrics_task: asyncio.Task[None] | None = None
         self._started = False
 
     # lifecycle -------------------------------------------------------------------------------------
@@ -112,6 +115,7 @@ class RolloutPlane:
             ray.init()
         await self._pools.start()
         await self._workers.start()
+        self._metrics_task = asyncio.get_running_loop().create_task(self._metrics.run(self))
         self._started = True
         return self
 
@@ -122,6 +126,8 @@ class RolloutPlane:
             await asyncio.wait(self._tasks, timeout=self.config.cancel_grace_s + 5)
         for task in list(self._tasks):
             task.cancel()
+        if self._metrics_task is not None:
+            self._metrics_task.cancel()
         await self._workers.close()
         await self._pools.close()
         if self._publisher is not None:
@@ -151,6 +157,7 @@ class RolloutPlane:
             )
             self._answer(_caller_result(request, request_id, exc))
             return request_id
+        self._metrics.submitted(request.lane)
         self._cancelled[request.request_id] = asyncio.Event()
         await lane.acquire()
         task = asyncio.get_running_loop().create_task(self._drive(request, lane))
@@ -420,6 +427,7 @@ class RolloutPlane:
         self.counters[f"kind.{result.kind}"] += 1
         self._cancelled.pop(result.request_id, None)
         self._results.put_nowait(result)
+        self._metrics.answered(result)
 
 
 def _cancelled(request: RolloutRequest, why: str) -> Result:

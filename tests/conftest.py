@@ -11,13 +11,32 @@ os.environ.setdefault("RAY_ROLLOUTS_TEST", "1")
 os.environ.setdefault("RAY_ROLLOUTS_TEST_SECRET", "sk-planted-" + os.urandom(12).hex())
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+METRICS_PORT = _free_port()
+"""The session Ray's Prometheus endpoint (`http://127.0.0.1:METRICS_PORT/metrics`), read by the metrics tests."""
+
+
 @pytest.fixture(scope="session")
 def ray_session():
     import ray
 
     if not ray.is_initialized():
         # Logical CPUs above the physical two: actors here mostly wait, and tests pack many of them.
-        ray.init(num_cpus=8, include_dashboard=False, log_to_driver=True, configure_logging=False)
+        ray.init(
+            num_cpus=8,
+            include_dashboard=False,
+            log_to_driver=True,
+            configure_logging=False,
+            _metrics_export_port=METRICS_PORT,
+            _system_config={"metrics_report_interval_ms": 1000},  # tests read metrics within seconds
+        )
     yield ray
     ray.shutdown()
 

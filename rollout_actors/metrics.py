@@ -1,0 +1,84 @@
+"""The plane's metrics, exported through Ray's metrics API (`ray_rollouts_*` on each node's Prometheus
+endpoint and in the Ray dashboard). Counters move where things happen (`submitted`, `answered`); gauges
+and the counters the plane already keeps are sampled by one loop the plane owns (`PlaneMetrics.run`)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from rollout_actors.kernel import LATENCY_BUCKETS_S, Metric
+
+REFRESH_S = 1.0  # gauges are sampled this often; Ray exports every few seconds anyway
+
+SUBMITTED = Metric(kind="counter", name="submitted", description="Rollouts submitted", tag_keys=("lane",))
+FINISHED = Metric(
+    kind="counter",
+    name="finished",
+    description="Rollouts answered, by result kind",
+    tag_keys=("lane", "kind"),
+)
+IN_FLIGHT = Metric(kind="gauge", name="in_flight", description="Rollouts in flight", tag_keys=("lane",))
+LANE_LIMIT = Metric(kind="gauge", name="lane_limit", description="Lane concurrency limit", tag_keys=("lane",))
+LATENCY = Metric(
+    kind="histogram",
+    name="rollout_latency_s",
+    description="Rollout wall time from start to result, seconds",
+    tag_keys=("lane", "kind"),
+    boundaries=LATENCY_BUCKETS_S,
+)
+TURNS = Metric(
+    kind="histogram",
+    name="turns_per_rollout",
+    description="Model turns per rollout",
+    tag_keys=("lane",),
+    boundaries=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128),
+)
+REDISPATCHED = Metric(
+    kind="counter", name="redispatched", description="Rollouts re-dispatched under their lease"
+)
+DUPLICATES = Metric(kind="counter", name="duplicates_dropped", description="Late answers for answered leases")
+WORKERS_LOST = Metric(
+    kind="counter", name="workers_lost", description="Rollout workers lost (dead or wedged)"
+)
+WORKERS_LIVE = Metric(kind="gauge", name="workers_live", description="Live rollout workers")
+POLICY_VERSION = Metric(kind="gauge", name="policy_version", description="Active policy version")
+
+
+class PlaneMetrics:
+    def __init__(self) -> None:
+        self._seen: dict[str, int] = {}
+        """Last value of each plane counter exported, so the loop adds only what changed."""
+
+    def submitted(self, lane: str) -> None:
+        SUBMITTED.record(1, {"lane": lane})
+
+    def answered(self, result: Any) -> None:
+        lane = getattr(result, "lane", None) or "unknown"
+        FINISHED.record(1, {"lane": lane, "kind": result.kind})
+        if result.started_at is not None and result.finished_at is not None:
+            LATENCY.record(result.finished_at - result.started_at, {"lane": lane, "kind": result.kind})
+        TURNS.record(len(result.turns), {"lane": lane})
+
+    def sample(self, plane: Any) -> None:
+        for lane, figures in plane.lanes.snapshot().items():
+            IN_FLIGHT.record(figures["in_flight"], {"lane": lane})
+            LANE_LIMIT.record(figures["limit"], {"lane": lane})
+        stats = plane.stats()
+        WORKERS_LIVE.record(len(stats["workers"]))
+        POLICY_VERSION.record(plane.policy_version or 0)
+        for metric, value in (
+            (REDISPATCHED, stats["redispatched"]),
+            (DUPLICATES, stats["duplicates_dropped"]),
+            (WORKERS_LOST, stats["workers_lost"]),
+        ):
+            delta = value - self._seen.get(metric.name, 0)
+            if delta > 0:
+                metric.record(delta)
+                self._seen[metric.name] = value
+
+    async def run(self, plane: Any) -> None:
+        """Sample the plane's gauges until cancelled (the plane owns this task)."""
+        while True:
+            self.sample(plane)
+            await asyncio.sleep(REFRESH_S)
