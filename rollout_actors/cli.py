@@ -154,7 +154,7 @@ def _init_ray(address: str | None) -> None:
 
 def run(config: RunConfig) -> int:
     from renderer_actors.tokenizer import BUNDLED_MODEL
-    from rollout_actors.inference.launch import StandinOptions, StandinServer
+    from rollout_actors.inference.standin import StandinOptions, StandinServer
 
     job, servers = config.run, config.servers
     output = Path(job.output or f"rollouts-{time.strftime('%Y%m%d-%H%M%S')}.jsonl")

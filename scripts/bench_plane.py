@@ -51,7 +51,7 @@ from _bench_probe import Probe, ProbeSample, cpu_by_role, time_wait_count
 from _bench_single_process import SingleProcessWorkload, run_wave
 
 from renderer_actors.tokenizer import BUNDLED_MODEL
-from rollout_actors.inference.launch import StandinOptions, StandinServer
+from rollout_actors.inference.standin import StandinOptions, StandinServer
 from rollout_actors.plane import PlaneConfig, RolloutPlane
 from rollout_actors.wire import ClientConfig, Ref, RendererConfig, RolloutRequest, SamplingConfig
 

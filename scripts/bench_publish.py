@@ -61,7 +61,7 @@ import ray
 from _bench_load import RESULT_TIMEOUT_S, Finished, SteadyLoad
 
 from renderer_actors.tokenizer import BUNDLED_MODEL
-from rollout_actors.inference.launch import StandinOptions, StandinServer
+from rollout_actors.inference.standin import StandinOptions, StandinServer
 from rollout_actors.lora import LoraAdapter, lora_config
 from rollout_actors.plane import PlaneConfig, RolloutPlane
 

@@ -45,18 +45,19 @@ def ray_session():
 def standin():
     """One bundled stand-in inference server process for the whole suite, default options. Tests steer
     it per request with `X-Standin-*` headers (fault, latency, correct rate), never by restarting it."""
-    from rollout_actors.inference.launch import StandinServer
+    from rollout_actors.inference.standin import StandinOptions, StandinServer
 
-    with StandinServer() as server:
+    with StandinServer(StandinOptions(admin=True)) as server:
         yield server
 
 
 @pytest.fixture(scope="session")
 def standin_pair():
     """Two more stand-in servers (endpoint stickiness across servers); started only when asked for."""
-    from rollout_actors.inference.launch import StandinServer
+    from rollout_actors.inference.standin import StandinOptions, StandinServer
 
-    pair = [StandinServer().start(wait=False), StandinServer().start(wait=False)]  # load in parallel
+    options = StandinOptions(admin=True)  # tests read which rollouts each server saw
+    pair = [StandinServer(options).start(wait=False), StandinServer(options).start(wait=False)]
     try:
         yield tuple(server.wait_ready() for server in pair)
     finally:

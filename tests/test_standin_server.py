@@ -20,7 +20,7 @@ import openai
 import pytest
 
 from renderer_actors.tokenizer import BUNDLED_MODEL, load_tokenizer
-from rollout_actors.inference.launch import StandinOptions, StandinServer, StandinStartupError
+from rollout_actors.inference.standin import StandinOptions, StandinServer, StandinStartupError
 
 DEADLINE_S = 20
 IM_END = 151645
@@ -340,9 +340,17 @@ def test_sessions_are_counted_per_x_session_id(standin):
     assert re.search(r"^standin_sessions [1-9]", get(standin, "/metrics"), re.MULTILINE)
 
 
+def test_admin_routes_are_off_unless_asked_for():
+    with StandinServer() as server:
+        for path in ("/admin/faults", "/admin/sessions"):
+            with pytest.raises(urllib.error.HTTPError) as info:
+                get(server, path)
+            assert info.value.code == 404
+
+
 def test_health_answers_200_only_once_loaded(tmp_path):
     port_file = tmp_path / "port"
-    command = [sys.executable, "-m", "rollout_actors.inference.standin_server", "--port", "0"]
+    command = [sys.executable, "-m", "rollout_actors.inference.standin", "--port", "0"]
     command += ["--port-file", str(port_file), "--startup-delay-s", "0.5"]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:

@@ -29,7 +29,7 @@ from typing import Any, Literal
 import ray
 from pydantic import BaseModel, ConfigDict, Field
 
-from rollout_actors.inference.launch import StandinOptions, _child_env
+from rollout_actors.inference.standin.launch import StandinOptions, _child_env
 
 try:  # openai >= 3 ships its own fork of httpx
     import httpx2 as httpx
@@ -143,7 +143,7 @@ def standin_command(spec: ServerSpec, host: str, port: int, port_file: Path) -> 
     """The bundled stand-in (`launch.StandinOptions` flags). Port 0: it binds a free port itself and
     writes it to `port_file`, so no other process can take the port between choosing and binding."""
     options = StandinOptions(model=spec.model, **spec.standin)
-    command = [sys.executable, "-m", "rollout_actors.inference.standin_server", "--host", host]
+    command = [sys.executable, "-m", "rollout_actors.inference.standin", "--host", host]
     command += ["--port", str(port), "--port-file", str(port_file), "--parent-pid", str(os.getpid())]
     return command + options.to_argv() + list(spec.extra_args)
 

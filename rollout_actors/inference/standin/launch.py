@@ -26,7 +26,7 @@ import urllib.request
 from pathlib import Path
 
 import rollout_actors
-from rollout_actors.inference.standin_server import StandinOptions
+from rollout_actors.inference.standin.server import StandinOptions
 
 __all__ = ["StandinOptions", "StandinServer", "StandinStartupError"]
 
@@ -95,7 +95,7 @@ class StandinServer:
         if self._process is not None:
             raise RuntimeError("the stand-in server is already started")
         self._workdir = Path(tempfile.mkdtemp(prefix="standin-"))
-        command = [sys.executable, "-m", "rollout_actors.inference.standin_server", "--host", self.host]
+        command = [sys.executable, "-m", "rollout_actors.inference.standin", "--host", self.host]
         command += ["--port", "0", "--port-file", str(self._port_file), "--parent-pid", str(os.getpid())]
         command += self.options.to_argv()
         with open(self._workdir / "server.log", "wb") as log:

@@ -1,15 +1,15 @@
 """The bundled stand-in inference server: vLLM's OpenAI-compatible wire format, served on CPU.
 
-    python -m rollout_actors.inference.standin_server --host 127.0.0.1 --port 8000 \\
+    python -m rollout_actors.inference.standin --host 127.0.0.1 --port 8000 \\
         [--model NAME] [--latency-s F] [--per-token-latency-s F] [--seed N] [--correct-rate F] \\
         [--think-rate F] [--noncanonical-rate F] [--fault-rate F --fault 500|timeout|drop|malformed]
 
 Endpoints: `POST /v1/completions` (token-id or text prompt), `POST /v1/chat/completions`, `GET /v1/models`,
 `GET /health` (200 only once the tokenizer is loaded), `GET /metrics`, `POST /v1/load_lora_adapter`,
-`POST /v1/unload_lora_adapter`, and for tests `GET|POST /admin/faults`, `GET /admin/sessions`.
+`POST /v1/unload_lora_adapter`, and with `--admin` (tests) `GET|POST /admin/faults`, `GET /admin/sessions`.
 Answers come from the seeded `ScriptedPolicy`; latency is a fixed part plus a per-completion-token part,
 slept without blocking the loop. Per request, headers override the server's settings:
-`X-Standin-Fault`, `X-Standin-Fault-Rate` (see `standin_traffic`), `X-Standin-Latency` and
+`X-Standin-Fault`, `X-Standin-Fault-Rate` (see `standin.traffic`), `X-Standin-Latency` and
 `X-Standin-Per-Token-Latency` (seconds), `X-Standin-Correct-Rate`, `X-Standin-Think-Rate`,
 `X-Standin-Noncanonical-Rate`. `X-Session-ID` is recorded (`standin_sessions` in /metrics).
 """
@@ -37,10 +37,10 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from renderer_actors.tokenizer import BUNDLED_MODEL, load_tokenizer
-from rollout_actors.inference.standin_answers import Answers, RequestError
-from rollout_actors.inference.standin_policy import PolicyConfig, ScriptedPolicy
-from rollout_actors.inference.standin_traffic import FaultPlan, TrafficGate, TrafficStats, error_body
-from rollout_actors.inference.standin_wire import (
+from rollout_actors.inference.standin.answers import Answers, RequestError
+from rollout_actors.inference.standin.policy import PolicyConfig, ScriptedPolicy
+from rollout_actors.inference.standin.traffic import FaultPlan, TrafficGate, TrafficStats, error_body
+from rollout_actors.inference.standin.wire import (
     ChatCompletionRequest,
     CompletionRequest,
     FaultKind,
@@ -84,6 +84,8 @@ class StandinOptions:
     max_model_len: int = 32768
     startup_delay_s: float = 0.0
     """Delay before loading, so a test can watch `/health` answer 503 first. Zero in production."""
+    admin: bool = False
+    """Serve the test routes (`/admin/faults`, `/admin/sessions`). Off unless asked for."""
 
     def policy(self) -> PolicyConfig:
         return PolicyConfig(self.seed, self.correct_rate, self.think_rate, self.noncanonical_rate)
@@ -92,8 +94,10 @@ class StandinOptions:
         argv = []
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if value != f.default:
-                argv += [f"--{f.name.replace('_', '-')}", str(value)]
+            if value == f.default:
+                continue
+            flag = f"--{f.name.replace('_', '-')}"
+            argv += [flag] if isinstance(value, bool) else [flag, str(value)]
         return argv
 
 
@@ -291,9 +295,12 @@ def build_app(state: StandinState) -> TrafficGate:
         Route("/metrics", metrics, methods=["GET"]),
         Route("/v1/load_lora_adapter", load_lora, methods=["POST"]),
         Route("/v1/unload_lora_adapter", unload_lora, methods=["POST"]),
-        Route("/admin/faults", admin_faults, methods=["GET", "POST"]),
-        Route("/admin/sessions", admin_sessions, methods=["GET"]),
     ]
+    if state.options.admin:
+        routes += [
+            Route("/admin/faults", admin_faults, methods=["GET", "POST"]),
+            Route("/admin/sessions", admin_sessions, methods=["GET"]),
+        ]
     return TrafficGate(Starlette(routes=routes, lifespan=lifespan), state.stats, state.faults)
 
 
@@ -309,7 +316,9 @@ async def _exit_with_parent(parent_pid: int, exit_now: Any) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[StandinOptions, argparse.Namespace]:
-    parser = argparse.ArgumentParser(prog="standin_server", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m rollout_actors.inference.standin", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000, help="0 picks a free port (see --port-file)")
     parser.add_argument("--port-file", help="write the bound port here once listening")
@@ -317,9 +326,13 @@ def parse_args(argv: list[str] | None = None) -> tuple[StandinOptions, argparse.
     defaults = StandinOptions()
     for f in dataclasses.fields(StandinOptions):
         flag = f"--{f.name.replace('_', '-')}"
-        kind = type(f.default) if f.name != "fault" else str
+        default = getattr(defaults, f.name)
+        if isinstance(default, bool):
+            parser.add_argument(flag, action="store_true", default=default)
+            continue
+        kind = f.metadata.get("type", type(default)) if f.name != "fault" else str
         choices = get_args(FaultKind) if f.name == "fault" else None
-        parser.add_argument(flag, type=kind, default=getattr(defaults, f.name), choices=choices)
+        parser.add_argument(flag, type=kind, default=default, choices=choices)
     args = parser.parse_args(argv)
     options = StandinOptions(**{f.name: getattr(args, f.name) for f in dataclasses.fields(StandinOptions)})
     return options, args

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from rollout_actors.inference.standin_scripts import PromptView, Script, scripted_turn
+from rollout_actors.inference.standin.scripts import PromptView, Script, scripted_turn
 
 COMPLETION_CACHE_SIZE = 4096  # benchmarks send thousands of identical prompts; a turn is ~1-5 KB
 WORD_POOL_SIZE = 4000  # the lowest BPE ranks are the most frequent words: plausible-looking text

@@ -19,8 +19,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-from rollout_actors.inference.standin_policy import PolicyConfig, Sampled, ScriptedPolicy
-from rollout_actors.inference.standin_wire import (
+from rollout_actors.inference.standin.policy import PolicyConfig, Sampled, ScriptedPolicy
+from rollout_actors.inference.standin.wire import (
     ChatChoice,
     ChatCompletionRequest,
     ChatCompletionResponse,

@@ -15,7 +15,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, get_args
 
-from rollout_actors.inference.standin_wire import FaultKind, FaultSettings
+from rollout_actors.inference.standin.wire import FaultKind, FaultSettings
 
 MODEL_PATHS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
 FAULT_KINDS: tuple[str, ...] = get_args(FaultKind)

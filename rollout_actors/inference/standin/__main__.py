@@ -1,0 +1,5 @@
+import sys
+
+from rollout_actors.inference.standin.server import main
+
+sys.exit(main())
