@@ -87,6 +87,13 @@ def _parser() -> argparse.ArgumentParser:
         help=f"extra module prefix Refs may name (always allowed: {list(DEFAULT_ALLOWED_PREFIXES)})",
     )
     run.add_argument(
+        "--messages",
+        dest="run.messages",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="also write each conversation as chat messages (the lines grow by their text)",
+    )
+    run.add_argument(
         "--no-progress",
         dest="run.progress",
         action="store_false",
@@ -202,6 +209,7 @@ async def _run_plane(config: RunConfig, endpoints: list[str], model: str, output
         renderer=config.renderer,
         max_turns=job.max_turns,
         deadline_s=job.deadline_s,
+        return_messages=job.messages,
     )
     results: list[Result] = []
     started = time.perf_counter()
@@ -225,7 +233,8 @@ async def _run_plane(config: RunConfig, endpoints: list[str], model: str, output
                 # The plane answers every request within its deadline plus grace; past that, fail loudly.
                 result = await plane.next_result(timeout=job.deadline_s + plane_config.answer_grace_s + 60)
                 results.append(result)
-                sink.write(result.model_dump_json() + "\n")
+                # Defaults left out: each line reads back whole with `Result.model_validate_json`.
+                sink.write(result.model_dump_json(exclude_defaults=True) + "\n")
                 status.update(results)
         await feeder
     elapsed = time.perf_counter() - started

@@ -1,8 +1,8 @@
 """The rollout loop: one request in, exactly one `Result` out.
 
 A rollout owns three things and releases all of them in `finally`, whatever the exit path (ok, error,
-cancel, deadline): its OpenAI client, its env session, its renderer lease. Token mode keeps the trajectory
-token-exact: turn k+1's prompt is turn k's prompt + sampled completion + the rendered delta (contract 7).
+cancel, deadline): its OpenAI client, its env session, its renderer lease (held by its turn strategy,
+`turns.py`: token mode or chat mode). The loop itself is the same for both modes.
 """
 
 from __future__ import annotations
@@ -14,11 +14,10 @@ from typing import Any, Protocol
 
 from env_actors.interface import ScoreOut
 from env_actors.session import EnvSession
-from renderer_actors.session import RendererSession
 from rollout_actors.client import build_client
 from rollout_actors.failures import classify
-from rollout_actors.model_call import Sampled, complete_chat, complete_tokens, tool_call_views
-from rollout_actors.wire import Failure, Result, RolloutRequest, ToolCall, Turn
+from rollout_actors.turns import TurnStrategy, strategy_for
+from rollout_actors.wire import CallerError, Failure, Result, RolloutRequest, Turn
 
 CLEANUP_TIMEOUT_S = 5.0  # releasing a lease or ending a session must not hold a finished rollout hostage
 
@@ -49,8 +48,8 @@ async def run_rollout(
     pools: PoolDirectory,
     limits: LoopLimits = LoopLimits(),
 ) -> Result:
-    """Run one rollout to its single result. Never raises, except `CancelledError` when cancelled
-    (the caller turns that into a `cancelled` result after cleanup has run)."""
+    """Run one rollout to its single result. Never raises: a cancelled rollout releases what it holds and
+    answers `cancelled` with the turns it had sampled."""
     started = time.time()
     state = _Trajectory()
     scope = asyncio.timeout(request.deadline_s)
@@ -67,20 +66,19 @@ async def run_rollout(
         else:  # a call's own deadline, not the rollout's
             kind, error = classify(exc)
     except asyncio.CancelledError:
-        raise
+        # Cleanup already ran (shielded, in `_run`'s finally); what was sampled is still reported.
+        kind, error = "cancelled", Failure(type="Cancelled", message="rollout was cancelled")
     except Exception as exc:  # every failure becomes data here, classified on this side
         kind, error = classify(exc)
-    return Result(
-        request_id=request.request_id,
-        lease_id=request.lease_id,
-        group_id=request.group_id,
-        kind=kind,
+    return Result.of(
+        request,
+        kind,
         error=error,
         reward=state.reward if kind == "ok" else None,
         components=state.components,
         metrics=state.metrics,
         turns=state.turns,
-        messages=state.messages,
+        messages=state.messages if request.return_messages else [],
         forked=state.forked,
         policy_version_start=request.policy_version or 0,
         started_at=started,
@@ -107,47 +105,23 @@ async def _run(
     state: _Trajectory,
     scope: asyncio.Timeout,
 ) -> None:
+    if request.client.base_url is None:
+        # Without this the SDK would fall back to $OPENAI_BASE_URL or api.openai.com.
+        raise CallerError("client.base_url is not set and the plane has no endpoints to give it one")
     ceiling = limits.call_timeout_s
     client = build_client(request.client, session_id=request.request_id)
+    turns = strategy_for(request, client, pools, lambda: _budget(scope, ceiling))
     env: EnvSession | None = None
-    renderer: RendererSession | None = None
     try:
         env = await EnvSession.open(
             pools.env_pool(request), request.task_index, request.task, timeout=_budget(scope, ceiling)
         )
         tools = env.tools or None
         state.messages = list(env.messages)
-        prompt_ids: list[int] = []
-        branch = 0
         final: ScoreOut | None = None
-        if request.mode == "token":
-            renderer = await RendererSession.open(
-                pools.renderer_pool(), request.client.model, request.renderer, timeout=_budget(scope, ceiling)
-            )
-            prompt_ids = await renderer.start(state.messages, tools, timeout=_budget(scope, ceiling))
+        await turns.open(state.messages, tools)
         for _ in range(request.max_turns):
-            if request.mode == "token":
-                assert renderer is not None
-                sampled = await complete_tokens(client, request.client.model, prompt_ids, request.sampling)
-                parsed = await renderer.parse(sampled.completion_ids, tools, timeout=_budget(scope, ceiling))
-                assistant = parsed.message
-                turn = Turn(
-                    prompt_ids=prompt_ids,
-                    completion_ids=sampled.completion_ids,
-                    logprobs=sampled.logprobs,
-                    finish_reason=sampled.finish_reason,
-                    branch=branch,
-                    content=parsed.content,
-                    reasoning=parsed.reasoning,
-                    tool_calls=parsed.tool_calls,
-                    policy_version=request.policy_version or 0,
-                )
-            else:
-                sampled = await complete_chat(
-                    client, request.client.model, state.messages, tools, request.sampling
-                )
-                assistant = sampled.message
-                turn = _chat_turn(sampled, request.policy_version or 0)
+            turn, assistant = await turns.sample(state.messages)
             state.turns.append(turn)
             state.messages.append(assistant)
             step = await env.step(assistant, timeout=_budget(scope, ceiling), score_if_done=True)
@@ -155,17 +129,7 @@ async def _run(
             if step.done:
                 final = step.score  # scored and ended on the env worker in the same call
                 break
-            if request.mode == "token":
-                assert renderer is not None
-                bridged = await renderer.bridge(
-                    sampled.completion_ids,
-                    sampled.finish_reason,
-                    step.messages,
-                    tools,
-                    timeout=_budget(scope, ceiling),
-                )
-                prompt_ids, branch = bridged.prompt_ids, bridged.branch
-                state.forked = state.forked or bridged.forked
+            await turns.advance(step.messages)
         score = final if final is not None else await env.score(timeout=_budget(scope, ceiling))
         state.reward, state.components, state.metrics = (
             score.reward,
@@ -174,26 +138,13 @@ async def _run(
         )
         state.metrics.setdefault("turns", len(state.turns))
     finally:
-        await _release(client, env, renderer)
+        state.forked = turns.forked
+        await _release(client, env, turns)
 
 
-def _chat_turn(sampled: Sampled, policy_version: int) -> Turn:
-    message = sampled.message
-    return Turn(
-        prompt_ids=sampled.prompt_ids or [],
-        completion_ids=sampled.completion_ids,
-        logprobs=sampled.logprobs,
-        finish_reason=sampled.finish_reason,
-        content=message.get("content"),
-        reasoning=message.get("reasoning_content"),
-        tool_calls=[ToolCall(**view) for view in tool_call_views(message)],
-        policy_version=policy_version,
-    )
-
-
-async def _release(client: Any, env: EnvSession | None, renderer: RendererSession | None) -> None:
+async def _release(client: Any, env: EnvSession | None, turns: TurnStrategy) -> None:
     """Release everything the rollout owns. Shielded so a cancellation that lands mid-cleanup still lets
-    the client close, the env session end and the lease return."""
+    the client close, the env session end and the renderer lease return."""
 
     async def release_all() -> None:
         try:
@@ -202,11 +153,10 @@ async def _release(client: Any, env: EnvSession | None, renderer: RendererSessio
             pass
         if env is not None:
             await env.close(timeout=CLEANUP_TIMEOUT_S)
-        if renderer is not None:
-            try:
-                await asyncio.wait_for(renderer.close(), CLEANUP_TIMEOUT_S)
-            except Exception:
-                pass
+        try:
+            await asyncio.wait_for(turns.close(), CLEANUP_TIMEOUT_S)
+        except Exception:
+            pass
 
     task = asyncio.ensure_future(release_all())
     try:

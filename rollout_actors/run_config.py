@@ -50,6 +50,9 @@ class JobSettings(_Section):
     """Base sampling seed; each rollout of a task adds its index."""
     output: str | None = None
     """JSON-lines results file; default `rollouts-<time>.jsonl`."""
+    messages: bool = False
+    """Also write each conversation as chat messages (`RolloutRequest.return_messages`); the token ids
+    already hold it, so lines grow by about the text of every message."""
     report_png: str | None = None
     """Write the run report's plots here at the end (see `rollouts report`)."""
     progress: bool = True

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, computed_field
 
 from renderer_actors.config import RendererConfig
 from renderer_actors.parse import ToolCall
@@ -114,6 +114,11 @@ class RolloutRequest(BaseModel):
     policy_version: int | None = Field(default=None, ge=0)
     """The policy to sample from: None takes the active one when the rollout starts; N pins published
     version N (0: the base model). A version no server holds any more is a `caller` result."""
+    metadata: dict[str, JsonValue] = Field(default_factory=dict)
+    """The caller's own data (JSON), copied onto the result untouched."""
+    return_messages: bool = False
+    """Also return the conversation as chat messages (`Result.messages`). Off by default: they repeat
+    the token ids as text and would double a long trajectory's result."""
 
 
 # ------------------------------------------------------------------------------------------- Result
@@ -132,15 +137,24 @@ class VersionChange(BaseModel):
 
 
 class Turn(BaseModel):
-    """One model call: what was sent, what was sampled."""
+    """One model call. A turn stores what it added to its branch, never its whole prompt: the prompt it
+    was sampled from is its branch's earlier turns (`new_prompt_ids` + `completion_ids` each) followed by
+    its own `new_prompt_ids`. So a result grows with its tokens, not with turns x context (contract 11);
+    `rollout_actors.samples` derives full prompts and trainer samples."""
 
-    prompt_ids: list[int]
+    new_prompt_ids: list[int]
+    """The prompt ids this turn added after its branch's previous turn (the rendered environment
+    messages and generation prompt); on a branch's first turn, its whole prompt."""
     completion_ids: list[int]
     """Exactly the ids the server sampled."""
     logprobs: list[float] = Field(default_factory=list)
+    """The sampled tokens' logprobs, aligned to `completion_ids` (empty when not requested)."""
     finish_reason: str | None = None
     branch: int = 0
-    """Trajectory branch; a fork (template rewrote history) starts a new one."""
+    """Trajectory branch; a fork (the template rewrote history) starts a new one."""
+    synthetic_ids: int = Field(default=0, ge=0)
+    """How many leading ids of `new_prompt_ids` were synthesised rather than rendered: the close token
+    the renderer appends after a completion cut by `length`. Never sampled, so never trained on."""
     content: str | None = None
     reasoning: str | None = None
     tool_calls: list[ToolCall] = Field(default_factory=list)
@@ -160,24 +174,39 @@ class Turn(BaseModel):
 
 
 class Result(BaseModel):
-    """Exactly one per request, whatever happened."""
+    """Exactly one per request, whatever happened. `rollout_actors.samples.trainer_samples(result)` gives
+    a trainer's view of it: per branch, the token ids, loss mask, logprobs and policy versions."""
 
     request_id: str
     lease_id: str
     group_id: str | None = None
+    lane: Lane = "train"
+    task_index: int | None = None
+    seed: int | None = None
+    """The sampling seed the rollout ran with (a group's members get consecutive seeds)."""
+    model: str | None = None
+    """The model name the rollout's calls sent: the published adapter's name (e.g. `policy-v3`) when the
+    plane switched it to one, else the base model."""
+    metadata: dict[str, JsonValue] = Field(default_factory=dict)
+    """The request's `metadata`, passed through untouched."""
     kind: ResultKind
     reward: float | None = None
     components: dict[str, float] = Field(default_factory=dict)
     metrics: dict[str, Any] = Field(default_factory=dict)
     turns: list[Turn] = Field(default_factory=list)
+    """Every turn sampled, also for a failed or cancelled rollout (what it had when it stopped)."""
     messages: list[dict[str, Any]] = Field(default_factory=list)
+    """The conversation as chat messages, only when the request asked for it (`return_messages`)."""
     error: Failure | None = None
     forked: bool = False
     """True when the trajectory forked into more than one branch."""
     attempts: int = 1
     """Dispatches it took (re-dispatch after a lost worker counts)."""
     policy_version_start: int | None = None
+    """The policy version the rollout started under (0: the base model); None if it never reached one
+    (refused before dispatch)."""
     policy_version_end: int | None = None
+    """The version new rollouts were getting when the plane delivered this result."""
     started_at: float | None = None
     finished_at: float | None = None
     worker: str | None = None
@@ -186,13 +215,33 @@ class Result(BaseModel):
     def ok(self) -> bool:
         return self.kind == "ok"
 
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def versions_behind(self) -> int | None:
+        """How many versions the newest policy was ahead of this rollout's start version when it was
+        delivered (its off-policy lag): `policy_version_end - policy_version_start`."""
+        if self.policy_version_start is None or self.policy_version_end is None:
+            return None
+        return self.policy_version_end - self.policy_version_start
+
     @classmethod
-    def failed(cls, request: RolloutRequest, kind: ResultKind, failure: Failure, **extra: Any) -> Result:
-        return cls(
+    def of(cls, request: RolloutRequest, kind: ResultKind, **fields: Any) -> Result:
+        """A result for `request`, carrying what the request says about itself (ids, lane, task, seed,
+        model, metadata, start version)."""
+        base: dict[str, Any] = dict(
             request_id=request.request_id,
             lease_id=request.lease_id,
             group_id=request.group_id,
-            kind=kind,
-            error=failure,
-            **extra,
+            lane=request.lane,
+            task_index=request.task_index,
+            seed=request.sampling.seed,
+            model=request.client.model,
+            metadata=request.metadata,
+            policy_version_start=request.policy_version,
         )
+        base.update(fields)
+        return cls(kind=kind, **base)
+
+    @classmethod
+    def failed(cls, request: RolloutRequest, kind: ResultKind, failure: Failure, **extra: Any) -> Result:
+        return cls.of(request, kind, error=failure, **extra)

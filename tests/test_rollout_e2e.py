@@ -12,6 +12,7 @@ from env_pools import TEST_REF_PREFIXES
 
 from renderer_actors.tokenizer import BUNDLED_MODEL
 from rollout_actors.plane import PlaneConfig, RolloutPlane
+from rollout_actors.samples import turn_prompts
 from rollout_actors.wire import ClientConfig, Ref, Result, RolloutRequest, SamplingConfig
 
 MATH = Ref(target="env_actors.examples.math_env:MathEnv")
@@ -63,21 +64,19 @@ def test_single_and_multi_turn_token_rollouts_return_exact_sampled_ids(ray_sessi
         assert result.kind == "ok", result.error
         assert result.reward is not None and 0.0 <= result.reward <= 1.0
         for turn in result.turns:
-            assert turn.prompt_ids and turn.completion_ids
+            assert turn.new_prompt_ids and turn.completion_ids
             assert len(turn.logprobs) == len(turn.completion_ids)
     multi = by_env[True]
-    first, second = multi.turns[0], multi.turns[1]
-    assert second.prompt_ids[: len(first.prompt_ids) + len(first.completion_ids)] == (
-        first.prompt_ids + first.completion_ids
-    )
+    first, second = turn_prompts(multi)[:2]
+    assert second[: len(first) + len(multi.turns[0].completion_ids)] == first + multi.turns[0].completion_ids
 
-    # The completion ids are exactly what the server samples for that prompt and seed.
-    async def resample(turn):
+    # The completion ids are exactly what the server samples for that (derived) prompt and seed.
+    async def resample(prompt):
         client = openai.AsyncOpenAI(base_url=standin.base_url, api_key="EMPTY", max_retries=0)
         try:
             response = await client.completions.create(
                 model=BUNDLED_MODEL,
-                prompt=turn.prompt_ids,
+                prompt=prompt,
                 max_tokens=200,
                 seed=7,
                 logprobs=1,
@@ -88,20 +87,20 @@ def test_single_and_multi_turn_token_rollouts_return_exact_sampled_ids(ray_sessi
         return response.choices[0].model_extra["token_ids"]
 
     for result in results:
-        for turn in result.turns:
-            assert run(resample(turn)) == turn.completion_ids
+        for turn, prompt in zip(result.turns, turn_prompts(result), strict=True):
+            assert run(resample(prompt)) == turn.completion_ids
 
 
 def test_chat_mode_relays_and_records_token_ids(ray_session, standin):
     async def scenario():
         async with small_plane() as plane:
-            await plane.submit(request(standin, env=CALC, task_index=2, mode="chat"))
+            await plane.submit(request(standin, env=CALC, task_index=2, mode="chat", return_messages=True))
             return await collect(plane, 1)
 
     (result,) = run(scenario())
     assert result.kind == "ok", result.error
     assert len(result.turns) >= 2
-    assert all(t.completion_ids and t.prompt_ids for t in result.turns)
+    assert all(t.completion_ids and t.new_prompt_ids for t in result.turns)
     assert result.messages[-1]["role"] == "assistant" or result.messages[-1]["role"] == "tool"
 
 
@@ -287,3 +286,57 @@ def test_invalid_group_comes_back_as_one_caller_result_per_member(ray_session, s
     assert len(set(ids)) == 3 and sorted(r.request_id for r in results) == sorted(ids)
     assert [r.kind for r in results] == ["caller"] * 3
     assert len({r.group_id for r in results}) == 1 and results[0].group_id is not None
+
+
+ECHO = Ref(target="env_actors.faults.envs:EchoEnv", config={"num_tasks": 4, "turns": 3})
+
+
+def test_a_trainer_sample_is_the_last_prompt_plus_its_completion_with_synthetic_closes_masked(
+    ray_session, standin
+):
+    """Every completion is cut by `length`, so every bridge appends a close token nobody sampled: it is
+    marked on the turn that holds it and masked out of the loss, and the sample is exactly what the
+    server was sent last plus what it sampled."""
+    from renderer_actors.qwen3 import IM_END
+    from renderer_actors.tokenizer import load_tokenizer
+    from rollout_actors.samples import trainer_samples
+
+    async def scenario():
+        async with small_plane() as plane:
+            await plane.submit(request(standin, env=ECHO, sampling=SamplingConfig(max_tokens=4, seed=3)))
+            return await collect(plane, 1)
+
+    (result,) = run(scenario())
+    assert result.kind == "ok", result.error
+    assert [t.finish_reason for t in result.turns] == ["length"] * 3
+    assert [t.synthetic_ids for t in result.turns] == [0, 1, 1]
+    (sample,) = trainer_samples(result)
+    last = result.turns[-1]
+    assert sample.token_ids == turn_prompts(result)[-1] + last.completion_ids
+    assert sum(sample.loss_mask) == sum(len(t.completion_ids) for t in result.turns) == 12
+    im_end = load_tokenizer().convert_tokens_to_ids(IM_END)
+    assert [sample.token_ids[i] for i in sample.synthetic] == [im_end, im_end]
+    assert all(sample.loss_mask[i] == 0 for i in sample.synthetic)
+    assert [x for x, m in zip(sample.logprobs, sample.loss_mask, strict=True) if m] == [
+        x for t in result.turns for x in t.logprobs
+    ]
+
+
+def test_a_cancelled_rollout_keeps_the_turns_it_sampled_and_its_start_version(ray_session, standin):
+    slow = ClientConfig(base_url=standin.base_url, model=BUNDLED_MODEL, headers={"X-Standin-Latency": "1.0"})
+
+    async def scenario():
+        async with small_plane() as plane:
+            request_id = await plane.submit(request(standin, env=ECHO, client=slow, task_index=1))
+            deadline = asyncio.get_running_loop().time() + 30
+            while standin.session_counts().get(request_id, 0) < 2:  # the second turn is being sampled
+                assert asyncio.get_running_loop().time() < deadline
+                await asyncio.sleep(0.1)
+            assert await plane.cancel(request_id)
+            return await collect(plane, 1)
+
+    (result,) = run(scenario())
+    assert result.kind == "cancelled"
+    assert len(result.turns) == 1 and result.turns[0].completion_ids
+    assert result.policy_version_start == 0
+    assert (result.lane, result.task_index, result.seed, result.model) == ("train", 1, 7, BUNDLED_MODEL)

@@ -1,0 +1,150 @@
+"""Benchmark: the size of a long agentic trajectory's `Result`, stored once vs whole prompts per turn.
+
+    python scripts/bench_result.py [--turns 64] [--tool-tokens 1500] [--completion-tokens 80]
+
+One trajectory is built the way a token-mode rollout builds it: the bundled Qwen3 renderer renders the
+first prompt and bridges every turn (sampled completion: a think block + a tool call, ~`--completion-tokens`
+ids with full-precision logprobs, every 8th cut by `length`; then a tool answer of ~`--tool-tokens` tokens),
+recording each turn as `turns.TokenTurns` does. At turns 1, 16 and 64 it prints the `Result`'s size as JSON
+(what `rollouts run` writes, compact) and as Ray serialises it (what crosses from worker to driver), next to
+
+  unique   the trajectory's unique token ids + the sampled logprobs alone, in the same encoding;
+  old      the previous shape, where every turn carried its whole prompt (grows with turns x context).
+
+Target (issue 12): result / unique <= 1.2 at 64 turns, ~100k tokens. The last line is
+`result bytes per token at 64 turns: x` (the JSON form).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from typing import Any
+
+from ray._private.worker import global_worker
+
+from renderer_actors.key import RendererKey
+from renderer_actors.renderer import BridgeRequest, build_renderer
+from renderer_actors.tokenizer import BUNDLED_MODEL
+from rollout_actors.samples import trainer_samples, turn_prompts, unique_tokens
+from rollout_actors.wire import RendererConfig, Result, Turn
+
+REPORT_AT = (1, 16, 64)
+WORDS = "the a model token prefix cache json tool call result search query answer value list of".split()
+TOOLS = [{"type": "function", "function": {"name": "search", "parameters": {"type": "object"}}}]
+
+
+def words(rng: random.Random, n: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+def build_turns(turns: int, tool_tokens: int, completion_tokens: int) -> list[Turn]:
+    renderer = build_renderer(RendererKey.from_config(BUNDLED_MODEL, RendererConfig()))
+    rng = random.Random(0)
+    messages = [
+        {"role": "system", "content": "You are a research agent. " + words(rng, 200)},
+        {"role": "user", "content": "Find the answer. " + words(rng, 100)},
+    ]
+    added = renderer.start(messages, TOOLS).prompt_ids
+    synthetic = 0
+    out: list[Turn] = []
+    for index in range(turns):
+        half = completion_tokens // 2
+        text = (
+            f"<think>\n{words(rng, half)}\n</think>\n\n<tool_call>\n"
+            f'{{"name": "search", "arguments": {{"q": "{words(rng, half - 20)}"}}}}\n</tool_call><|im_end|>'
+        )
+        completion = renderer.encode(text)
+        cut = index % 8 == 7
+        if cut:  # a `length` cut: no close token sampled, the bridge appends one
+            completion = completion[: len(completion) - 3]
+        logprobs = [-abs(rng.gauss(0.0, 1.5)) for _ in completion]
+        parsed = renderer.parse(completion, TOOLS)
+        out.append(
+            Turn(
+                new_prompt_ids=added,
+                completion_ids=completion,
+                logprobs=logprobs,
+                finish_reason="length" if cut else "stop",
+                synthetic_ids=synthetic,
+                content=parsed.content,
+                reasoning=parsed.reasoning,
+                tool_calls=parsed.tool_calls,
+            )
+        )
+        reply = renderer.bridge(
+            BridgeRequest(
+                completion_ids=completion,
+                finish_reason="length" if cut else "stop",
+                new_messages=[{"role": "user", "content": "Tool output: " + words(rng, tool_tokens)}],
+                tools=TOOLS,
+                assistant_message=parsed.message,
+            )
+        )
+        added, synthetic = reply.appended_ids, int(reply.synthetic_close)
+    return out
+
+
+def ray_bytes(value: Any) -> int:
+    return global_worker.get_serialization_context().serialize(value).total_bytes
+
+
+def measure(turns: list[Turn]) -> dict[str, float]:
+    result = Result(request_id="req-bench", lease_id="lease-bench", kind="ok", reward=1.0, turns=turns)
+    (sample,) = trainer_samples(result)
+    assert sample.token_ids == turn_prompts(result)[-1] + turns[-1].completion_ids
+    ids = sample.token_ids
+    logprobs = [x for t in turns for x in t.logprobs]
+    unique = [ids, logprobs]
+    old = {
+        "turns": [
+            {**t.model_dump(exclude={"new_prompt_ids"}), "prompt_ids": prompt}
+            for t, prompt in zip(turns, turn_prompts(result), strict=True)
+        ]
+    }
+    return {
+        "tokens": unique_tokens(turns),
+        "json": len(result.model_dump_json()),
+        "json_unique": len(json.dumps(unique, separators=(",", ":"))),
+        "json_old": len(json.dumps(old, separators=(",", ":"))),
+        "ray": ray_bytes(result),
+        "ray_unique": ray_bytes(unique),
+        "ray_old": ray_bytes(old),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--turns", type=int, default=64)
+    parser.add_argument("--tool-tokens", type=int, default=1500)
+    parser.add_argument("--completion-tokens", type=int, default=80)
+    args = parser.parse_args()
+    turns = build_turns(args.turns, args.tool_tokens, args.completion_tokens)
+    rows = []
+    for at in sorted({t for t in REPORT_AT if t <= args.turns} | {args.turns}):
+        m = measure(turns[:at])
+        rows.append((at, m))
+    header = (
+        f"{'turns':>5} {'tokens':>8} | {'json':>10} {'/unique':>7} {'B/token':>7} {'old/new':>7} | "
+        f"{'ray':>10} {'/unique':>7} {'B/token':>7} {'old/new':>7}"
+    )
+    print(header)
+    print("-" * len(header))
+    for at, m in rows:
+        print(
+            f"{at:>5} {m['tokens']:>8.0f} | {m['json']:>10.0f} {m['json'] / m['json_unique']:>7.3f} "
+            f"{m['json'] / m['tokens']:>7.2f} {m['json_old'] / m['json']:>7.1f} | "
+            f"{m['ray']:>10.0f} {m['ray'] / m['ray_unique']:>7.3f} {m['ray'] / m['tokens']:>7.2f} "
+            f"{m['ray_old'] / m['ray']:>7.1f}"
+        )
+    at, m = rows[-1]
+    print(
+        f"result / unique tokens+logprobs at {at} turns: json {m['json'] / m['json_unique']:.3f}, "
+        f"ray {m['ray'] / m['ray_unique']:.3f}"
+    )
+    print(f"result bytes per token at {at} turns: {m['json'] / m['tokens']:.2f}")
+
+
+if __name__ == "__main__":
+    main()
