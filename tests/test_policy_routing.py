@@ -87,7 +87,7 @@ def test_a_pinned_policy_version_is_sampled_from_that_versions_adapter(ray_sessi
             }
             results = {r.request_id: r for r in [await plane.next_result(timeout=60) for _ in ids]}
             by_name = {name: results[rid] for name, rid in ids.items()}
-            prompt = by_name["v1"].turns[0].prompt_ids
+            prompt = by_name["v1"].turns[0].new_prompt_ids  # a first turn adds its whole prompt
             truth = {model: await sampled_by(url, model, prompt) for model in ("policy-v1", "policy-v2")}
             truth[BUNDLED_MODEL] = await sampled_by(url, BUNDLED_MODEL, prompt)
             return by_name, truth
