@@ -1,4 +1,5 @@
-"""`RendererActor`: one renderer (tokenizer + template for one `RendererKey`) as an async Ray actor.
+"""`RendererActor`: one renderer (tokenizer + a `renderers` library renderer for one `RendererKey`) as an
+async Ray actor.
 
 Created by `RendererPool`, never by hand. Construction is instant; the tokenizer loads on the first
 `ready` (or first render call), in a thread so health calls keep answering, under a process-wide lock
@@ -21,18 +22,11 @@ import threading
 import time
 from typing import Any
 
-from renderer_actors.batching import CallOutcome
+from renderer_actors.calls import BridgeReply, BridgeRequest, CallOutcome, Rendered, RendererInfo, StartReply
+from renderer_actors.config import DEFAULT_RENDERER_PREFIXES
 from renderer_actors.key import RendererKey
 from renderer_actors.parse import ParsedCompletion
-from renderer_actors.renderer import (
-    BridgeReply,
-    BridgeRequest,
-    Rendered,
-    Renderer,
-    RendererInfo,
-    StartReply,
-    build_renderer,
-)
+from renderer_actors.renderer import Renderer
 from rollout_actors.kernel import Failure
 
 BATCHABLE = frozenset({"start", "bridge", "parse", "render"})
@@ -42,16 +36,22 @@ _BUILD_LOCK = threading.Lock()
 """Serialises tokenizer builds in this process (one renderer per actor today; cheap insurance if not)."""
 
 
-def _build_serialised(key: RendererKey) -> Renderer:
+def _build_serialised(key: RendererKey, allowed_prefixes: tuple[str, ...]) -> Renderer:
     with _BUILD_LOCK:
-        return build_renderer(key)
+        return Renderer.load(key, allowed_prefixes)
 
 
 class RendererActor:
     """Serves render / bridge / parse for one key. Methods are coroutines: this is an async actor."""
 
-    def __init__(self, key_json: str, renderer_id: str = "") -> None:
+    def __init__(
+        self,
+        key_json: str,
+        renderer_id: str = "",
+        allowed_ref_prefixes: tuple[str, ...] = DEFAULT_RENDERER_PREFIXES,
+    ) -> None:
         self._key = RendererKey.from_json(key_json)
+        self._allowed_ref_prefixes = tuple(allowed_ref_prefixes)
         self._key_json = key_json
         self._renderer_id = renderer_id
         self._renderer: Renderer | None = None
@@ -84,10 +84,15 @@ class RendererActor:
         self._calls += 1
         return renderer.bridge(request)
 
-    async def parse(self, completion_ids: list[int], tools: list[dict[str, Any]] | None) -> ParsedCompletion:
+    async def parse(
+        self,
+        completion_ids: list[int],
+        tools: list[dict[str, Any]] | None,
+        prompt_tail: list[int] | None = None,
+    ) -> ParsedCompletion:
         renderer = await self._loaded()
         self._calls += 1
-        return renderer.parse(completion_ids, tools)
+        return renderer.parse(completion_ids, tools, prompt_tail)
 
     async def call_many(self, calls: list[tuple[str, tuple[Any, ...]]]) -> list[CallOutcome]:
         """Run several render calls in order; each answers its value or its own failure. A `ValueError` is
@@ -124,7 +129,7 @@ class RendererActor:
 
     async def _load(self) -> None:
         started = time.monotonic()
-        renderer = await asyncio.to_thread(_build_serialised, self._key)
+        renderer = await asyncio.to_thread(_build_serialised, self._key, self._allowed_ref_prefixes)
         self._info = RendererInfo(
             key=self._key_json,
             family=renderer.family,

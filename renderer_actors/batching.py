@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import weakref
-from dataclasses import dataclass
 from typing import Any
 
 from rollout_actors.kernel import Failure
@@ -27,16 +26,6 @@ BATCH_CALL_TIMEOUT_S = 60.0  # one pool call for many waiters: each waiter's own
 READY_CALL_TIMEOUT_S = 600.0  # tokenizer loads can be slow (hub downloads); the pool's own bound is 300 s
 MAX_READY_ENTRIES = 1024  # renderers this process has waited on; finished entries are pruned past this
 CALL_SLACK_S = 5.0  # a `call_many` waits for its slowest waiter's deadline plus this, then gives up
-
-
-@dataclass(frozen=True)
-class CallOutcome:
-    """One call's answer inside a `call_many` reply: its value, or how it failed on the renderer."""
-
-    value: Any = None
-    failure: Failure | None = None
-    rejected: bool = False
-    """The renderer refused the request itself (a `ValueError`: a bad message shape): the caller's fault."""
 
 
 class RenderCallFailed(Exception):

@@ -1,5 +1,10 @@
-"""`RendererConfig` (which renderer a token-mode rollout uses) and `RendererPoolConfig` (how the pool of
-renderer actors is sized and timed)."""
+"""`RendererConfig` (which renderer a token-mode rollout uses, as data on the wire) and
+`RendererPoolConfig` (how the pool of renderer actors is sized, timed and what it may resolve).
+
+Rendering comes from the `renderers` package (one hand-coded renderer per model family, plus a default
+for any chat template); this config names one of them and carries its settings. It never names code
+except through `custom`, a `Ref` the renderer side resolves against its own allowlist.
+"""
 
 from __future__ import annotations
 
@@ -7,20 +12,43 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from rollout_actors.kernel import Ref
+
+ThinkingRetention = Literal["tool_cycle", "all"]
+DEFAULT_RENDERER_PREFIXES: tuple[str, ...] = ("renderer_actors.examples.",)
+"""What a rollout can name as a custom renderer by default: the bundled examples. Widening it is explicit
+pool config (`RendererPoolConfig.allowed_ref_prefixes`), separate from the environments' allowlist."""
+
 
 class RendererConfig(BaseModel):
-    """Which renderer (tokenizer + chat template) a token-mode rollout uses."""
+    """Which renderer (tokenizer + model family) a token-mode rollout uses, and how its history extends."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     tokenizer: str | None = None
     """Tokenizer name or path; `None` means the model name from `ClientConfig`."""
-    family: Literal["auto", "qwen3", "hf"] = "auto"
-    """Template family: `qwen3` bridges natively; `hf` is any HF chat template (full render + prefix check)."""
+    family: str = "auto"
+    """A renderer of the `renderers` package by name (`qwen3`, `qwen3.5`, `deepseek-v3`, `glm-4.5`,
+    `kimi-k2`, `llama-3`, `gpt-oss`, ..., or `default` for any chat template), `auto` to resolve it from
+    the model name, or `custom` with `custom` set."""
+    custom: Ref | None = None
+    """A custom renderer class (the library's custom-renderer shape: `config_class` + `(tokenizer, config)`)
+    named by a Ref; its config holds the renderer config's fields. Resolved on the renderer side, against
+    that side's allowlist, and only if the class is marked `@ref_target("renderer")`."""
+    options: dict[str, Any] = Field(default_factory=dict)
+    """Fields of the family's own typed config that are not template kwargs (e.g. `tool_parser` and
+    `reasoning_parser` of `default`, `use_system_prompt` of `gpt-oss`)."""
+    thinking_retention: ThinkingRetention | None = None
+    """Historical reasoning the bridge keeps (the library's setting): `None` follows the model's template
+    (a template that drops past reasoning makes a new user turn a full re-render); `tool_cycle` bridges
+    within a tool cycle; `all` bridges across user turns, keeping every sampled think block."""
     template_kwargs: dict[str, Any] = Field(default_factory=dict)
-    """Passed to the chat template, e.g. `{"enable_thinking": false}`."""
+    """Chat-template kwargs, checked against the family's allowlist (e.g. `{"enable_thinking": false}`)."""
     history: Literal["append", "fork_on_rewrite"] = "append"
-    """When a full re-render would differ from the bridged history: keep appending, or fork a branch."""
+    """`append`: extend the trajectory wherever the library's bridge (or a full render) proves it exact,
+    fork only when neither can. `fork_on_rewrite`: also check every turn against a full render of the
+    conversation and fork whenever the template would render the history differently (costs a full
+    render per turn)."""
     multiplex: int = Field(default=256, ge=1)
     """Concurrent rollouts per renderer actor before the pool grows. Not part of the pool key."""
 
@@ -46,3 +74,6 @@ class RendererPoolConfig(BaseModel):
     """Beyond this, leases overfill the least-loaded renderer instead of growing the pool."""
     max_lease_s: float = 6 * 3600.0
     """A lease never released (its holder's process died) stops counting as load after this."""
+    allowed_ref_prefixes: tuple[str, ...] = DEFAULT_RENDERER_PREFIXES
+    """Modules a custom renderer Ref may name (the renderer side's allowlist, fixed for the pool's life;
+    requests cannot widen it)."""

@@ -7,7 +7,7 @@ Usage (the session does this for a rollout; see `renderer_actors.session`)::
     ids = await lease["renderer"].start.remote(messages, tools)
     await pool.release.remote(lease["lease_id"])
 
-Policy, per `RendererKey` (model, family, template kwargs, history policy):
+Policy, per `RendererKey` (model, library renderer config + template kwargs, history policy):
 
 - The first lease for a key returns at once and warms one renderer in the background; callers wait for
   its readiness themselves (`renderer.ready`), within their own deadlines.
@@ -223,7 +223,7 @@ class RendererPool:
         handle = _REMOTE_RENDERER.options(
             num_cpus=self._config.renderer_num_cpus,
             max_concurrency=2 * pool.multiplex + RENDERER_MIN_CONCURRENCY,
-        ).remote(pool.key_json, renderer_id)
+        ).remote(pool.key_json, renderer_id, self._config.allowed_ref_prefixes)
         now = time.monotonic()
         renderer = _Renderer(renderer_id, handle, created=now, idle_since=now)
         renderer.warm_task = asyncio.get_running_loop().create_task(self._warm(pool, renderer))

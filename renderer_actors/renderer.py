@@ -1,185 +1,191 @@
-"""The `Renderer` protocol (tokenizer + chat template), the messages it exchanges, and the factory.
+"""`Renderer`: one `renderers` library renderer with this project's contracts on top.
 
-A renderer is stateless with respect to rollouts: everything a bridge needs travels in the request (the
-turn's completion, its new messages, a few bits of `TrajectoryState`), so any renderer of the same
-`RendererKey` can serve any call and a dead one is replaced without losing a trajectory. The full history
-travels only when a renderer asks for it (`needs_history`): on a fork, or for a generic template whose
-turns cannot be rendered as a delta.
+The library renders, parses and bridges (`bridge_to_next_turn`: previous prompt + sampled completion +
+the new messages' tokens, never re-tokenising what was sampled, `None` when it cannot prove that). On top:
 
-Two families: `qwen3` (native: renders by pieces, bridges in time linear in the new messages) and `hf`
-(any Hugging Face chat template: delta against a synthetic prefix, full render plus an exact prefix check,
-explicit fork when the template rewrites history).
+- **Token-exact extension, checked.** A library bridge is used only if its ids start with exactly the
+  previous prompt and the completion (a bridge that trims sampled tokens is treated as no bridge).
+- **Where the library cannot bridge** (`None`: a template that drops past reasoning at a new user turn,
+  the `default` family's opaque template, a reasoning block left open), the conversation is rendered in
+  full and the trajectory extends only if that render starts with the trajectory: by ids, or by the
+  text the tokenizer sees (a sample split non-canonically, or in another Unicode normal form, is not a
+  rewrite). Otherwise the trajectory forks to the full render, explicitly, and says where it departed.
+- **`fork_on_rewrite`** checks every turn against a full render, so a template that would render the
+  history differently forks even where the library could have extended it.
+- **Sampled tokens are never swapped**: a fork is a new branch; the old one keeps what was sampled.
+- **A completion without a stop token** (cut by `length`) is closed as the library's family defines it
+  (the library synthesises the close, e.g. `</think>` + `<|im_end|>`), marked `synthetic_close`.
+
+Cost: the session sends only the tail of the previous prompt (after the last sampled completion), which
+is all a library bridge reads of it, so a bridge costs the same at turn 100 as at turn 1. The full render
+(fallback, `fork_on_rewrite`) is linear in the history.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
-from pydantic import BaseModel, Field
-
+from renderer_actors.calls import BridgeReply, BridgeRequest, Rendered, StartReply
+from renderer_actors.config import DEFAULT_RENDERER_PREFIXES
 from renderer_actors.key import RendererKey
-from renderer_actors.parse import ParsedCompletion
+from renderer_actors.library import build_library_renderer
+from renderer_actors.parse import ParsedCompletion, from_library
+from renderer_actors.tokenizer import FastTokenizer
 
-SCAFFOLD = -1
-"""`Rendered.message_index` of a token no message owns: the tools preamble, the generation prompt."""
-
+ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+"""Roles a conversation may hold; a renderer that silently skipped another would drop it from the prompt."""
 NEW_MESSAGE_ROLES = frozenset({"user", "tool", "system"})
 """Roles a bridge accepts: sampled assistant turns are the completion ids themselves, never re-rendered."""
+SHOWN_TOKENS = 12  # tokens of each side a fork reason quotes
 
 
-@dataclass
-class Rendered:
-    """Token ids with, per token, the message that produced it and whether a model would generate it."""
+class Renderer:
+    """Render / parse / bridge for one `RendererKey`. Synchronous and CPU-bound: the renderer actor runs
+    each call inline (each is short)."""
 
-    ids: list[int]
-    message_index: list[int]
-    """Index into the rendered messages, or `SCAFFOLD`."""
-    sampled: list[bool]
-    """True for the body of an assistant turn (what follows its role header, through its close token):
-    the loss mask of a rendered conversation."""
+    def __init__(self, key: RendererKey, library: Any, tokenizer: FastTokenizer, family: str) -> None:
+        self.key = key
+        self.family = family
+        self.always_needs_history = key.history == "fork_on_rewrite"
+        self.library = library
+        self.tokenizer = tokenizer
+        self.stop_ids = frozenset(library.get_stop_token_ids())
 
+    @classmethod
+    def load(
+        cls, key: RendererKey, allowed_prefixes: tuple[str, ...] = DEFAULT_RENDERER_PREFIXES
+    ) -> Renderer:
+        """Load the tokenizer and build the library renderer. Blocking (seconds): the renderer actor calls
+        it off the event loop, under its build lock."""
+        tokenizer = FastTokenizer.load(key.model)
+        library, family = build_library_renderer(key, tokenizer, allowed_prefixes)
+        return cls(key, library, tokenizer, family)
 
-class TrajectoryState(BaseModel):
-    """The little a renderer needs to remember about a trajectory, carried by the session between calls."""
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
-    reasoning_pending: bool = False
-    """An assistant turn since the last user message kept its think block: a template that drops past
-    reasoning will rewrite it when the next user message arrives."""
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
 
-
-class History(BaseModel):
-    """The whole trajectory so far; sent only when a renderer asks for it."""
-
-    messages: list[dict[str, Any]]
-    """Every message the previous prompt was rendered from (parsed assistant turns included)."""
-    prompt_ids: list[int]
-    """The previous prompt."""
-
-
-class StartReply(BaseModel):
-    prompt_ids: list[int]
-    state: TrajectoryState = Field(default_factory=TrajectoryState)
-
-
-class BridgeRequest(BaseModel):
-    """One turn's additions: what was sampled and what the environment answered."""
-
-    completion_ids: list[int]
-    finish_reason: str | None = None
-    new_messages: list[dict[str, Any]]
-    tools: list[dict[str, Any]] | None = None
-    state: TrajectoryState = Field(default_factory=TrajectoryState)
-    history: History | None = None
-    assistant_message: dict[str, Any] | None = None
-    """The completion already parsed (the session keeps its `parse` answer): not parsed a second time."""
-
-
-class BridgeReply(BaseModel):
-    appended_ids: list[int] = Field(default_factory=list)
-    """Not forked: the next prompt is previous prompt + completion + these ids."""
-    prompt_ids: list[int] | None = None
-    """Forked: the whole next prompt (a full re-render), starting a new branch."""
-    forked: bool = False
-    synthetic_close: bool = False
-    """The completion did not end with the close token (cut by `length` or a stop string): one was
-    appended. It is prompt, not completion, so it is never trained on as sampled."""
-    needs_history: bool = False
-    """Nothing else is set: call again with `history`."""
-    assistant_message: dict[str, Any] = Field(default_factory=dict)
-    """The completion parsed into a message, for the session's history."""
-    state: TrajectoryState = Field(default_factory=TrajectoryState)
-
-
-class RendererInfo(BaseModel):
-    """What a loaded renderer tells its callers (the answer to `ready`)."""
-
-    key: str
-    family: str
-    """Resolved family (`auto` never appears here)."""
-    always_needs_history: bool = False
-    """Send `history` with every bridge (the generic family under `fork_on_rewrite`)."""
-    load_s: float = 0.0
-    pid: int = 0
-
-
-class Renderer(Protocol):
-    """Tokenizer + chat template for one `RendererKey`. Synchronous and CPU-bound: callers run it where
-    blocking is acceptable (the renderer actor runs each call inline; each is short)."""
-
-    key: RendererKey
-    family: str
-    always_needs_history: bool
+    # --------------------------------------------------------------------------------- rendering
 
     def render(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> Rendered:
+        rendered = self.library.render(messages, tools=tools, add_generation_prompt=add_generation_prompt)
+        return Rendered(
+            ids=list(rendered.token_ids),
+            message_index=list(rendered.message_indices),
+            sampled=list(rendered.sampled_mask),
+        )
+
+    def render_ids(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, add_generation_prompt: bool
-    ) -> Rendered: ...
+    ) -> list[int]:
+        return list(
+            self.library.render_ids(messages, tools=tools, add_generation_prompt=add_generation_prompt)
+        )
 
-    def render_text(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, add_generation_prompt: bool
-    ) -> str: ...
-
-    def start(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> StartReply: ...
-
-    def bridge(self, request: BridgeRequest) -> BridgeReply: ...
+    def start(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> StartReply:
+        check_roles(messages, ROLES, "messages")
+        return StartReply(prompt_ids=self.render_ids(messages, tools, True))
 
     def parse(
-        self, completion_ids: Sequence[int], tools: list[dict[str, Any]] | None
-    ) -> ParsedCompletion: ...
+        self,
+        completion_ids: Sequence[int],
+        tools: list[dict[str, Any]] | None = None,
+        prompt_tail: Sequence[int] | None = None,
+    ) -> ParsedCompletion:
+        """`prompt_tail`: the end of the prompt the completion was sampled after (its generation prompt
+        tells the library whether reasoning was prefilled open)."""
+        ids = list(completion_ids)
+        parsed = self.library.parse_response(ids, tools=tools, prompt_ids=list(prompt_tail or []) or None)
+        return from_library(parsed, ids, self.stop_ids)
 
-    def encode(self, text: str) -> list[int]: ...
+    # ------------------------------------------------------------------------------- trajectories
 
-    def decode(self, ids: Sequence[int]) -> str: ...
+    def bridge(self, request: BridgeRequest) -> BridgeReply:
+        """The ids that extend previous prompt + completion to the next prompt, or a fork (see module)."""
+        check_new_messages(request.new_messages)
+        completion = request.completion_ids
+        message = request.assistant_message
+        if message is None:
+            message = self.parse(completion, request.tools, request.prompt_tail).message
+        reply = {
+            "synthetic_close": not (completion and completion[-1] in self.stop_ids),
+            "assistant_message": message,
+        }
+        extension = self._library_extension(request)
+        if extension is not None and not self.always_needs_history:
+            return BridgeReply(appended_ids=extension, **reply)
+        if request.history is None:
+            return BridgeReply(needs_history=True)
+
+        prefix = [*request.history.prompt_ids, *completion]
+        messages = [*request.history.messages, message, *request.new_messages]
+        full = self.render_ids(messages, request.tools, True)
+        appended, why = self._extension_of(prefix, full)
+        if appended is not None:
+            return BridgeReply(appended_ids=appended, **reply)
+        lead = "the library could not bridge this turn" if extension is None else "fork_on_rewrite"
+        return BridgeReply(prompt_ids=full, forked=True, fork_reason=f"{lead}; {why}", **reply)
+
+    def _library_extension(self, request: BridgeRequest) -> list[int] | None:
+        """The library's bridge from the prompt tail, if it keeps the tail and the completion exactly."""
+        tail, completion = request.prompt_tail, request.completion_ids
+        if not tail:
+            return None
+        bridged = self.library.bridge_to_next_turn(
+            list(tail), list(completion), request.new_messages, tools=request.tools
+        )
+        if bridged is None:
+            return None
+        ids = bridged.token_ids
+        kept = len(tail) + len(completion)
+        if len(ids) < kept or ids[: len(tail)] != tail or ids[len(tail) : kept] != completion:
+            return None  # it trimmed or rewrote sampled tokens: not an extension
+        return list(ids[kept:])
+
+    def _extension_of(self, prefix: list[int], full: list[int]) -> tuple[list[int] | None, str]:
+        """What a full render adds after `prefix` if it starts with it: by ids, or by the text the
+        tokenizer sees (normalised, so NFD input or a non-canonical split of the same text is not a
+        rewrite); else None and where the two depart."""
+        if full[: len(prefix)] == prefix:
+            return full[len(prefix) :], ""
+        normalize = self.tokenizer.normalize
+        full_text = normalize(self.decode(full))
+        prefix_text = normalize(self.decode(prefix))
+        if full_text.startswith(prefix_text):
+            suffix = self.encode(full_text[len(prefix_text) :])
+            if normalize(self.decode(prefix + suffix)) == full_text:
+                return suffix, ""
+        at = next((i for i, (a, b) in enumerate(zip(prefix, full, strict=False)) if a != b), len(full))
+        ours = self.decode(prefix[at : at + SHOWN_TOKENS])
+        theirs = self.decode(full[at : at + SHOWN_TOKENS])
+        return None, (
+            f"the template renders the conversation differently from token {at} of {len(prefix)}: "
+            f"trajectory {ours!r}, template {theirs!r}"
+        )
 
 
 def check_new_messages(messages: list[dict[str, Any]]) -> None:
     """Refuse what a bridge must not render: assistant turns (they are sampled ids, and re-rendering them
     is exactly the drift contract 7 forbids) and unknown roles. ValueError: the caller's mistake."""
     for i, message in enumerate(messages):
-        role = message.get("role") if isinstance(message, dict) else None
-        if role == "assistant":
+        if isinstance(message, dict) and message.get("role") == "assistant":
             raise ValueError(
                 f"new_messages[{i}] is an assistant message: sampled turns are bridged from their "
                 "completion ids, never rendered from text"
             )
-        if role not in NEW_MESSAGE_ROLES:
-            raise ValueError(
-                f"new_messages[{i}] has role {role!r}; expected one of {sorted(NEW_MESSAGE_ROLES)}"
-            )
+    check_roles(messages, NEW_MESSAGE_ROLES, "new_messages")
 
 
-def message_text(content: Any) -> str:
-    """Message content as text: None is empty, a list of OpenAI content parts is its text parts joined."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "".join(part.get("text", "") for part in content if isinstance(part, dict))
-    raise ValueError(f"message content must be a string or a list of parts, got {type(content).__name__}")
-
-
-def build_renderer(key: RendererKey) -> Renderer:
-    """Load the tokenizer for `key` and build its renderer. Blocking (seconds): call it off the event loop,
-    under the process's build lock (the renderer actor does both)."""
-    from renderer_actors.tokenizer import BUNDLED_MODEL
-
-    if key.family == "qwen3":
-        from renderer_actors.qwen3 import Qwen3Renderer
-
-        return Qwen3Renderer.load(key)
-    if key.family == "auto" and key.model == BUNDLED_MODEL:
-        from renderer_actors.qwen3 import Qwen3Renderer
-
-        return Qwen3Renderer.load(key.model_copy(update={"family": "qwen3"}))
-    from renderer_actors.hf_generic import HfRenderer
-
-    return HfRenderer.load(key)
-
-
-def completion_message(renderer: Renderer, request: BridgeRequest) -> dict[str, Any]:
-    """The bridged completion as an assistant message: the caller's parse when it sent one, else parsed here."""
-    if request.assistant_message is not None:
-        return request.assistant_message
-    return renderer.parse(request.completion_ids, request.tools).message
+def check_roles(messages: list[dict[str, Any]], allowed: frozenset[str], where: str) -> None:
+    for i, message in enumerate(messages):
+        role = message.get("role") if isinstance(message, dict) else None
+        if role not in allowed:
+            raise ValueError(f"{where}[{i}] has role {role!r}; expected one of {sorted(allowed)}")

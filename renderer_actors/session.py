@@ -33,18 +33,11 @@ from pydantic import BaseModel
 from ray.exceptions import RayActorError, RayTaskError
 
 from renderer_actors.batching import RenderCallFailed, batched_calls
+from renderer_actors.calls import BridgeReply, BridgeRequest, History, RendererInfo, StartReply
 from renderer_actors.config import RendererConfig
 from renderer_actors.key import RendererKey
 from renderer_actors.parse import ParsedCompletion
-from renderer_actors.renderer import (
-    BridgeReply,
-    BridgeRequest,
-    History,
-    RendererInfo,
-    StartReply,
-    TrajectoryState,
-    check_new_messages,
-)
+from renderer_actors.renderer import check_new_messages
 from rollout_actors.kernel import CallerError, Failure
 
 CLOSE_TIMEOUT_S = 5.0  # returning a lease must not hold a finished rollout hostage
@@ -77,7 +70,10 @@ class BridgeStep(BaseModel):
     forked: bool = False
     """This step started a new branch: `prompt_ids` is a full re-render, not an extension."""
     synthetic_close: bool = False
-    """A close token was appended after a completion cut by `length` (prompt, never sampled)."""
+    """The completion had no stop token (cut by `length`): the ids after it begin with the close the
+    family defines, appended by the renderer (prompt, never sampled; never trained on)."""
+    fork_reason: str | None = None
+    """Why this step forked: where the template's full render departed from the trajectory."""
 
 
 class RendererSession:
@@ -95,7 +91,8 @@ class RendererSession:
         # The trajectory: kept here, never shipped whole unless a renderer asks.
         self._prompt: list[int] | None = None
         self._messages: list[dict[str, Any]] = []
-        self._state = TrajectoryState()
+        self._tail: list[int] = []
+        """The prompt after the last sampled completion: all a library bridge reads of the prompt."""
         self._parsed: tuple[list[int], dict[str, Any]] | None = None
         """The last `parse` answer, handed to the next `bridge` of the same completion."""
         self.branch = 0
@@ -103,7 +100,11 @@ class RendererSession:
     @classmethod
     async def open(cls, pool: Any, model: str, config: RendererConfig, timeout: float) -> RendererSession:
         """Lease a slot on the least-loaded renderer for (model, config) and wait until it is ready."""
-        session = cls(pool, RendererKey.from_config(model, config), config.multiplex)
+        try:
+            key = RendererKey.from_config(model, config)
+        except CallerError as exc:
+            raise RendererCallerError(str(exc)) from None
+        session = cls(pool, key, config.multiplex)
         deadline = time.monotonic() + timeout
         try:
             try:
@@ -135,15 +136,15 @@ class RendererSession:
         """The first prompt (with the generation prompt); starts the trajectory."""
         reply: StartReply = await self._call("start", timeout, messages, tools)
         self._prompt = list(reply.prompt_ids)
+        self._tail = list(reply.prompt_ids)
         self._messages = list(messages)
-        self._state = reply.state
         self.branch = 0
         return list(self._prompt)
 
     async def parse(
         self, completion_ids: list[int], tools: list[dict[str, Any]] | None, timeout: float
     ) -> ParsedCompletion:
-        parsed: ParsedCompletion = await self._call("parse", timeout, list(completion_ids), tools)
+        parsed: ParsedCompletion = await self._call("parse", timeout, list(completion_ids), tools, self._tail)
         self._parsed = (list(completion_ids), parsed.message)
         return parsed
 
@@ -168,7 +169,7 @@ class RendererSession:
             finish_reason=finish_reason,
             new_messages=list(new_messages),
             tools=tools,
-            state=self._state,
+            prompt_tail=self._tail,
         )
         if self._parsed is not None and self._parsed[0] == request.completion_ids:
             request.assistant_message = self._parsed[1]
@@ -183,19 +184,21 @@ class RendererSession:
         if reply.forked:
             assert reply.prompt_ids is not None
             self._prompt = list(reply.prompt_ids)
+            self._tail = list(reply.prompt_ids)
             self.branch += 1
         else:
             self._prompt.extend(completion_ids)
             self._prompt.extend(reply.appended_ids)
+            self._tail = list(reply.appended_ids)
         self._messages.append(reply.assistant_message)
         self._messages.extend(new_messages)
-        self._state = reply.state
         # model_construct: the ids are ours and already ints; validating 100k of them per turn is waste.
         return BridgeStep.model_construct(
             prompt_ids=list(self._prompt),
             branch=self.branch,
             forked=reply.forked,
             synthetic_close=reply.synthetic_close,
+            fork_reason=reply.fork_reason,
         )
 
     async def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:

@@ -19,6 +19,8 @@ from pathlib import Path
 
 BUNDLED_MODEL = "ray-rollouts/qwen3-bundled"
 """The model name that means "the bundled tokenizer" to renderers and the stand-in server."""
+BUNDLED_FAMILY = "qwen3"
+"""The `renderers` family `auto` resolves the bundled tokenizer to (it carries Qwen3's special tokens)."""
 
 # Qwen2/Qwen3 pre-tokenizer: digits split one by one (unlike tiktoken's cl100k `\p{N}{1,3}`).
 QWEN_PATTERN = (
@@ -143,3 +145,85 @@ def load_tokenizer(name: str = BUNDLED_MODEL):
     path = str(bundled_tokenizer_dir()) if name == BUNDLED_MODEL else name
     with _build_lock:
         return AutoTokenizer.from_pretrained(path)
+
+
+class FastTokenizer:
+    """The tokenizer surface the `renderers` library uses (`encode`, `decode`, `convert_tokens_to_ids`,
+    the special ids, `apply_chat_template` for the default family), served by the fast `tokenizers`
+    backend directly.
+
+    Why not hand the library the Hugging Face tokenizer: every Python-level call through it costs tens
+    of microseconds, and a tokenizer that can return offsets makes the library tokenize a probe string
+    for every text segment it attributes (per message, per turn). Without `__call__` the library skips
+    that attribution (`is_content` stays empty: nothing here reads it) and encodes each segment once.
+    The Hugging Face tokenizer is loaded only if a chat template is needed (`default` family, tests).
+    """
+
+    def __init__(self, name: str, backend, hf_loader, eos_token: str | None) -> None:
+        self.name_or_path = name
+        self._backend = backend
+        self._hf_loader = hf_loader
+        self._hf = None
+        self.unk_token_id: int | None = None
+        self.eos_token_id = backend.token_to_id(eos_token) if eos_token else None
+
+    @classmethod
+    def load(cls, name: str) -> FastTokenizer:
+        """The bundled tokenizer straight from its `tokenizer.json` (no `transformers` import on the hot
+        path), or any tokenizer the library's loader can open (hub name with its trust policy, or a path)."""
+        if name == BUNDLED_MODEL:
+            from tokenizers import Tokenizer
+
+            backend = Tokenizer.from_file(str(bundled_tokenizer_dir() / "tokenizer.json"))
+            return cls(name, backend, lambda: load_tokenizer(BUNDLED_MODEL), "<|im_end|>")
+        hf = _load_library_tokenizer(name)
+        tokenizer = cls(name, hf.backend_tokenizer, lambda: hf, hf.eos_token)
+        tokenizer._hf = hf
+        tokenizer.unk_token_id = hf.unk_token_id
+        return tokenizer
+
+    @property
+    def hf(self):
+        """The Hugging Face tokenizer (chat template, special-token lists), loaded on first use."""
+        if self._hf is None:
+            self._hf = self._hf_loader()
+        return self._hf
+
+    @property
+    def backend(self):
+        return self._backend
+
+    def encode(self, text: str, *args, add_special_tokens: bool = True, **kwargs) -> list[int]:
+        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, token_ids, *args, skip_special_tokens: bool = False, **kwargs) -> str:
+        return self._backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def convert_tokens_to_ids(self, tokens):
+        if isinstance(tokens, str):
+            found = self._backend.token_to_id(tokens)
+            return self.unk_token_id if found is None else found
+        return [self.convert_tokens_to_ids(token) for token in tokens]
+
+    def normalize(self, text: str) -> str:
+        """`text` as the tokenizer sees it before splitting (e.g. NFC): what a decode gives back."""
+        normalizer = self._backend.normalizer
+        return normalizer.normalize_str(text) if normalizer is not None else text
+
+    @property
+    def chat_template(self) -> str | None:
+        return getattr(self.hf, "chat_template", None)
+
+    @property
+    def all_special_tokens(self) -> list[str]:
+        return list(getattr(self.hf, "all_special_tokens", []))
+
+    def apply_chat_template(self, *args, **kwargs):
+        return self.hf.apply_chat_template(*args, **kwargs)
+
+
+def _load_library_tokenizer(name: str):
+    from renderers.base import load_tokenizer as library_load
+
+    with _build_lock:
+        return library_load(name)

@@ -22,8 +22,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from renderer_actors.calls import BridgeRequest, History
 from renderer_actors.key import RendererKey
-from renderer_actors.renderer import BridgeRequest, History, Renderer, build_renderer
+from renderer_actors.renderer import Renderer
 from rollout_actors.client import build_client
 from rollout_actors.kernel import RefResolver
 from rollout_actors.model_call import complete_tokens
@@ -56,7 +57,7 @@ class SingleProcessWorkload:
 
     async def load(self) -> None:
         key = RendererKey.from_config(self.client.model, RendererConfig())
-        self.renderer = await asyncio.to_thread(build_renderer, key)
+        self.renderer = await asyncio.to_thread(Renderer.load, key)
         self.env = RefResolver(("env_actors.",)).load(self.env_target)(**self.env_config)
         await self.env.load()
 
@@ -93,11 +94,12 @@ async def _rollout(workload: SingleProcessWorkload, order: int, shared: Any) -> 
         messages = list(reset.messages)
         asked = time.monotonic()
         start = renderer.start(messages, tools)
-        prompt, render_state = list(start.prompt_ids), start.state
+        prompt = list(start.prompt_ids)
+        tail = list(prompt)
         for _ in range(workload.max_turns):
             sampled = await complete_tokens(client, workload.client.model, prompt, workload.sampling)
             timing.calls.append(time.monotonic() - asked)
-            parsed = renderer.parse(sampled.completion_ids, tools)
+            parsed = renderer.parse(sampled.completion_ids, tools, tail)
             step = await env.step(state, parsed.message)
             if step.done:
                 break
@@ -107,19 +109,20 @@ async def _rollout(workload: SingleProcessWorkload, order: int, shared: Any) -> 
                 finish_reason=sampled.finish_reason,
                 new_messages=step.messages,
                 tools=tools,
-                state=render_state,
+                prompt_tail=tail,
+                assistant_message=parsed.message,
             )
             reply = renderer.bridge(request)
             if reply.needs_history:
                 request.history = History(messages=messages, prompt_ids=prompt)
                 reply = renderer.bridge(request)
             if reply.forked:
-                prompt = list(reply.prompt_ids or [])
+                prompt = tail = list(reply.prompt_ids or [])
             else:
                 prompt = prompt + sampled.completion_ids + reply.appended_ids
+                tail = list(reply.appended_ids)
             messages.append(reply.assistant_message)
             messages.extend(step.messages)
-            render_state = reply.state
         await env.score(state)
     except Exception as exc:  # a failed rollout is counted, not fatal: the table says how many
         timing.ok, timing.error = False, f"{type(exc).__name__}: {exc}"

@@ -5,8 +5,10 @@
 (1) Per-turn cost at turns 1, 10, 50, 100 of one agentic trajectory (each turn: reasoning + a tool call
     sampled, then a tool result; about `--tokens-per-turn` tokens a turn, ~100k at turn 100):
       bridge session   `RendererSession.bridge` through a renderer actor (the path a rollout takes)
-      bridge local     the renderer's bridge in-process (no Ray)
-      full native      re-rendering and tokenizing the whole history with the native renderer
+      bridge local     the renderer's bridge in-process (no Ray): the library's bridge from the prompt's tail
+      lib whole        the library's `bridge_to_next_turn` handed the whole previous prompt (what it costs
+                       without the tail: it copies the prompt into its answer, several times over)
+      full native      re-rendering and tokenizing the whole history with the library's renderer
       full jinja       `apply_chat_template` over the whole history + tokenizing (what a naive loop does)
     Median of repeated calls from the same trajectory state. Target: bridge turn100/turn1 <= 2, while the
     full re-render grows with the history.
@@ -29,9 +31,10 @@ from typing import Any
 
 import ray
 
+from renderer_actors.calls import BridgeRequest
 from renderer_actors.key import RendererKey
 from renderer_actors.pool import get_or_create_renderer_pool
-from renderer_actors.renderer import BridgeRequest, build_renderer
+from renderer_actors.renderer import Renderer
 from renderer_actors.session import RendererSession
 from renderer_actors.tokenizer import BUNDLED_MODEL, load_tokenizer
 from rollout_actors.wire import RendererConfig
@@ -77,7 +80,7 @@ async def amedian_s(fn, repeats: int) -> float:
 
 async def growth(pool: Any, tokens_per_turn: int, repeats: int) -> list[dict[str, float]]:
     config = RendererConfig()
-    local = build_renderer(RendererKey.from_config(BUNDLED_MODEL, config))
+    local = Renderer.load(RendererKey.from_config(BUNDLED_MODEL, config))
     hf = load_tokenizer(BUNDLED_MODEL)
     rng = random.Random(0)
     session = await RendererSession.open(pool, BUNDLED_MODEL, config, timeout=120)
@@ -99,14 +102,14 @@ async def growth(pool: Any, tokens_per_turn: int, repeats: int) -> list[dict[str
 
 async def measure_turn(session, local, hf, completion, new, turn, repeats) -> dict[str, float]:
     # Repeat the same bridge from the same trajectory state: snapshot, bridge, restore.
-    saved = (list(session._prompt), list(session._messages), session._state, session.branch)
+    saved = (list(session._prompt), list(session._messages), list(session._tail), session.branch)
 
     async def bridge_session() -> None:
         await session.bridge(completion, "stop", new, TOOLS, timeout=30)
         session._prompt, session._messages = list(saved[0]), list(saved[1])
-        session._state, session.branch = saved[2], saved[3]
+        session._tail, session.branch = list(saved[2]), saved[3]
 
-    request = BridgeRequest(completion_ids=completion, new_messages=new, tools=TOOLS, state=saved[2])
+    request = BridgeRequest(completion_ids=completion, new_messages=new, tools=TOOLS, prompt_tail=saved[2])
     reply = local.bridge(request)
     history = [*saved[1], reply.assistant_message, *new]
     bridged = len(saved[0]) + len(completion) + len(reply.appended_ids)
@@ -121,6 +124,9 @@ async def measure_turn(session, local, hf, completion, new, turn, repeats) -> di
         "tokens": bridged,
         "session": await amedian_s(bridge_session, repeats),
         "local": median_s(lambda: local.bridge(request), repeats),
+        "whole": median_s(
+            lambda: local.library.bridge_to_next_turn(saved[0], completion, new, tools=TOOLS), repeats
+        ),
         "native": median_s(lambda: local.start(history, TOOLS), max(3, repeats // 4)),
         "jinja": median_s(full_jinja, max(3, repeats // 4)),
     }
@@ -167,13 +173,15 @@ async def run(args: argparse.Namespace) -> None:
     print(f"(1) per-turn cost, median of {args.repeats}; ratios are turn k / turn 1")
     print(
         f"{'turn':>5} {'tokens':>8} {'bridge session ms':>18} {'bridge local ms':>16} "
-        f"{'full native ms':>15} {'full jinja ms':>14} {'session x':>10} {'local x':>8} {'jinja x':>8}"
+        f"{'lib whole ms':>13} {'full native ms':>15} {'full jinja ms':>14} {'session x':>10} {'local x':>8} "
+        f"{'whole x':>8} {'jinja x':>8}"
     )
     for r in rows:
         print(
             f"{r['turn']:>5} {r['tokens']:>8} {r['session'] * 1e3:>18.2f} {r['local'] * 1e3:>16.2f} "
-            f"{r['native'] * 1e3:>15.2f} {r['jinja'] * 1e3:>14.2f} {r['session'] / first['session']:>10.2f} "
-            f"{r['local'] / first['local']:>8.2f} {r['jinja'] / first['jinja']:>8.2f}"
+            f"{r['whole'] * 1e3:>13.2f} {r['native'] * 1e3:>15.2f} {r['jinja'] * 1e3:>14.2f} "
+            f"{r['session'] / first['session']:>10.2f} {r['local'] / first['local']:>8.2f} "
+            f"{r['whole'] / first['whole']:>8.2f} {r['jinja'] / first['jinja']:>8.2f}"
         )
     last = rows[-1]
     q = cold["quartiles"]

@@ -1,443 +1,286 @@
-"""Renderer specification: token-exact bridging, parsing by ids, forks (DESIGN.md contract 7).
-
-In-process: no Ray. "Sampled" completions are made by tokenising assistant text here, canonically or in
-deliberately non-canonical splits (the ids of "js" + "on" where the tokenizer would say "json").
-"""
+"""Renderer contracts on top of the `renderers` library, in-process (no Ray): keys, token-exact bridges,
+explicit forks with reasons, synthetic closes, parsing, custom renderers by Ref."""
 
 from __future__ import annotations
 
-import json
-import unicodedata
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, assume, given, settings
-from hypothesis import strategies as st
 
+from renderer_actors.calls import BridgeRequest, History
+from renderer_actors.config import RendererConfig
 from renderer_actors.key import RendererKey
-from renderer_actors.renderer import (
-    SCAFFOLD,
-    BridgeRequest,
-    History,
-    Renderer,
-    TrajectoryState,
-    build_renderer,
-)
-from renderer_actors.tokenizer import BUNDLED_MODEL, load_tokenizer
-from rollout_actors.wire import RendererConfig
+from renderer_actors.renderer import Renderer
+from renderer_actors.tokenizer import BUNDLED_MODEL
+from rollout_actors.kernel import CallerError, Ref
+from tests.family_tokenizers import template_variant
 
 IM_END = 151645
-NEWLINE = 198
-TOOLS = [
-    {"type": "function", "function": {"name": "search", "parameters": {"type": "object"}}},
-    {"type": "function", "function": {"name": "calc", "parameters": {"type": "object"}}},
-]
-PROPERTY = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+TOOLS = [{"type": "function", "function": {"name": "search", "parameters": {"type": "object"}}}]
+_LOADED: dict[str, Renderer] = {}
 
 
-@pytest.fixture(scope="module")
-def hf_tokenizer() -> Any:
-    return load_tokenizer(BUNDLED_MODEL)
+def renderer(model: str = BUNDLED_MODEL, allowed: tuple[str, ...] | None = None, **config: Any) -> Renderer:
+    """One loaded renderer per (model, config), shared by the tests of this module."""
+    key = RendererKey.from_config(model, RendererConfig(**config))
+    cache_key = key.to_json() + repr(allowed)
+    if cache_key not in _LOADED:
+        _LOADED[cache_key] = Renderer.load(key, *(() if allowed is None else (allowed,)))
+    return _LOADED[cache_key]
 
 
-_renderers: dict[str, Renderer] = {}
+class Trajectory:
+    """A session's bookkeeping, in-process: prompt, tail, messages, branch; answers needs_history."""
 
+    def __init__(self, r: Renderer, messages: list[dict[str, Any]], tools=None) -> None:
+        self.r, self.tools = r, tools
+        self.prompt = r.start(messages, tools).prompt_ids
+        self.tail = list(self.prompt)
+        self.messages = list(messages)
+        self.forks: list[str] = []
 
-def renderer(family: str = "qwen3", history: str = "append", **kwargs: Any) -> Renderer:
-    key = RendererKey.from_config(
-        BUNDLED_MODEL, RendererConfig(family=family, template_kwargs=kwargs, history=history)
-    )
-    if key.to_json() not in _renderers:
-        _renderers[key.to_json()] = build_renderer(key)
-    return _renderers[key.to_json()]
-
-
-# ------------------------------------------------------------------------------------ strategies
-
-_MARKERS = ("<think>", "</think>", "<tool_call>", "</tool_call>", "<|", "<tool_response>", "</tool_response>")
-
-
-def _clean(text: str) -> bool:
-    return unicodedata.normalize("NFC", text) == text and not any(m in text for m in _MARKERS)
-
-
-texts = st.text(
-    alphabet=st.sampled_from(list('abc xyz json JSON 012 \n\t{}[]":,.<>/é中🙂')), max_size=24
-).filter(_clean)
-json_values = st.one_of(st.integers(-5, 500), st.booleans(), st.none(), texts)
-arguments = st.dictionaries(st.sampled_from(["q", "x", "query", "n"]), json_values, max_size=3)
-
-
-@st.composite
-def assistant_messages(draw: Any, reasoning: bool | None = None) -> dict[str, Any]:
-    message: dict[str, Any] = {"role": "assistant", "content": draw(texts)}
-    if reasoning is True or (reasoning is None and draw(st.booleans())):
-        message["reasoning_content"] = draw(texts)
-    calls = draw(st.lists(st.tuples(st.sampled_from(["search", "calc"]), arguments), max_size=2))
-    if calls:
-        message["tool_calls"] = [
-            {"type": "function", "function": {"name": name, "arguments": args}} for name, args in calls
-        ]
-    return message
-
-
-@st.composite
-def conversations(draw: Any) -> list[dict[str, Any]]:
-    messages: list[dict[str, Any]] = []
-    if draw(st.booleans()):
-        messages.append({"role": "system", "content": draw(texts)})
-    for _ in range(draw(st.integers(1, 3))):
-        messages.append({"role": "user", "content": draw(texts)})
-        for _ in range(draw(st.integers(0, 2))):
-            reply = draw(assistant_messages())
-            messages.append(reply)
-            for _ in reply.get("tool_calls", []):
-                messages.append({"role": "tool", "content": draw(texts)})
-    return messages
-
-
-def sampled_text(r: Renderer, message: dict[str, Any]) -> str:
-    """What a model writes for `message` after the generation prompt, through its close token. (With
-    thinking off the empty think block is prompt: give such messages `reasoning_content=""`.)"""
-    user = [{"role": "user", "content": "u"}]
-    prompt = r.render_text(user, None, True)
-    full = r.render_text([*user, message], None, False)
-    assert full.startswith(prompt)
-    return full[len(prompt) :].removesuffix("\n")
-
-
-def sampled_body(r: Renderer, message: dict[str, Any]) -> list[int]:
-    """The completion ids a model would sample for `message`, tokenized canonically (on their own)."""
-    return r.encode(sampled_text(r, message))
-
-
-def split_ids(r: Renderer, text: str, cuts: list[int]) -> list[int]:
-    """Tokenise `text` in pieces: a non-canonical (but valid) id sequence for the same text."""
-    ids: list[int] = []
-    last = 0
-    for cut in sorted({c % (len(text) + 1) for c in cuts} | {len(text)}):
-        ids += r.encode(text[last:cut])
-        last = cut
-    return ids
-
-
-def full_ids(hf_tokenizer: Any, messages: list[dict[str, Any]], tools: Any, **kwargs: Any) -> list[int]:
-    text = hf_tokenizer.apply_chat_template(
-        messages, tools=tools, tokenize=False, add_generation_prompt=True, **kwargs
-    )
-    return hf_tokenizer.encode(text, add_special_tokens=False)
-
-
-def bridge(
-    r: Renderer,
-    prompt: list[int],
-    messages: list[dict[str, Any]],
-    completion: list[int],
-    new,
-    tools=None,
-    state=None,
-    finish_reason=None,
-):  # noqa: E501
-    """Drive a renderer the way the session does (history only when asked)."""
-    request = BridgeRequest(
-        completion_ids=completion,
-        finish_reason=finish_reason,
-        new_messages=new,
-        tools=tools,
-        state=state or TrajectoryState(),
-    )
-    if r.always_needs_history:
-        request.history = History(messages=messages, prompt_ids=prompt)
-    reply = r.bridge(request)
-    if reply.needs_history:
-        request.history = History(messages=messages, prompt_ids=prompt)
-        reply = r.bridge(request)
-    assert not reply.needs_history
-    next_prompt = reply.prompt_ids if reply.forked else prompt + completion + reply.appended_ids
-    return next_prompt, reply
-
-
-# ------------------------------------------------------------------------------------- rendering
-
-
-@PROPERTY
-@given(
-    messages=conversations(),
-    tools=st.sampled_from([None, TOOLS]),
-    thinking=st.booleans(),
-    drop=st.booleans(),
-)
-def test_native_render_agrees_with_the_jinja_template(hf_tokenizer, messages, tools, thinking, drop):
-    kwargs = {"enable_thinking": thinking, "drop_past_reasoning": drop}
-    rendered = renderer(**kwargs).render(messages, tools, True)
-    assert rendered.ids == full_ids(hf_tokenizer, messages, tools, **kwargs)
-    assert len(rendered.message_index) == len(rendered.sampled) == len(rendered.ids)
-
-
-def test_render_attributes_tokens_to_messages_and_marks_sampled_bodies():
-    for family in ("qwen3", "hf"):
-        r = renderer(family)
-        messages = [
-            {"role": "system", "content": "be brief"},
-            {"role": "user", "content": "hi"},
-            {"role": "assistant", "content": "hello", "reasoning_content": "greet"},
-        ]
-        out = r.render(messages, None, True)
-        sampled_text = r.decode([t for t, s in zip(out.ids, out.sampled, strict=True) if s])
-        assert sampled_text == "<think>\ngreet\n</think>\n\nhello<|im_end|>", family
-        assert out.message_index[0] == 0 and out.message_index[-1] == SCAFFOLD
-        assert r.decode([t for t, m in zip(out.ids, out.message_index, strict=True) if m == 1]) == (
-            "<|im_start|>user\nhi<|im_end|>\n"
+    def bridge(self, completion: list[int], new: list[dict[str, Any]]):
+        request = BridgeRequest(
+            completion_ids=completion, new_messages=new, tools=self.tools, prompt_tail=self.tail
         )
-
-
-# ---------------------------------------------------------------------------------------- bridge
-
-
-@PROPERTY
-@given(
-    start=conversations(),
-    turns=st.lists(
-        st.tuples(assistant_messages(), st.lists(st.integers(0, 200), max_size=4), st.booleans()),
-        min_size=1,
-        max_size=4,
-    ),
-    family=st.sampled_from(["qwen3", "hf"]),
-    drop=st.booleans(),
-)
-def test_bridge_always_extends_previous_prompt_and_completion(start, turns, family, drop):
-    """Whatever was sampled (canonical or not, cut by length or not), under `append` the next prompt
-    starts with exactly previous prompt + completion: no sampled id is ever re-tokenized."""
-    r = renderer(family, "append", drop_past_reasoning=drop)
-    if start[-1]["role"] == "assistant":
-        start = [*start, {"role": "user", "content": "go on"}]
-    prompt = r.start(start, TOOLS).prompt_ids
-    messages, state = list(start), TrajectoryState()
-    for message, cuts, cut_by_length in turns:
-        text = r.decode(sampled_body(r, message))
-        completion = split_ids(r, text, cuts)
-        if cut_by_length:
-            completion = completion[: max(1, len(completion) // 2)]
-        new = (
-            [{"role": "tool", "content": "result"}]
-            if message.get("tool_calls")
-            else [{"role": "user", "content": "next"}]
-        )
-        next_prompt, reply = bridge(r, prompt, messages, completion, new, TOOLS, state)
-        assert not reply.forked
-        assert next_prompt[: len(prompt) + len(completion)] == prompt + completion
-        assert reply.synthetic_close == (completion[-1] != IM_END)
-        if reply.synthetic_close:
-            assert next_prompt[len(prompt) + len(completion)] == IM_END
-        messages += [reply.assistant_message, *new]
-        prompt, state = next_prompt, reply.state
-
-
-@PROPERTY
-@given(
-    start=conversations(),
-    replies=st.lists(assistant_messages(), min_size=1, max_size=3),
-    family=st.sampled_from(["qwen3", "hf"]),
-    thinking=st.booleans(),
-)
-def test_canonical_bridge_equals_full_render_within_a_tool_cycle(
-    hf_tokenizer, start, replies, family, thinking
-):
-    kwargs = {"enable_thinking": thinking}
-    r = renderer(family, **kwargs)
-    if start[-1]["role"] == "assistant":
-        start = [*start, {"role": "user", "content": "go on"}]
-    prompt = r.start(start, TOOLS).prompt_ids
-    assert prompt == full_ids(hf_tokenizer, start, TOOLS, **kwargs)
-    messages, state = list(start), TrajectoryState()
-    for message in replies:
-        if not thinking:
-            message = {**message, "reasoning_content": ""}
-        # A body that starts with whitespace merges with the role header's newline in a full render: no
-        # sampling could equal that tokenization, so it is outside this property.
-        assume(not sampled_text(r, message)[:1].isspace())
-        completion = sampled_body(r, message)
-        new = [
-            {"role": "tool", "content": f"result {i}"} for i, _ in enumerate(message.get("tool_calls", []))
-        ]
-        prompt, reply = bridge(r, prompt, messages, completion, new, TOOLS, state)
-        messages += [reply.assistant_message, *new]
-        state = reply.state
-        assert prompt == full_ids(hf_tokenizer, messages, TOOLS, **kwargs)
-
-
-@pytest.mark.parametrize("family", ["qwen3", "hf"])
-def test_non_canonical_sampled_ids_survive_every_later_turn(family):
-    r = renderer(family)
-    assert r.encode("json") != r.encode("js") + r.encode("on")
-    prompt = r.start([{"role": "user", "content": "format?"}], TOOLS).prompt_ids
-    sampled = r.encode("I like ") + r.encode("js") + r.encode("on") + [IM_END]
-    position = len(prompt)
-    messages = [{"role": "user", "content": "format?"}]
-    for turn in range(4):
-        new = [{"role": "user", "content": f"turn {turn}: json again?"}]
-        completion = sampled if turn == 0 else r.encode("json, canonically") + [IM_END]
-        prompt, reply = bridge(r, prompt, messages, completion, new, TOOLS)
-        messages += [reply.assistant_message, *new]
-        assert prompt[position : position + len(sampled)] == sampled, f"turn {turn} altered sampled ids"
-    assert messages[1]["content"] == "I like json"
-
-
-def test_length_cut_turn_is_closed_with_a_synthetic_close_then_the_newline():
-    r = renderer()
-    prompt = r.start([{"role": "user", "content": "count"}], None).prompt_ids
-    completion = r.encode("<think>\n1 2 3")  # cut by length inside the reasoning
-    nxt, reply = bridge(
-        r, prompt, [], completion, [{"role": "user", "content": "go"}], finish_reason="length"
-    )
-    assert reply.synthetic_close
-    tail = nxt[len(prompt) + len(completion) :]
-    assert tail[:2] == [IM_END, NEWLINE]
-    assert r.decode(tail) == "<|im_end|>\n<|im_start|>user\ngo<|im_end|>\n<|im_start|>assistant\n"
-    closed = completion + [IM_END]
-    nxt2, reply2 = bridge(r, prompt, [], closed, [{"role": "user", "content": "go"}])
-    assert not reply2.synthetic_close and nxt2 == nxt
-
-
-@pytest.mark.parametrize("family", ["qwen3", "hf"])
-def test_assistant_messages_in_new_messages_are_refused(family):
-    r = renderer(family)
-    prompt = r.start([{"role": "user", "content": "q"}], None).prompt_ids
-    with pytest.raises(ValueError, match="assistant"):
-        bridge(r, prompt, [], [IM_END], [{"role": "assistant", "content": "rewritten"}])
-
-
-@pytest.mark.parametrize("family", ["qwen3", "hf"])
-def test_rewriting_template_forks_explicitly_and_never_alters_tokens(hf_tokenizer, family):
-    """`drop_past_reasoning` rewrites earlier turns when a user message arrives: under
-    `fork_on_rewrite` the trajectory forks (marked, full re-render); under `append` it keeps appending."""
-    kwargs = {"drop_past_reasoning": True}
-    start = [{"role": "user", "content": "2+2?"}]
-    answer = {"role": "assistant", "content": "4", "reasoning_content": "two and two"}
-    for policy in ("fork_on_rewrite", "append"):
-        r = renderer(family, policy, **kwargs)
-        prompt = r.start(start, None).prompt_ids
-        completion = sampled_body(r, answer)
-        new = [{"role": "user", "content": "and 3+3?"}]
-        nxt, reply = bridge(r, prompt, list(start), completion, new)
-        rerender = full_ids(hf_tokenizer, [*start, answer, *new], None, **kwargs)
-        if policy == "fork_on_rewrite":
-            assert reply.forked and nxt == rerender
-            assert r.decode(completion) not in r.decode(nxt)  # the reasoning really was dropped
+        if self.r.always_needs_history:
+            request.history = History(messages=self.messages, prompt_ids=self.prompt)
+        reply = self.r.bridge(request)
+        if reply.needs_history:
+            request.history = History(messages=self.messages, prompt_ids=self.prompt)
+            reply = self.r.bridge(request)
+        before = self.prompt + completion
+        if reply.forked:
+            self.prompt = self.tail = list(reply.prompt_ids)
+            self.forks.append(reply.fork_reason)
         else:
-            assert not reply.forked and nxt != rerender
-            assert nxt[: len(prompt) + len(completion)] == prompt + completion
+            self.prompt = before + reply.appended_ids
+            self.tail = list(reply.appended_ids)
+            assert self.prompt[: len(before)] == before
+        self.messages += [reply.assistant_message, *new]
+        return reply
 
 
-def test_tool_results_without_a_user_message_do_not_fork_a_rewriting_template():
-    r = renderer("qwen3", "fork_on_rewrite", drop_past_reasoning=True)
-    prompt = r.start([{"role": "user", "content": "q"}], TOOLS).prompt_ids
-    call = {
-        "role": "assistant",
-        "content": "",
-        "reasoning_content": "look it up",
-        "tool_calls": [{"function": {"name": "search", "arguments": {"q": "x"}}}],
-    }
-    nxt, reply = bridge(r, prompt, [], sampled_body(r, call), [{"role": "tool", "content": "found"}], TOOLS)
-    assert not reply.forked and reply.state.reasoning_pending
+# ------------------------------------------------------------------------------------------ keys
 
 
-# ------------------------------------------------------------------------------------------ parse
-
-
-@PROPERTY
-@given(message=assistant_messages(), family=st.sampled_from(["qwen3", "hf"]))
-def test_parse_round_trips_a_rendered_assistant_message(message, family):
-    r = renderer(family)
-    parsed = r.parse(sampled_body(r, message), TOOLS)
-    assert parsed.closed
-    assert parsed.content == (message["content"] or None)
-    assert parsed.reasoning == message.get("reasoning_content")
-    calls = message.get("tool_calls", [])
-    assert [c.name for c in parsed.tool_calls] == [c["function"]["name"] for c in calls]
-    assert all(c.status == "ok" for c in parsed.tool_calls)
-    assert [c.arguments for c in parsed.tool_calls] == [c["function"]["arguments"] for c in calls]
-    sent = parsed.message.get("tool_calls", [])
-    assert [json.loads(c["function"]["arguments"]) for c in sent] == [
-        c["function"]["arguments"] for c in calls
-    ]
-    # The parsed message re-renders to the very ids that were sampled.
-    assert sampled_body(r, parsed.message) == sampled_body(r, message)
-
-
-def test_parse_reports_each_tool_call_status():
-    r = renderer()
-
-    def call(body: str, close: bool = True) -> str:
-        return "<tool_call>\n" + body + ("\n</tool_call>" if close else "")
-
-    text = "\n".join(
-        [
-            "checking",
-            call('{"name": "search", "arguments": {"q": "a"}}'),
-            call('{"name": "search", "arguments": {"q": '),
-            call('{"arguments": {"q": "a"}}'),
-            call('{"name": "launch", "arguments": {}}'),
-            call('{"name": "calc", "arguments": {"n": 1}}', close=False),
-        ]
+def test_key_is_the_library_config_canonicalised_and_ignores_multiplex():
+    auto = RendererKey.from_config(BUNDLED_MODEL, RendererConfig(multiplex=4))
+    explicit = RendererKey.from_config(
+        "other-model",
+        RendererConfig(tokenizer=BUNDLED_MODEL, family="qwen3", template_kwargs={"enable_thinking": True}),
     )
-    parsed = r.parse(r.encode(text), TOOLS)
-    assert [c.status for c in parsed.tool_calls] == [
-        "ok",
-        "invalid_json",
-        "missing_name",
-        "unknown_tool",
-        "unclosed",
-    ]
-    assert parsed.content == "checking" and not parsed.closed
-    assert [c["function"]["name"] for c in parsed.message["tool_calls"]] == ["search", "launch"]
+    assert auto.family == "qwen3" and auto.to_json() == explicit.to_json()
+    assert auto.renderer_config == {"name": "qwen3", "enable_thinking": True, "thinking_retention": None}
+    assert RendererKey.from_config(BUNDLED_MODEL, RendererConfig(history="fork_on_rewrite")) != auto
+    off = RendererKey.from_config(BUNDLED_MODEL, RendererConfig(template_kwargs={"enable_thinking": False}))
+    assert off != auto
+
+
+def test_every_library_family_is_available_by_name_and_hub_models_resolve_automatically():
+    from renderers.base import MODEL_RENDERER_MAP, RENDERER_REGISTRY, _populate_registry
+
+    _populate_registry()
+    for family in RENDERER_REGISTRY:
+        assert RendererKey.from_config("m", RendererConfig(family=family)).family == family
+    for model, family in MODEL_RENDERER_MAP.items():
+        assert RendererKey.from_config(model, RendererConfig()).family == family
+    unknown = RendererKey.from_config("/my/fine-tune", RendererConfig())
+    assert unknown.family == "auto"  # resolved when the tokenizer loads (a chat template: `default`)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"family": "no-such-family"},
+        {"family": "qwen3", "template_kwargs": {"drop_past_reasoning": True}},
+        {"family": "qwen3", "options": {"enable_thinkin": True}},
+        {"family": "gpt-oss", "thinking_retention": "all", "options": {"auto_drop_analysis": True}},
+        {"family": "custom"},
+        {"family": "qwen3", "custom": {"target": "renderer_actors.examples.chatml:ChatMLRenderer"}},
+    ],
+)
+def test_settings_the_library_refuses_are_the_callers_mistake(config):
+    with pytest.raises(CallerError):
+        RendererKey.from_config("m", RendererConfig(**config))
+
+
+def test_settings_are_exposed_through_our_config():
+    key = RendererKey.from_config(
+        "m",
+        RendererConfig(
+            family="glm-4.5", thinking_retention="all", template_kwargs={"enable_thinking": False}
+        ),
+    )
+    assert key.renderer_config["thinking_retention"] == "all"
+    assert key.renderer_config["enable_thinking"] is False
+    default = RendererKey.from_config(
+        "m", RendererConfig(family="default", options={"tool_parser": "qwen3"}, template_kwargs={"x": 1})
+    )
+    assert default.renderer_config["tool_parser"] == "qwen3" and default.renderer_config["x"] == 1
+
+
+# --------------------------------------------------------------------------------------- bridges
+
+
+def test_tool_turns_extend_through_the_library_bridge_token_exactly():
+    r = renderer()
+    t = Trajectory(r, [{"role": "user", "content": "find json"}], TOOLS)
+    completion = r.encode(
+        '<think>\nlook\n</think>\n\n<tool_call>\n{"name": "search", "arguments": {"q": "json"}}\n</tool_call>'
+    ) + [IM_END]
+    reply = t.bridge(completion, [{"role": "tool", "content": "found"}])
+    assert not reply.forked and not reply.synthetic_close and not t.forks
+    full = r.render_ids(t.messages, TOOLS, True)
+    assert t.prompt == full  # the library's extension is exactly the template's render here
+
+
+def test_a_new_user_turn_after_reasoning_forks_with_the_reason_when_the_template_drops_it():
+    """Qwen3's template drops reasoning before the last user message: the library cannot bridge, a full
+    render does not start with the trajectory, so it forks explicitly and says where."""
+    r = renderer()
+    t = Trajectory(r, [{"role": "user", "content": "hi"}])
+    completion = r.encode("<think>\nhmm\n</think>\n\nhello") + [IM_END]
+    before = t.prompt + completion
+    reply = t.bridge(completion, [{"role": "user", "content": "again"}])
+    assert reply.forked and "differently from token" in reply.fork_reason and "<think>" in reply.fork_reason
+    assert (
+        reply.prompt_ids == r.render_ids(t.messages, None, True) and reply.prompt_ids[: len(before)] != before
+    )
+
+
+def test_thinking_retention_all_keeps_sampled_reasoning_across_user_turns():
+    r = renderer(thinking_retention="all")
+    t = Trajectory(r, [{"role": "user", "content": "hi"}])
+    completion = r.encode("<think>\nhmm\n</think>\n\nhello") + [IM_END]
+    reply = t.bridge(completion, [{"role": "user", "content": "again"}])
+    assert not reply.forked and r.decode(t.prompt).count("hmm") == 1
+
+
+def test_fork_on_rewrite_forks_where_the_library_extends_but_the_template_rewrites():
+    r = renderer(thinking_retention="all", history="fork_on_rewrite")
+    t = Trajectory(r, [{"role": "user", "content": "hi"}])
+    completion = r.encode("<think>\nhmm\n</think>\n\nhello") + [IM_END]
+    reply = t.bridge(completion, [{"role": "user", "content": "again"}])
+    assert reply.forked and reply.fork_reason.startswith("fork_on_rewrite")
+
+
+@pytest.mark.parametrize("family", ["qwen3", "default"])
+def test_nfd_text_and_a_non_canonical_split_do_not_fork_under_fork_on_rewrite(family):
+    """Defect 1: the template rewrote nothing; a decomposed message and a completion split "js"+"on" must
+    not look like a rewrite (both sides are compared as the tokenizer normalises them)."""
+    r = renderer(family=family, history="fork_on_rewrite")
+    t = Trajectory(r, [{"role": "user", "content": "cafe\u0301 json"}])
+    split = r.encode("The word is js") + r.encode("on, cafe\u0301.")
+    assert split != r.encode("The word is json, cafe\u0301.")  # really non-canonical
+    for turn in range(3):
+        reply = t.bridge(split + [IM_END], [{"role": "user", "content": f"more cafe\u0301 {turn}"}])
+        assert not reply.forked, reply.fork_reason
+    assert t.forks == []
+
+
+NUMBERED = (
+    "{% for m in messages %}<|im_start|>{{ m.role }} #{{ loop.index }}\n{{ m.content }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant #{{ messages|length + 1 }}\n{% endif %}"
+)
+LATEST_MARKED = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}{% if loop.last and m.role == 'user' %} (latest)"
+    "{% endif %}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_append_renders_new_messages_in_their_real_position_for_a_numbered_template():
+    """Defect 2: under `append`, a template whose text depends on position gets the real conversation,
+    checked against a full render, never a delta after a synthetic prefix."""
+    r = renderer(template_variant("numbered", NUMBERED), family="default")
+    t = Trajectory(r, [{"role": "system", "content": "s"}, {"role": "user", "content": "one"}])
+    for turn in range(3):
+        reply = t.bridge(r.encode(f"answer {turn}") + [IM_END], [{"role": "user", "content": f"q{turn}"}])
+        assert not reply.forked
+        assert t.prompt == r.render_ids(t.messages, None, True)
+    assert "<|im_start|>user #8\nq2<|im_end|>\n<|im_start|>assistant #9\n" in r.decode(t.prompt)
+
+
+def test_append_forks_and_says_why_when_a_position_dependent_template_rewrites_history():
+    r = renderer(template_variant("latest", LATEST_MARKED), family="default")
+    t = Trajectory(r, [{"role": "user", "content": "one"}])
+    reply = t.bridge(r.encode("answer") + [IM_END], [{"role": "user", "content": "two"}])
+    assert reply.forked and "(latest)" in reply.fork_reason
+    assert reply.prompt_ids == r.render_ids(t.messages, None, True)
+
+
+def test_a_length_cut_in_open_reasoning_gets_the_familys_canonical_close_marked_synthetic():
+    r = renderer()
+    t = Trajectory(r, [{"role": "user", "content": "hi"}], TOOLS)
+    cut = r.encode("<think>\nstill thinking about")
+    before = t.prompt + cut
+    reply = t.bridge(cut, [{"role": "tool", "content": "x"}])
+    assert reply.synthetic_close and not reply.forked
+    assert t.prompt[: len(before)] == before
+    assert r.decode(reply.appended_ids).startswith("</think><|im_end|>\n<|im_start|>user")
+
+
+def test_assistant_messages_in_new_messages_are_refused():
+    r = renderer()
+    with pytest.raises(ValueError, match="assistant"):
+        r.bridge(
+            BridgeRequest(
+                completion_ids=[IM_END], new_messages=[{"role": "assistant", "content": "x"}], prompt_tail=[1]
+            )
+        )
+
+
+# ----------------------------------------------------------------------------------------- parse
+
+
+def test_parse_reports_each_tool_call_status_and_keeps_sampled_argument_text():
+    r = renderer()
+    body = (
+        '<tool_call>\n{"name": "search", "arguments": {"q":  "spaced"}}\n</tool_call>\n'
+        "<tool_call>\n{not json}\n</tool_call>\n"
+        '<tool_call>\n{"name": "other", "arguments": {}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "search", "arg'
+    )
+    parsed = r.parse(r.encode(body), TOOLS)
+    # Tool names are checked only where the family's inference parser checks them (GLM, as vLLM does).
+    assert [c.status for c in parsed.tool_calls] == ["ok", "invalid_json", "ok", "unclosed"]
+    calls = parsed.message["tool_calls"]
+    assert [c["function"]["name"] for c in calls] == ["search", "other"]
+    assert calls[0]["function"]["arguments"] == '{"q":  "spaced"}'  # as sampled, not re-serialised
+    assert not parsed.closed
 
 
 def test_parse_finds_markers_by_id_not_by_text():
-    """The text "<tool_call>" spelled with ordinary ids is content, not a call."""
     r = renderer()
-    spelled = r.encode("see <tool") + r.encode("_call> here")
-    assert 151657 not in spelled
-    parsed = r.parse(spelled + [IM_END], TOOLS)
-    assert parsed.tool_calls == [] and parsed.content == "see <tool_call> here"
+    text_marker = r.encode("<tool") + r.encode("_call>")  # the text, not the special token
+    parsed = r.parse(text_marker + [IM_END], TOOLS)
+    assert parsed.tool_calls == [] and parsed.closed
 
 
-def test_parse_reasoning_cut_by_length_has_no_content():
-    r = renderer()
-    parsed = r.parse(r.encode("<think>\nstill thinking"), None)
-    assert parsed.reasoning == "still thinking" and parsed.content is None and not parsed.closed
+# ------------------------------------------------------------------------------ custom renderers
 
 
-# ------------------------------------------------------------------------------ another template
+def test_a_custom_renderer_named_by_ref_loads_under_the_renderer_allowlist():
+    ref = Ref("renderer_actors.examples.chatml:ChatMLRenderer", {"system_prompt": "Be terse."})
+    r = renderer(family="custom", custom=ref)
+    assert r.family == "custom:renderer_actors.examples.chatml:ChatMLRenderer"
+    t = Trajectory(r, [{"role": "user", "content": "hi"}])
+    assert r.decode(t.prompt).startswith("<|im_start|>system\nBe terse.<|im_end|>")
+    reply = t.bridge(r.encode("hello"), [{"role": "user", "content": "again"}])
+    assert reply.synthetic_close and not reply.forked
+    assert t.prompt == r.render_ids(t.messages, None, True)
 
-GENERIC_TEMPLATE = (
-    "{%- for m in messages -%}"
-    "{{- '<|im_start|>' + m.role + '\\n' + (m.content or '') + '<|endoftext|>' -}}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+
+@pytest.mark.parametrize(
+    "target",
+    [
+        "rollout_actors.kernel:RefResolver",  # outside the renderer allowlist
+        "renderer_actors.examples.chatml:ChatMLRendererConfig",  # allowed module, not marked as a renderer
+        "renderers.qwen3:Qwen3Renderer",  # importable, but only the allowlist decides
+    ],
 )
-
-
-def test_generic_family_serves_any_chat_template(tmp_path, hf_tokenizer):
-    """A template with another close token (`<|endoftext|>`) and no boundary newline: `auto` picks the
-    generic family, which learns the close from a synthetic render and bridges exactly."""
-    hf_tokenizer.save_pretrained(str(tmp_path))
-    (tmp_path / "chat_template.jinja").write_text(GENERIC_TEMPLATE)
-    for name in ("tokenizer_config.json",):
-        config = json.loads((tmp_path / name).read_text())
-        config.pop("chat_template", None)
-        (tmp_path / name).write_text(json.dumps(config))
-    r = build_renderer(RendererKey.from_config(str(tmp_path), RendererConfig()))
-    assert r.family == "hf" and r.close_id == 151643 and r.boundary == ""
-    other = load_tokenizer(str(tmp_path))
-    start = [{"role": "user", "content": "hi"}]
-    prompt = r.start(start, None).prompt_ids
-    completion = r.encode("hello there") + [151643]
-    nxt, reply = bridge(r, prompt, start, completion, [{"role": "user", "content": "bye"}])
-    expected = other.apply_chat_template(
-        [*start, {"role": "assistant", "content": "hello there"}, {"role": "user", "content": "bye"}],
-        tokenize=False,
-        add_generation_prompt=True,
-    )
-    assert nxt == other.encode(expected, add_special_tokens=False)
-    assert reply.assistant_message["content"] == "hello there"
+def test_custom_renderers_outside_the_allowlist_or_unmarked_are_refused(target):
+    key = RendererKey.from_config(BUNDLED_MODEL, RendererConfig(family="custom", custom=Ref(target)))
+    with pytest.raises(CallerError):
+        Renderer.load(key)

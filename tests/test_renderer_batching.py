@@ -110,7 +110,8 @@ def test_readiness_is_asked_once_per_renderer_and_failures_are_not_cached():
 
 
 def test_render_calls_in_one_tick_become_one_call_many_per_renderer():
-    from renderer_actors.batching import CallOutcome, RenderCallFailed
+    from renderer_actors.batching import RenderCallFailed
+    from renderer_actors.calls import CallOutcome
     from rollout_actors.wire import Failure
 
     sent: list[tuple[str, list]] = []

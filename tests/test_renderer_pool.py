@@ -160,10 +160,10 @@ def test_session_runs_a_token_exact_multi_turn_trajectory(make_pool):
                 await session.bridge([IM_END], "stop", [{"role": "assistant", "content": "x"}], tools, 10)
             cut = step.prompt_ids + [1, 2, 3]
             step2 = await session.bridge(
-                [1, 2, 3], "length", [{"role": "user", "content": "more"}], tools, 10
+                [1, 2, 3], "length", [{"role": "tool", "content": "more"}], tools, 10
             )
-            assert step2.prompt_ids[: len(cut)] == cut and step2.synthetic_close
-            assert step2.prompt_ids[len(cut)] == IM_END
+            assert step2.prompt_ids[: len(cut)] == cut and step2.synthetic_close and not step2.forked
+            assert step2.prompt_ids[len(cut)] == IM_END  # Qwen3's canonical close, appended as prompt
         finally:
             await session.close()
             await session.close()  # idempotent
@@ -180,7 +180,7 @@ async def encode(session: RendererSession, text: str) -> list[int]:
 
 def test_rewriting_template_forks_through_the_session(make_pool):
     pool = make_pool()
-    config = RendererConfig(template_kwargs={"drop_past_reasoning": True}, history="fork_on_rewrite")
+    config = RendererConfig(history="fork_on_rewrite")  # Qwen3's template drops past reasoning
 
     async def scenario():
         session = await RendererSession.open(pool, BUNDLED_MODEL, config, timeout=30)
@@ -190,7 +190,7 @@ def test_rewriting_template_forks_through_the_session(make_pool):
             step = await session.bridge(
                 completion + [IM_END], "stop", [{"role": "user", "content": "3+3"}], None, 10
             )
-            assert step.forked and step.branch == 1
+            assert step.forked and step.branch == 1 and "<think>" in step.fork_reason
             assert step.prompt_ids[: len(prompt)] == prompt and completion[0] not in step.prompt_ids
             assert [m["role"] for m in session.messages] == ["user", "assistant", "user"]
         finally:

@@ -1,0 +1,1 @@
+"""Custom renderers a rollout may name by `Ref` under the default renderer allowlist."""
