@@ -62,6 +62,8 @@ def api_key_from_env(config: ClientConfig) -> str:
 
 def build_client(config: ClientConfig, session_id: str | None = None) -> openai.AsyncOpenAI:
     """A fresh client for one rollout. The caller owns it and must `await client.close()`."""
+    if config.base_url is None:
+        raise CallerError("client.base_url is not set and no endpoint was routed to this rollout")
     timeout = httpx.Timeout(
         connect=config.connect_timeout,
         read=config.read_timeout,

@@ -15,7 +15,12 @@ from rollout_actors.wire import CallerError, Failure, ResultKind
 
 
 class MalformedResponse(Exception):
-    """The server answered 200 with a body that is not the protocol (missing ids, bad shapes)."""
+    """The server answered 200 with a body that is not the protocol (not JSON, missing ids, bad shapes,
+    token ids outside the vocabulary)."""
+
+
+class CallDeadlineExceeded(Exception):
+    """A model call ran past its total deadline (`ClientConfig.call_deadline`): the server's fault."""
 
 
 def classify(exc: BaseException) -> tuple[ResultKind, Failure]:
@@ -31,7 +36,15 @@ def classify(exc: BaseException) -> tuple[ResultKind, Failure]:
         return "model", Failure.from_exception(exc, status_code=exc.status_code)
     if isinstance(exc, openai.APITimeoutError):
         return "model", Failure.from_exception(exc)
-    if isinstance(exc, (openai.APIConnectionError, openai.APIResponseValidationError, MalformedResponse)):
+    if isinstance(
+        exc,
+        (
+            openai.APIConnectionError,
+            openai.APIResponseValidationError,
+            MalformedResponse,
+            CallDeadlineExceeded,
+        ),
+    ):
         return "model", Failure.from_exception(exc)
     if isinstance(exc, (CallerError, ValidationError)):
         return "caller", Failure.from_exception(exc)

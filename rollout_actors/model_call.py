@@ -8,14 +8,16 @@ Field names follow vLLM's OpenAI protocol: `return_token_ids` asks for `choices[
 
 from __future__ import annotations
 
+import asyncio
 import json
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import Any
 
 import openai
 from openai.types import Completion
 
-from rollout_actors.failures import MalformedResponse
+from rollout_actors.failures import CallDeadlineExceeded, MalformedResponse
 from rollout_actors.wire import SamplingConfig
 
 
@@ -44,10 +46,37 @@ def _sampling_kwargs(sampling: SamplingConfig) -> dict[str, Any]:
     return kwargs
 
 
-def _ids(value: Any, what: str) -> list[int]:
-    if not isinstance(value, list) or not all(isinstance(i, int) for i in value):
+MAX_TOKEN_ID = 2**31 - 1  # no vocabulary is larger; an id past it cannot be a token of any model
+
+
+def _ids(value: Any, what: str, vocab_size: int | None = None) -> list[int]:
+    """Token ids exactly as the server sent them, or `MalformedResponse`: a list of ints, each inside the
+    vocabulary (`vocab_size` when known, else the int32 range). An id outside it is the server's fault and
+    is never recorded as sampled."""
+    if not isinstance(value, list) or not all(type(i) is int for i in value):
         raise MalformedResponse(f"response has no valid {what} (got {type(value).__name__})")
+    limit = vocab_size or MAX_TOKEN_ID + 1
+    if value and (min(value) < 0 or max(value) >= limit):
+        bad = next(i for i in value if not 0 <= i < limit)
+        raise MalformedResponse(f"{what} holds token id {bad}, outside the vocabulary [0, {limit})")
     return value
+
+
+async def _bounded(call: Awaitable[Any], deadline_s: float) -> Any:
+    """Await one model call under its total deadline (`ClientConfig.call_deadline`). The SDK's own timeouts
+    are per attempt and per read: a server that drips one byte at a time, or asks for a long
+    `Retry-After`, would stretch them; this deadline it cannot. A body that claims JSON and is not is
+    the server's fault too: `MalformedResponse`."""
+    scope = asyncio.timeout(deadline_s)
+    try:
+        async with scope:
+            return await call
+    except TimeoutError as exc:
+        if scope.expired():
+            raise CallDeadlineExceeded(f"model call exceeded its total deadline of {deadline_s:g} s") from exc
+        raise
+    except json.JSONDecodeError as exc:
+        raise MalformedResponse(f"response body is not JSON: {exc}") from exc
 
 
 def _extra(obj: Any, name: str) -> Any:
@@ -58,7 +87,13 @@ def _extra(obj: Any, name: str) -> Any:
 
 
 async def complete_tokens(
-    client: openai.AsyncOpenAI, model: str, prompt_ids: list[int], sampling: SamplingConfig
+    client: openai.AsyncOpenAI,
+    model: str,
+    prompt_ids: list[int],
+    sampling: SamplingConfig,
+    *,
+    deadline_s: float,
+    vocab_size: int | None = None,
 ) -> Sampled:
     # `completions.create` walks every prompt id through the SDK's TypedDict transform: about 8% of a
     # rollout worker's CPU at 1k-token prompts, and it grows with the prompt. The body is plain JSON
@@ -66,13 +101,13 @@ async def complete_tokens(
     body: dict[str, Any] = {"model": model, "prompt": prompt_ids, **_sampling_kwargs(sampling)}
     if sampling.logprobs:
         body["logprobs"] = 1
-    body.update({"return_token_ids": True, **sampling.extra_body})
-    response = await client.post("/completions", cast_to=Completion, body=body)
+    body.update({**sampling.extra_body, "return_token_ids": True})
+    response = await _bounded(client.post("/completions", cast_to=Completion, body=body), deadline_s)
     choices = getattr(response, "choices", None)
     if not choices:
         raise MalformedResponse("completion response has no choices")
     choice = choices[0]
-    completion_ids = _ids(_extra(choice, "token_ids"), "choices[0].token_ids")
+    completion_ids = _ids(_extra(choice, "token_ids"), "choices[0].token_ids", vocab_size)
     logprobs: list[float] = []
     if sampling.logprobs:
         token_logprobs = getattr(getattr(choice, "logprobs", None), "token_logprobs", None)
@@ -88,23 +123,27 @@ async def complete_chat(
     messages: list[dict[str, Any]],
     tools: list[dict[str, Any]] | None,
     sampling: SamplingConfig,
+    *,
+    deadline_s: float,
+    vocab_size: int | None = None,
 ) -> Sampled:
     kwargs = _sampling_kwargs(sampling)
     if tools:
         kwargs["tools"] = tools
-    response = await client.chat.completions.create(
+    call = client.chat.completions.create(
         model=model,
         messages=messages,
         logprobs=sampling.logprobs,
-        extra_body={"return_token_ids": True, **sampling.extra_body},
+        extra_body={**sampling.extra_body, "return_token_ids": True},
         **kwargs,
     )
+    response = await _bounded(call, deadline_s)
     choices = getattr(response, "choices", None)
     if not choices or getattr(choices[0], "message", None) is None:
         raise MalformedResponse("chat response has no choices[0].message")
     choice = choices[0]
-    completion_ids = _ids(_extra(choice, "token_ids"), "choices[0].token_ids")
-    prompt_ids = _ids(_extra(response, "prompt_token_ids"), "prompt_token_ids")
+    completion_ids = _ids(_extra(choice, "token_ids"), "choices[0].token_ids", vocab_size)
+    prompt_ids = _ids(_extra(response, "prompt_token_ids"), "prompt_token_ids", vocab_size)
     logprobs: list[float] = []
     if sampling.logprobs:
         content = getattr(getattr(choice, "logprobs", None), "content", None)

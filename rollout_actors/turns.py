@@ -83,7 +83,13 @@ class TokenTurns:
     async def sample(self, messages: list[dict[str, Any]]) -> tuple[Turn, dict[str, Any]]:
         assert self._renderer is not None
         request = self._request
-        sampled = await complete_tokens(self._client, request.client.model, self._prompt, request.sampling)
+        sampled = await complete_tokens(
+            self._client,
+            request.client.model,
+            self._prompt,
+            request.sampling,
+            deadline_s=request.client.call_deadline,
+        )
         parsed = await self._renderer.parse(sampled.completion_ids, self._tools, timeout=self._budget())
         self._last = sampled
         turn = Turn(
@@ -135,7 +141,12 @@ class ChatTurns:
     async def sample(self, messages: list[dict[str, Any]]) -> tuple[Turn, dict[str, Any]]:
         request = self._request
         sampled = await complete_chat(
-            self._client, request.client.model, messages, self._tools, request.sampling
+            self._client,
+            request.client.model,
+            messages,
+            self._tools,
+            request.sampling,
+            deadline_s=request.client.call_deadline,
         )
         prompt = sampled.prompt_ids or []
         seen = self._seen

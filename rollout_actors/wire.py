@@ -7,9 +7,11 @@ re-exported here, so an orchestrator imports its request types from one place.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import re
+from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, JsonValue, computed_field
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, computed_field, field_validator
 
 from renderer_actors.config import RendererConfig
 from renderer_actors.parse import ToolCall
@@ -19,6 +21,7 @@ from rollout_actors.kernel import (
     CallerError,
     Failure,
     Ref,
+    check_json,
     new_id,
 )
 
@@ -42,47 +45,119 @@ __all__ = [
 # ------------------------------------------------------------------------------------------- Config
 
 
+MAX_TOKENS_LIMIT = 2**24  # 16M tokens per turn: past any model's context; larger is a typo or an attack
+SEED_RANGE = (-(2**63), 2**63 - 1)  # vLLM's bound for `seed` (int64)
+MAX_TIMEOUT_S = 86_400.0  # a day: any finite budget a rollout could mean; inf/NaN are refused
+MAX_CONNECTIONS = 65_536  # one process cannot hold more sockets to one server than its port range
+PROTOCOL_FIELDS = frozenset(
+    {
+        "model", "prompt", "messages", "tools", "tool_choice", "max_tokens", "max_completion_tokens",
+        "temperature", "top_p", "seed", "logprobs", "top_logprobs", "stop", "n", "stream",
+        "stream_options", "echo", "return_token_ids", "return_tokens_as_token_ids",
+        "return_weight_versions", "cache_salt", "add_generation_prompt", "continue_final_message",
+    }
+)  # fmt: skip
+"""Request fields the plane sets itself: `extra_body` may not override them, or the recorded prompt and
+settings would not be what was sampled from."""
+PROTOCOL_HEADERS = frozenset(
+    {"authorization", "x-request-id", "x-session-id", "content-type", "content-length", "host"}
+)
+"""Headers the plane (or HTTP itself) sets: `ClientConfig.headers` may not override them."""
+_HEADER_NAME = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")  # RFC 9110 token
+_ENV_VAR = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+Timeout = Annotated[float, Field(gt=0, le=MAX_TIMEOUT_S, allow_inf_nan=False)]
+
+
 class ClientConfig(BaseModel):
     """How a rollout reaches its inference server. One client per rollout, built from this, closed in
-    `finally`. The defaults are the bounded request budget of DESIGN.md contract 6."""
-
-    model_config = ConfigDict(frozen=True)
-
-    base_url: str
-    """OpenAI-compatible base URL, e.g. `http://127.0.0.1:8000/v1`."""
-    model: str
-    """Model (or LoRA adapter) name sent with every request."""
-    api_key_var: str | None = None
-    """Name of the environment variable holding the API key. The key itself never travels."""
-    read_timeout: float = 600.0
-    """Seconds to wait for a response, per attempt."""
-    connect_timeout: float = 30.0
-    write_timeout: float = 30.0
-    pool_timeout: float = 30.0
-    max_retries: int = Field(default=1, ge=0, le=3)
-    """SDK retries per call; the bound keeps the worst case of one call at (1 + max_retries) x read."""
-    max_connections: int = 2048
-    keepalive_expiry: float = 4.0
-    """Below uvicorn's 5 s keep-alive, so the server never resets an idle connection under us."""
-    headers: dict[str, str] = Field(default_factory=dict)
-    """Extra headers; never put a secret here (use `api_key_var`)."""
-
-
-class SamplingConfig(BaseModel):
-    """Sampling settings sent to the server. Unknown keys are refused, so a typo is a `caller` result."""
+    `finally`. The defaults are the bounded request budget of DESIGN.md contract 6. Unknown keys and
+    absurd values are refused (a `caller` result naming the field)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    temperature: float = Field(default=1.0, ge=0.0, le=5.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    max_tokens: int = Field(default=512, ge=1)
+    base_url: str | None = None
+    """OpenAI-compatible base URL, e.g. `http://127.0.0.1:8000/v1`. May be left out when the plane routes
+    to its own endpoints (`PlaneConfig.endpoints` or an `InferenceServerSet`)."""
+    model: str = Field(min_length=1, max_length=512)
+    """Model (or LoRA adapter) name sent with every request."""
+    api_key_var: str | None = Field(default=None, pattern=_ENV_VAR.pattern, max_length=256)
+    """Name of the environment variable holding the API key. The key itself never travels."""
+    read_timeout: Timeout = 600.0
+    """Seconds to wait for the next bytes of a response, per attempt."""
+    connect_timeout: Timeout = 30.0
+    write_timeout: Timeout = 30.0
+    pool_timeout: Timeout = 30.0
+    call_timeout: Timeout | None = None
+    """Total seconds one model call may take, retries and `Retry-After` waits included; no server
+    behaviour (a slow drip that keeps resetting the read timeout, a long `Retry-After`) stretches it.
+    None: `(1 + max_retries) x (connect_timeout + read_timeout)`."""
+    max_retries: int = Field(default=1, ge=0, le=3)
+    """SDK retries per call, inside `call_timeout`."""
+    max_connections: int = Field(default=2048, ge=1, le=MAX_CONNECTIONS)
+    keepalive_expiry: float = Field(default=4.0, ge=0, le=MAX_TIMEOUT_S, allow_inf_nan=False)
+    """Below uvicorn's 5 s keep-alive, so the server never resets an idle connection under us."""
+    headers: dict[str, str] = Field(default_factory=dict, max_length=64)
+    """Extra headers; never put a secret here (use `api_key_var`). Protocol headers cannot be overridden."""
+
+    @field_validator("base_url")
+    @classmethod
+    def _http_url(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
+        parsed = urlsplit(value) if len(value) <= 2048 and value.isprintable() else None
+        if parsed is None or parsed.scheme not in ("http", "https") or not parsed.hostname:
+            raise ValueError(f"base_url must be an http(s) URL with a host, got {value[:100]!r}")
+        return value
+
+    @field_validator("headers")
+    @classmethod
+    def _plain_headers(cls, value: dict[str, str]) -> dict[str, str]:
+        for name, text in value.items():
+            if not _HEADER_NAME.match(name) or len(name) > 256:
+                raise ValueError(f"header name {name[:100]!r} is not an HTTP token")
+            if name.lower() in PROTOCOL_HEADERS:
+                raise ValueError(f"header {name!r} is set by the plane and cannot be overridden")
+            if any(ch in text for ch in "\r\n\0") or len(text) > 8192:
+                raise ValueError(f"header {name!r}: CR, LF or NUL in its value (or longer than 8 KiB)")
+        return value
+
+    @property
+    def call_deadline(self) -> float:
+        """`call_timeout`, or the default derived from the per-attempt timeouts."""
+        if self.call_timeout is not None:
+            return self.call_timeout
+        return (1 + self.max_retries) * (self.connect_timeout + self.read_timeout)
+
+
+class SamplingConfig(BaseModel):
+    """Sampling settings sent to the server. Unknown keys and absurd values are refused, so a typo is a
+    `caller` result."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    temperature: float = Field(default=1.0, ge=0.0, le=5.0, allow_inf_nan=False)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
+    max_tokens: int = Field(default=512, ge=1, le=MAX_TOKENS_LIMIT)
     """Per turn."""
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
     logprobs: bool = True
     """Return the sampled token's logprob for every completion token."""
-    stop: list[str] | None = None
+    stop: list[Annotated[str, Field(min_length=1, max_length=1024)]] | None = Field(
+        default=None, max_length=64
+    )
     extra_body: dict[str, Any] = Field(default_factory=dict)
-    """Server-specific fields passed through verbatim (e.g. vLLM's `top_k`, `repetition_penalty`)."""
+    """Server-specific fields passed through verbatim (e.g. vLLM's `top_k`, `repetition_penalty`). JSON
+    only; a field the plane sets itself (`PROTOCOL_FIELDS`: prompt, temperature, ...) is refused."""
+
+    @field_validator("extra_body")
+    @classmethod
+    def _no_protocol_fields(cls, value: dict[str, Any]) -> dict[str, Any]:
+        clash = sorted(set(value) & PROTOCOL_FIELDS)
+        if clash:
+            raise ValueError(f"extra_body may not set {clash}: the plane sets them (use the typed fields)")
+        check_json(value, "extra_body")
+        return value
 
 
 # ------------------------------------------------------------------------------------------ Request

@@ -97,7 +97,13 @@ async def _rollout(workload: SingleProcessWorkload, order: int, shared: Any) -> 
         prompt = list(start.prompt_ids)
         tail = list(prompt)
         for _ in range(workload.max_turns):
-            sampled = await complete_tokens(client, workload.client.model, prompt, workload.sampling)
+            sampled = await complete_tokens(
+                client,
+                workload.client.model,
+                prompt,
+                workload.sampling,
+                deadline_s=workload.client.call_deadline,
+            )
             timing.calls.append(time.monotonic() - asked)
             parsed = renderer.parse(sampled.completion_ids, tools, tail)
             step = await env.step(state, parsed.message)

@@ -301,7 +301,10 @@ def build_app(state: StandinState) -> TrafficGate:
             Route("/admin/faults", admin_faults, methods=["GET", "POST"]),
             Route("/admin/sessions", admin_sessions, methods=["GET"]),
         ]
-    return TrafficGate(Starlette(routes=routes, lifespan=lifespan), state.stats, state.faults)
+    app = Starlette(routes=routes, lifespan=lifespan)
+    return TrafficGate(
+        app, state.stats, state.faults, lambda: state.answers.vocab_size if state.answers else 0
+    )
 
 
 async def _exit_with_parent(parent_pid: int, exit_now: Any) -> None:

@@ -4,11 +4,25 @@ maybe faulted instead of answered.
 `TrafficGate` is the outermost ASGI callable, in front of the routes, so a fault can do what a route
 cannot: never answer (`timeout`), or close the socket without a response (`drop`). Faults come from the
 server-wide `FaultSettings` (CLI flags, `POST /admin/faults`) or per request from the headers
-`X-Standin-Fault: 500|timeout|drop|malformed|none` and `X-Standin-Fault-Rate: <0..1>` (default 1).
+`X-Standin-Fault: <kind>|none` and `X-Standin-Fault-Rate: <0..1>` (default 1).
+
+Kinds, each something a real server (or the network in front of it) can do:
+
+- `500`: an error answer; `malformed`: a 200 JSON body without the protocol's shape;
+- `timeout`: never answers; `drop`: closes the connection without a response;
+- `not_json`: a 200 whose content type says JSON and whose body is not JSON;
+- `oov`: the real answer with one sampled token id outside the vocabulary (`X-Standin-Oov-Id`, default:
+  the vocabulary size);
+- `drip`: a 200 whose body arrives one byte every `DRIP_INTERVAL_S` and never ends, so a per-read timeout
+  keeps being reset;
+- `retry_after`: a 429 with `Retry-After` (`X-Standin-Retry-After` seconds, default 30);
+- `echo_headers`: a 400 whose message repeats every request header, `Authorization` included (servers
+  and proxies that echo a request in an error exist; the key must not reach a result).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 from collections import Counter
@@ -21,6 +35,8 @@ MODEL_PATHS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
 FAULT_KINDS: tuple[str, ...] = get_args(FaultKind)
 MAX_SESSIONS = 100_000  # distinct session ids remembered; past it new ones are only counted as overflow
 DROP_BODY_PROMISE = b"4096"  # fallback drop: promise a body, send none, so the client sees a cut response
+DRIP_INTERVAL_S = 0.5  # below any sane read timeout: a drip never trips it
+DEFAULT_RETRY_AFTER_S = 30
 
 Scope = dict[str, Any]
 
@@ -124,10 +140,12 @@ def _rate(raw: bytes) -> float:
 class TrafficGate:
     """ASGI wrapper: model calls are counted and maybe faulted; everything else passes straight on."""
 
-    def __init__(self, app: Any, stats: TrafficStats, faults: FaultPlan) -> None:
+    def __init__(self, app: Any, stats: TrafficStats, faults: FaultPlan, vocab_size: Any = lambda: 0) -> None:
         self.app = app
         self.stats = stats
         self.faults = faults
+        self.vocab_size = vocab_size
+        """The tokenizer's vocabulary size once loaded: the id an `oov` fault plants by default."""
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         endpoint = MODEL_PATHS.get(scope.get("path", "")) if scope["type"] == "http" else None
@@ -151,7 +169,10 @@ class TrafficGate:
                 await self.app(scope, receive, _counting(send, stats))
                 return
             stats.faults[kind] += 1
-            await inject(kind, receive, send, stats)
+            if kind == "oov":
+                await self.app(scope, receive, _with_oov_id(send, headers, self.vocab_size(), stats))
+                return
+            await inject(kind, receive, send, stats, headers)
         finally:
             stats.in_flight -= 1
 
@@ -165,10 +186,27 @@ def _counting(send: Any, stats: TrafficStats) -> Any:
     return counted
 
 
-async def inject(kind: str, receive: Any, send: Any, stats: TrafficStats) -> None:
+async def inject(
+    kind: str, receive: Any, send: Any, stats: TrafficStats, headers: dict[bytes, bytes]
+) -> None:
     if kind == "500":
         body = error_body("stand-in: injected fault 500", "InternalServerError", 500)
         await send_json(send, 500, body, stats)
+    elif kind == "not_json":
+        payload = b"<html><body>502 Bad Gateway</body></html>"
+        await _send_raw(send, 200, payload, stats)
+    elif kind == "retry_after":
+        delay = headers.get(b"x-standin-retry-after", str(DEFAULT_RETRY_AFTER_S).encode())
+        body = error_body("stand-in: injected fault 429", "RateLimitError", 429)
+        await send_json(send, 429, body, stats, extra_headers=[(b"retry-after", delay)])
+    elif kind == "echo_headers":
+        echoed = "; ".join(
+            f"{k.decode(errors='replace')}: {v.decode(errors='replace')}" for k, v in headers.items()
+        )
+        body = error_body(f"stand-in: bad request with headers {echoed}", "BadRequestError", 400)
+        await send_json(send, 400, body, stats)
+    elif kind == "drip":
+        await _drip(receive, send, stats)
     elif kind == "malformed":
         # Valid JSON with the wrong shape: the SDK parses it leniently, so the caller's own validation
         # (no `choices`) is what must notice.
@@ -177,6 +215,52 @@ async def inject(kind: str, receive: Any, send: Any, stats: TrafficStats) -> Non
         await _until_disconnect(receive)  # never answer; the client's read timeout has to fire
     else:
         await _drop(receive, send)
+
+
+def _with_oov_id(send: Any, headers: dict[bytes, bytes], vocab_size: int, stats: TrafficStats) -> Any:
+    """The route's real answer with its first sampled id replaced by one outside the vocabulary."""
+    oov_id = int(headers.get(b"x-standin-oov-id", str(vocab_size).encode()))
+    start: dict[str, Any] = {}
+
+    async def rewrite(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.start":
+            start.update(message)
+            return
+        payload = message.get("body", b"")
+        if start.get("status") == 200:
+            answer = json.loads(payload)
+            for choice in answer.get("choices", []):
+                if choice.get("token_ids"):
+                    choice["token_ids"][0] = oov_id
+            payload = json.dumps(answer).encode()
+        await _send_raw(send, start.get("status", 200), payload, stats)
+
+    return rewrite
+
+
+async def _send_raw(send: Any, status: int, payload: bytes, stats: TrafficStats | None) -> None:
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
+    if stats is not None:
+        stats.responses[str(status)] += 1
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": payload})
+
+
+async def _drip(receive: Any, send: Any, stats: TrafficStats) -> None:
+    """A 200 JSON answer whose body never ends: one byte per `DRIP_INTERVAL_S` until the client leaves."""
+    stats.responses["200"] += 1
+    await send(
+        {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]}
+    )
+    disconnected = asyncio.ensure_future(_until_disconnect(receive))
+    try:
+        while not disconnected.done():
+            await send({"type": "http.response.body", "body": b" ", "more_body": True})
+            await asyncio.wait([disconnected], timeout=DRIP_INTERVAL_S)
+    except OSError:  # the client closed mid-send
+        pass
+    finally:
+        disconnected.cancel()
 
 
 async def _drop(receive: Any, send: Any) -> None:
@@ -201,9 +285,16 @@ def error_body(message: str, err_type: str, code: int, param: str | None = None)
     return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
 
 
-async def send_json(send: Any, status: int, body: Any, stats: TrafficStats | None = None) -> None:
+async def send_json(
+    send: Any,
+    status: int,
+    body: Any,
+    stats: TrafficStats | None = None,
+    extra_headers: list[tuple[bytes, bytes]] = (),
+) -> None:
     payload = json.dumps(body).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
+    headers += list(extra_headers)
     if stats is not None:
         stats.responses[str(status)] += 1
     await send({"type": "http.response.start", "status": status, "headers": headers})

@@ -14,7 +14,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
-FaultKind = Literal["500", "timeout", "drop", "malformed"]
+FaultKind = Literal[
+    "500", "timeout", "drop", "malformed", "not_json", "oov", "drip", "retry_after", "echo_headers"
+]
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # vLLM's bounds for `seed`
 
 

@@ -1,0 +1,177 @@
+"""A misbehaving inference server ends a model call in one classified failure, inside the call's budget.
+
+Each stand-in fault switch is driven per request (`X-Standin-Fault`) against the shared stand-in server;
+the call goes through the same client and model-call code a rollout uses, and is classified as a rollout
+would classify it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import glob
+import os
+import time
+
+import pytest
+from env_pools import TEST_REF_PREFIXES
+
+from renderer_actors.tokenizer import BUNDLED_MODEL, load_tokenizer
+from rollout_actors.client import build_client
+from rollout_actors.failures import classify
+from rollout_actors.model_call import complete_chat, complete_tokens
+from rollout_actors.plane import PlaneConfig, RolloutPlane
+from rollout_actors.wire import ClientConfig, Ref, RolloutRequest, SamplingConfig
+
+SECRET_VAR = "RAY_ROLLOUTS_TEST_SECRET"
+CALL_TIMEOUT_S = 3.0  # the documented total budget of one call in these tests
+SLACK_S = 5.0  # scheduling noise on a loaded 2-core machine; far below what an unbounded call would take
+DEADLINE_S = 60
+
+
+def run(coro, deadline: float = DEADLINE_S):
+    return asyncio.run(asyncio.wait_for(coro, deadline))
+
+
+def client_config(standin, fault: str, **headers: str) -> ClientConfig:
+    return ClientConfig(
+        base_url=standin.base_url,
+        model=BUNDLED_MODEL,
+        read_timeout=2.0,
+        connect_timeout=1.0,
+        max_retries=1,
+        call_timeout=CALL_TIMEOUT_S,
+        headers={"X-Standin-Fault": fault, **headers},
+    )
+
+
+async def one_call(config: ClientConfig, mode: str = "token", vocab_size: int | None = None):
+    """(kind, failure, seconds) of one model call, classified where a rollout classifies it."""
+    client = build_client(config)
+    started = time.monotonic()
+    sampling = SamplingConfig(max_tokens=16, seed=1)
+    try:
+        if mode == "token":
+            await complete_tokens(
+                client,
+                config.model,
+                [1, 2, 3],
+                sampling,
+                deadline_s=config.call_deadline,
+                vocab_size=vocab_size,
+            )
+        else:
+            messages = [{"role": "user", "content": "hi"}]
+            await complete_chat(
+                client, config.model, messages, None, sampling, deadline_s=config.call_deadline
+            )
+        return "ok", None, time.monotonic() - started
+    except Exception as exc:
+        kind, failure = classify(exc)
+        return kind, failure, time.monotonic() - started
+    finally:
+        await client.close()
+
+
+@pytest.mark.parametrize("mode", ["token", "chat"])
+def test_a_slow_drip_cannot_stretch_a_call_past_its_total_deadline(standin, mode):
+    kind, failure, seconds = run(one_call(client_config(standin, "drip"), mode))
+    assert kind == "model" and failure.type == "CallDeadlineExceeded", failure
+    assert CALL_TIMEOUT_S - 0.5 <= seconds < CALL_TIMEOUT_S + SLACK_S
+
+
+def test_a_long_retry_after_cannot_stretch_a_call_past_its_total_deadline(standin):
+    config = client_config(standin, "retry_after", **{"X-Standin-Retry-After": "30"})
+    kind, failure, seconds = run(one_call(config))
+    assert kind == "model" and failure.type == "CallDeadlineExceeded", failure
+    assert seconds < CALL_TIMEOUT_S + SLACK_S  # the SDK alone would sleep the 30 s
+
+
+def test_a_short_retry_after_is_honoured_and_the_429_reported(standin):
+    config = client_config(standin, "retry_after", **{"X-Standin-Retry-After": "0.2"})
+    kind, failure, _ = run(one_call(config))
+    assert kind == "model" and failure.status_code == 429, failure
+
+
+@pytest.mark.parametrize("mode", ["token", "chat"])
+def test_a_json_content_type_with_a_body_that_is_not_json_is_a_model_failure(standin, mode):
+    kind, failure, _ = run(one_call(client_config(standin, "not_json"), mode))
+    assert kind == "model" and failure.type == "MalformedResponse", failure
+    assert "not JSON" in failure.message
+
+
+@pytest.mark.parametrize("oov_id", ["-1", str(2**40), None])
+def test_token_ids_outside_the_vocabulary_are_a_model_failure(standin, oov_id):
+    vocab_size = len(load_tokenizer(BUNDLED_MODEL))
+    headers = {"X-Standin-Oov-Id": oov_id} if oov_id else {}  # None: exactly the vocabulary size
+    kind, failure, _ = run(one_call(client_config(standin, "oov", **headers), vocab_size=vocab_size))
+    assert kind == "model" and failure.type == "MalformedResponse", failure
+    assert "outside the vocabulary" in failure.message
+
+
+def test_out_of_vocabulary_ids_in_chat_mode_are_a_model_failure(standin):
+    kind, failure, _ = run(one_call(client_config(standin, "oov", **{"X-Standin-Oov-Id": "-7"}), "chat"))
+    assert kind == "model" and "outside the vocabulary" in failure.message
+
+
+def test_an_error_body_that_echoes_the_key_never_carries_it(standin, monkeypatch):
+    secret = os.environ[SECRET_VAR]
+    config = client_config(standin, "echo_headers").model_copy(update={"api_key_var": SECRET_VAR})
+    kind, failure, _ = run(one_call(config))
+    assert kind == "model" and failure.status_code == 400
+    assert "authorization" in failure.message.lower()  # the echo happened...
+    assert secret not in failure.model_dump_json()  # ...and the key did not survive it
+
+
+def test_an_echoed_key_reaches_no_result_log_line_or_file_through_the_plane(ray_session, standin, tmp_path):
+    """End to end: the planted key is sent as the API key, the server echoes it in a 400, and it appears
+    in no Result, no JSON line, no Ray log file and no stand-in log."""
+    secret = os.environ[SECRET_VAR]
+    client = ClientConfig(
+        base_url=standin.base_url,
+        model=BUNDLED_MODEL,
+        api_key_var=SECRET_VAR,
+        headers={"X-Standin-Fault": "echo_headers"},
+    )
+    request = RolloutRequest(
+        env=Ref(target="env_actors.examples.math_env:MathEnv"), task_index=0, client=client
+    )
+
+    async def scenario():
+        config = PlaneConfig(
+            lanes={"train": 4, "eval": 1},
+            workers=1,
+            worker_num_cpus=0.25,
+            env_pool={"num_cpus": 0.25},
+            allowed_ref_prefixes=TEST_REF_PREFIXES,
+        )
+        async with RolloutPlane(config) as plane:
+            await plane.submit(request)
+            return await plane.next_result(timeout=DEADLINE_S)
+
+    result = run(scenario(), deadline=120)
+    assert result.kind == "model" and result.error.status_code == 400
+    assert "[redacted]" in result.error.message
+    lines = tmp_path / "results.jsonl"
+    lines.write_text(result.model_dump_json() + "\n")
+    assert secret not in lines.read_text()
+    import ray
+
+    log_dir = ray._private.worker.global_worker.node.get_logs_dir_path()
+    leaked = [
+        path
+        for path in _files(log_dir) + _files(os.path.dirname(str(standin.log_path)))
+        if _holds(path, secret)
+    ]
+    assert leaked == []
+
+
+def _files(root: str) -> list[str]:
+    return [p for p in glob.glob(os.path.join(root, "**", "*"), recursive=True) if os.path.isfile(p)]
+
+
+def _holds(path: str, secret: str) -> bool:
+    try:
+        with open(path, "rb") as handle:
+            return secret.encode() in handle.read()
+    except OSError:
+        return False
