@@ -136,5 +136,6 @@ class RendererActor:
             always_needs_history=renderer.always_needs_history,
             load_s=time.monotonic() - started,
             pid=os.getpid(),
+            vocab_size=renderer.tokenizer.backend.get_vocab_size(with_added_tokens=True),
         )
         self._renderer = renderer

@@ -88,6 +88,9 @@ class RendererInfo(BaseModel):
     """Send `history` with every bridge (`fork_on_rewrite` checks each turn against a full render)."""
     load_s: float = 0.0
     pid: int = 0
+    vocab_size: int = 0
+    """Token ids the tokenizer knows (added tokens included): a sampled id at or past it is the
+    server's fault, never a token to record."""
 
 
 @dataclass(frozen=True)

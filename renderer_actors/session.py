@@ -121,6 +121,11 @@ class RendererSession:
         return self._key
 
     @property
+    def vocab_size(self) -> int | None:
+        """The tokenizer's vocabulary size, once a renderer answered (None before)."""
+        return self._info.vocab_size or None if self._info is not None else None
+
+    @property
     def prompt_ids(self) -> list[int]:
         """The current prompt (a copy)."""
         return list(self._prompt or [])

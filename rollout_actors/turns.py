@@ -89,6 +89,7 @@ class TokenTurns:
             self._prompt,
             request.sampling,
             deadline_s=request.client.call_deadline,
+            vocab_size=self._renderer.vocab_size,
         )
         parsed = await self._renderer.parse(sampled.completion_ids, self._tools, timeout=self._budget())
         self._last = sampled

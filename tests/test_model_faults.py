@@ -175,3 +175,32 @@ def _holds(path: str, secret: str) -> bool:
             return secret.encode() in handle.read()
     except OSError:
         return False
+
+
+def test_a_rollout_whose_server_samples_an_id_past_the_vocabulary_ends_model_without_recording_it(
+    ray_session, standin
+):
+    """Token mode: the bound is the renderer's vocabulary (ids 0..vocab_size-1); the server sent exactly
+    `vocab_size`, which no tokenizer of this model can decode."""
+    client = ClientConfig(base_url=standin.base_url, model=BUNDLED_MODEL, headers={"X-Standin-Fault": "oov"})
+    request = RolloutRequest(
+        env=Ref(target="env_actors.examples.math_env:MathEnv"), task_index=0, client=client
+    )
+    vocab_size = len(load_tokenizer(BUNDLED_MODEL))
+
+    async def scenario():
+        config = PlaneConfig(
+            lanes={"train": 4, "eval": 1},
+            workers=1,
+            worker_num_cpus=0.25,
+            env_pool={"num_cpus": 0.25},
+            allowed_ref_prefixes=TEST_REF_PREFIXES,
+        )
+        async with RolloutPlane(config) as plane:
+            await plane.submit(request)
+            return await plane.next_result(timeout=DEADLINE_S)
+
+    result = run(scenario(), deadline=120)
+    assert result.kind == "model" and result.error.type == "MalformedResponse", result.error
+    assert str(vocab_size) in result.error.message
+    assert all(vocab_size not in turn.completion_ids for turn in result.turns)
