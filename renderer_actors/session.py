@@ -14,7 +14,7 @@ Usage (inside a rollout; every call has a deadline, `close` runs in `finally`)::
 
 The session keeps the trajectory (prompt ids, messages, branch) in this process and sends the renderer
 only what a turn adds, so a call costs the same at turn 100 as at turn 1. The whole history travels only
-when a renderer asks for it (a fork, or a generic template that cannot render a delta).
+when a renderer asks for it (the library cannot bridge the turn, or `fork_on_rewrite`).
 
 Renderers hold no rollout state: when the renderer a call went to has died, the session re-leases (the
 pool replaces the dead one) and retries the call once, within the caller's timeout. Anything else that

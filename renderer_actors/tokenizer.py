@@ -3,7 +3,9 @@ tokenizer with the project's own Qwen3-style chat template.
 
 Built offline on first use and cached on disk; never downloaded from a hub. The build writes to a
 temporary directory and renames it into place, so concurrent first uses (several actors at once) race
-safely: one rename wins, the others find the finished cache.
+safely: one rename wins, the others find the finished cache. The `renderers` library renders the Qwen3
+family on it directly; `FastTokenizer` is the surface the library is handed (any tokenizer, not only
+this one).
 """
 
 from __future__ import annotations
