@@ -72,6 +72,8 @@ class BridgeReply(BaseModel):
     """The completion did not end with one of the family's stop tokens (cut by `length`, or a stop
     string): `appended_ids` begin with the close the library defines for the family. It is prompt, not
     completion, so it is never trained on as sampled."""
+    synthetic_ids: int = 0
+    """How many ids that close took (through the family's stop token): the first ids of `appended_ids`."""
     needs_history: bool = False
     """Nothing else is set: call again with `history`."""
     assistant_message: dict[str, Any] = Field(default_factory=dict)

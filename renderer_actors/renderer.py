@@ -115,13 +115,13 @@ class Renderer:
         message = request.assistant_message
         if message is None:
             message = self.parse(completion, request.tools, request.prompt_tail).message
-        reply = {
-            "synthetic_close": not (completion and completion[-1] in self.stop_ids),
-            "assistant_message": message,
-        }
+        synthetic = not (completion and completion[-1] in self.stop_ids)
+        reply = {"synthetic_close": synthetic, "assistant_message": message}
         extension = self._library_extension(request)
         if extension is not None and not self.always_needs_history:
-            return BridgeReply(appended_ids=extension, **reply)
+            return BridgeReply(
+                appended_ids=extension, synthetic_ids=self._close_length(extension, synthetic), **reply
+            )
         if request.history is None:
             return BridgeReply(needs_history=True)
 
@@ -130,9 +130,18 @@ class Renderer:
         full = self.render_ids(messages, request.tools, True)
         appended, why = self._extension_of(prefix, full)
         if appended is not None:
-            return BridgeReply(appended_ids=appended, **reply)
+            return BridgeReply(
+                appended_ids=appended, synthetic_ids=self._close_length(appended, synthetic), **reply
+            )
         lead = "the library could not bridge this turn" if extension is None else "fork_on_rewrite"
         return BridgeReply(prompt_ids=full, forked=True, fork_reason=f"{lead}; {why}", **reply)
+
+    def _close_length(self, appended: list[int], synthetic: bool) -> int:
+        """How many of `appended` are the synthetic close: through the first stop token (e.g. `</think>`,
+        `\\n\\n`, `<|im_end|>` after a cut inside reasoning); 0 when nothing was synthesised."""
+        if not synthetic:
+            return 0
+        return next((i + 1 for i, token in enumerate(appended) if token in self.stop_ids), 0)
 
     def _library_extension(self, request: BridgeRequest) -> list[int] | None:
         """The library's bridge from the prompt tail, if it keeps the tail and the completion exactly."""

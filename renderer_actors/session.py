@@ -72,6 +72,8 @@ class BridgeStep(BaseModel):
     synthetic_close: bool = False
     """The completion had no stop token (cut by `length`): the ids after it begin with the close the
     family defines, appended by the renderer (prompt, never sampled; never trained on)."""
+    synthetic_ids: int = 0
+    """How many ids that close took: the first `synthetic_ids` ids after the completion."""
     fork_reason: str | None = None
     """Why this step forked: where the template's full render departed from the trajectory."""
 
@@ -203,6 +205,7 @@ class RendererSession:
             branch=self.branch,
             forked=reply.forked,
             synthetic_close=reply.synthetic_close,
+            synthetic_ids=reply.synthetic_ids,
             fork_reason=reply.fork_reason,
         )
 

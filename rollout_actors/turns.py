@@ -118,7 +118,7 @@ class TokenTurns:
             self.forked = True
         else:  # the next prompt is this prompt + completion + what the bridge appended
             self._added = step.prompt_ids[len(self._prompt) + len(completion) :]
-            self._synthetic = 1 if step.synthetic_close else 0
+            self._synthetic = step.synthetic_ids
         self._prompt, self._branch = step.prompt_ids, step.branch
 
     async def close(self) -> None:

@@ -82,7 +82,7 @@ def build_turns(turns: int, tool_tokens: int, completion_tokens: int) -> list[Tu
                 assistant_message=parsed.message,
             )
         )
-        added, synthetic = reply.appended_ids, int(reply.synthetic_close)
+        added, synthetic = reply.appended_ids, reply.synthetic_ids
     return out
 
 

@@ -219,6 +219,8 @@ def test_a_length_cut_in_open_reasoning_gets_the_familys_canonical_close_marked_
     assert reply.synthetic_close and not reply.forked
     assert t.prompt[: len(before)] == before
     assert r.decode(reply.appended_ids).startswith("</think><|im_end|>\n<|im_start|>user")
+    # The whole close is counted, through the stop token: both ids are prompt, never sampled.
+    assert r.decode(reply.appended_ids[: reply.synthetic_ids]) == "</think><|im_end|>"
 
 
 def test_assistant_messages_in_new_messages_are_refused():

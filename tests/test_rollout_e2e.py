@@ -13,7 +13,7 @@ from env_pools import TEST_REF_PREFIXES
 from renderer_actors.tokenizer import BUNDLED_MODEL
 from rollout_actors.plane import PlaneConfig, RolloutPlane
 from rollout_actors.samples import turn_prompts
-from rollout_actors.wire import ClientConfig, Ref, Result, RolloutRequest, SamplingConfig
+from rollout_actors.wire import ClientConfig, Ref, RendererConfig, Result, RolloutRequest, SamplingConfig
 
 MATH = Ref(target="env_actors.examples.math_env:MathEnv")
 CALC = Ref(target="env_actors.examples.calculator_env:CalculatorEnv")
@@ -297,25 +297,31 @@ def test_a_trainer_sample_is_the_last_prompt_plus_its_completion_with_synthetic_
     """Every completion is cut by `length`, so every bridge appends a close token nobody sampled: it is
     marked on the turn that holds it and masked out of the loss, and the sample is exactly what the
     server was sent last plus what it sampled."""
-    from renderer_actors.qwen3 import IM_END
     from renderer_actors.tokenizer import load_tokenizer
     from rollout_actors.samples import trainer_samples
 
     async def scenario():
         async with small_plane() as plane:
-            await plane.submit(request(standin, env=ECHO, sampling=SamplingConfig(max_tokens=4, seed=3)))
+            # Keep past reasoning: a cut think block must be bridged (closed synthetically), not dropped
+            # by a re-render at the next user turn as the template's own retention would.
+            renderer = RendererConfig(thinking_retention="all")
+            sampling = SamplingConfig(max_tokens=4, seed=3)
+            await plane.submit(request(standin, env=ECHO, sampling=sampling, renderer=renderer))
             return await collect(plane, 1)
 
     (result,) = run(scenario())
     assert result.kind == "ok", result.error
+    assert not result.forked
     assert [t.finish_reason for t in result.turns] == ["length"] * 3
-    assert [t.synthetic_ids for t in result.turns] == [0, 1, 1]
+    # A cut answer closes with <|im_end|>; a cut think block with </think> ... <|im_end|>.
+    assert [t.synthetic_ids > 0 for t in result.turns] == [False, True, True]
     (sample,) = trainer_samples(result)
     last = result.turns[-1]
     assert sample.token_ids == turn_prompts(result)[-1] + last.completion_ids
     assert sum(sample.loss_mask) == sum(len(t.completion_ids) for t in result.turns) == 12
-    im_end = load_tokenizer().convert_tokens_to_ids(IM_END)
-    assert [sample.token_ids[i] for i in sample.synthetic] == [im_end, im_end]
+    im_end = load_tokenizer().convert_tokens_to_ids("<|im_end|>")
+    closes = [sample.token_ids[i] for i in sample.synthetic]
+    assert closes.count(im_end) == 2 and len(closes) == sum(t.synthetic_ids for t in result.turns)
     assert all(sample.loss_mask[i] == 0 for i in sample.synthetic)
     assert [x for x, m in zip(sample.logprobs, sample.loss_mask, strict=True) if m] == [
         x for t in result.turns for x in t.logprobs
