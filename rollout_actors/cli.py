@@ -161,7 +161,8 @@ def _init_ray(address: str | None) -> None:
 
 def run(config: RunConfig) -> int:
     from renderer_actors.tokenizer import BUNDLED_MODEL
-    from rollout_actors.inference.standin import StandinOptions, StandinServer
+    from rollout_actors.inference.server_actor import ServerSpec, standin_options
+    from rollout_actors.inference.standin import StandinServer
 
     job, servers = config.run, config.servers
     output = Path(job.output or f"rollouts-{time.strftime('%Y%m%d-%H%M%S')}.jsonl")
@@ -171,7 +172,8 @@ def run(config: RunConfig) -> int:
             settings = servers.standin
             server = stack.enter_context(
                 StandinServer(
-                    StandinOptions(
+                    standin_options(  # the flags a production vLLM gets: parsers, LoRA, weight updates
+                        ServerSpec(kind="standin", model=BUNDLED_MODEL),
                         latency_s=settings.latency_s,
                         per_token_latency_s=settings.per_token_latency_s,
                         correct_rate=settings.correct_rate,
@@ -224,19 +226,17 @@ async def _run_plane(config: RunConfig, endpoints: list[str], model: str, output
                         "sampling": config.sampling.model_copy(update={"seed": seed}),
                     }
                 )
-                handle = await plane.submit_group(request, job.group_size)
-                await handle.admitted()  # back-pressure: the next group waits while the lane is full
+                await plane.submit_group(request, job.group_size)
 
         feeder = asyncio.create_task(feed())
         status = _Status(plane, total, started, live=job.progress)
         with output.open("w") as sink, status:
-            for _ in range(job.tasks):
+            while len(results) < total:
                 # The plane answers every request within its deadline plus grace; past that, fail loudly.
-                group = await plane.next_group(timeout=job.deadline_s + plane_config.answer_grace_s + 60)
-                for result in group.results:
-                    results.append(result)
-                    # Defaults left out: each line reads back whole with `Result.model_validate_json`.
-                    sink.write(result.model_dump_json(exclude_defaults=True) + "\n")
+                result = await plane.next_result(timeout=job.deadline_s + plane_config.answer_grace_s + 60)
+                results.append(result)
+                # Defaults left out: each line reads back whole with `Result.model_validate_json`.
+                sink.write(result.model_dump_json(exclude_defaults=True) + "\n")
                 status.update(results)
         await feeder
     elapsed = time.perf_counter() - started

@@ -60,6 +60,19 @@ def api_key_from_env(config: ClientConfig) -> str:
     return key
 
 
+def auth_headers(api_key_var: str | None) -> dict[str, str]:
+    """The `Authorization` header for the plane's own calls to a server started with an API key (LoRA
+    load/unload, pause/resume, weight updates, readiness, metrics). Empty without a key. The key is read
+    here, on the side that calls, and registered so anything echoing it is redacted."""
+    if api_key_var is None:
+        return {}
+    key = os.environ.get(api_key_var)
+    if not key:
+        raise ValueError(f"environment variable {api_key_var!r} (the servers' API key) is not set here")
+    register_secret(key)
+    return {"Authorization": f"Bearer {key}"}
+
+
 def build_client(config: ClientConfig, session_id: str | None = None) -> openai.AsyncOpenAI:
     """A fresh client for one rollout. The caller owns it and must `await client.close()`."""
     if config.base_url is None:

@@ -43,11 +43,12 @@ class PlaneConfig(BaseModel):
     env_ready_timeout_s: float = 120.0
     allowed_ref_prefixes: tuple[str, ...] = DEFAULT_ALLOWED_PREFIXES
     """Module prefixes a request's Refs may name. Widening it is explicit."""
-    max_off_policy_steps: int | None = Field(default=None, ge=0)
-    """When a new policy becomes active, cancel rollouts in flight that started more than this many
-    versions before it (the trainer would drop them anyway). None: never."""
     policy_storage_dir: str | None = None
     """Where published LoRA adapters are written; every server must read it under the same path."""
+    server_api_key_var: str | None = None
+    """Environment variable holding the inference servers' API key, sent with the plane's own calls to
+    them (LoRA load/unload, pause/resume, weight updates). Given an `InferenceServerSet`, its
+    `ServerSpec.api_key_var` is used. Rollouts send `ClientConfig.api_key_var`."""
     name_prefix: str | None = None
     """Prefix of the named actors this plane starts; `None` picks a unique one."""
 

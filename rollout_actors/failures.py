@@ -7,6 +7,7 @@ Ray strips exception causes at actor boundaries, so the worker turns every excep
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import openai
 from pydantic import ValidationError
@@ -23,6 +24,28 @@ class CallDeadlineExceeded(Exception):
     """A model call ran past its total deadline (`ClientConfig.call_deadline`): the server's fault."""
 
 
+class TurnAborted(Exception):
+    """The server ended a turn early (`finish_reason` "abort" or "error") and the plane did not ask for
+    it: what it sampled is not a finished turn, never bridged on or trained on as one."""
+
+    def __init__(self, finish_reason: str | None, completion_ids: list[int], sampled: Any = None) -> None:
+        super().__init__(
+            f"the server ended the turn with finish_reason={finish_reason!r} after {len(completion_ids)} tokens"
+        )
+        self.finish_reason = finish_reason
+        self.sampled = sampled
+        """The partial turn (`model_call.Sampled`): what a turn the plane paused resumes from."""
+
+
+MODEL_FAILURES = (
+    openai.APIConnectionError,
+    openai.APIResponseValidationError,
+    MalformedResponse,
+    CallDeadlineExceeded,
+    TurnAborted,
+)
+
+
 def classify(exc: BaseException) -> tuple[ResultKind, Failure]:
     """Map an exception raised while running a rollout to (result kind, failure)."""
     kind_attr = getattr(exc, "kind", None)
@@ -36,15 +59,7 @@ def classify(exc: BaseException) -> tuple[ResultKind, Failure]:
         return "model", Failure.from_exception(exc, status_code=exc.status_code)
     if isinstance(exc, openai.APITimeoutError):
         return "model", Failure.from_exception(exc)
-    if isinstance(
-        exc,
-        (
-            openai.APIConnectionError,
-            openai.APIResponseValidationError,
-            MalformedResponse,
-            CallDeadlineExceeded,
-        ),
-    ):
+    if isinstance(exc, MODEL_FAILURES):
         return "model", Failure.from_exception(exc)
     if isinstance(exc, (CallerError, ValidationError)):
         return "caller", Failure.from_exception(exc)

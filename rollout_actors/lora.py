@@ -33,6 +33,119 @@ PARALLEL_COPY_BYTES = 4 * 2**20  # below this one thread copies faster than two 
 """Files copied from an adapter directory: PEFT's config and weights (vLLM reads .safetensors or .bin)."""
 
 
+# ------------------------------------------------------------------------------- what vLLM accepts
+# Read from vLLM 0.33.0 (commit 4ba787ec9): `vllm/config/lora.py` (MaxLoRARanks), `vllm/lora/peft_helper.py`
+# (PEFTHelper.from_dict / _validate_features / validate_legal), `vllm/lora/lora_model.py`
+# (check_unexpected_modules) and `vllm/lora/utils.py` (parse_fine_tuned_lora_name).
+
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""`--max-lora-rank` must be one of these; vLLM refuses to start with any other value."""
+DECODER_LORA_MODULES = frozenset(
+    {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "embed_tokens", "lm_head"}
+)
+"""Modules vLLM can adapt in a Llama/Qwen-style decoder (Qwen3: `qkv_proj` and `gate_up_proj` unpacked by
+`packed_modules_mapping`, plus its `embedding_modules`)."""
+_PEFT_REQUIRED = ("r", "lora_alpha", "target_modules")
+_SUPPORTED_INITS = ("gaussian", "eva", "orthogonal", "mica", "lora_ga")
+_UNSUPPORTED_FEATURES = {
+    "use_dora": "vLLM does not yet support DoRA (use_dora)",
+    "lora_bias": "vLLM does not support LoRA bias (lora_bias)",
+    "alora_invocation_tokens": "vLLM does not support Activated LoRA (alora_invocation_tokens)",
+    "layer_replication": "vLLM does not support layer_replication",
+    "use_bdlora": "vLLM does not support block-diagonal LoRA (use_bdlora)",
+    "use_qalora": "vLLM does not support QALoRA (use_qalora)",
+}
+
+
+@dataclass(frozen=True)
+class AdapterLimits:
+    """What the servers an adapter goes to accept (their `--max-lora-rank`, the model's LoRA modules)."""
+
+    max_lora_rank: int = 64
+    modules: frozenset[str] = DECODER_LORA_MODULES
+
+
+def adapter_problems(
+    config: Mapping[str, Any], tensor_names: list[str] | None, limits: AdapterLimits
+) -> list[str]:
+    """Why vLLM's loader would refuse this adapter (empty: it would load it). Each problem names the
+    setting or the tensor. `tensor_names` None: not known (a `.bin` checkpoint), only the config is checked."""
+    missing = [key for key in _PEFT_REQUIRED if key not in config]
+    if missing:
+        return [f"adapter_config.json lacks required field(s) {missing}"]
+    problems = []
+    rank, patterns = config["r"], config.get("rank_pattern") or {}
+    ranks = [rank, *patterns.values()] if isinstance(patterns, Mapping) else [rank]
+    if not all(isinstance(r, int) and not isinstance(r, bool) and r > 0 for r in ranks):
+        problems.append(f"LoRA rank r={rank!r} (and rank_pattern values) must be positive integers")
+    elif max(ranks) > limits.max_lora_rank:
+        problems.append(
+            f"LoRA rank {max(ranks)} is greater than the servers' max_lora_rank {limits.max_lora_rank}"
+        )
+    if config.get("bias", "none") != "none":
+        problems.append(f"bias={config['bias']!r}: adapter bias is not supported (only 'none')")
+    extra = [m for m in config.get("modules_to_save") or [] if m not in ("classifier", "score")]
+    if extra:
+        problems.append(f"modules_to_save={extra}: vLLM only supports classifier/score heads there")
+    problems += [why for key, why in _UNSUPPORTED_FEATURES.items() if config.get(key)]
+    init = config.get("init_lora_weights", True)
+    if isinstance(init, str) and init.lower() not in _SUPPORTED_INITS:
+        problems.append(f"init_lora_weights={init!r} changes the base weights; vLLM does not support it")
+    for name in tensor_names or []:
+        problems += _tensor_problems(name, config, limits)
+    return problems
+
+
+def _tensor_problems(name: str, config: Mapping[str, Any], limits: AdapterLimits) -> list[str]:
+    if (
+        name.endswith((".embed_tokens.base_layer.weight", ".lm_head.base_layer.weight"))
+        or "base_layer" in name
+    ):
+        return []
+    parts = name.removeprefix("base_model.model.").split(".")
+    if len(parts) >= 3 and parts[-1] == "weight" and parts[-2] in ("lora_A", "lora_B"):
+        module = parts[-3]
+    elif len(parts) >= 2 and parts[-1] in ("lora_embedding_A", "lora_embedding_B"):
+        module = parts[-2]
+    elif len(parts) >= 2 and parts[-1] in ("weight", "bias") and parts[-2] in ("score", "classifier"):
+        module = parts[-2]
+    else:
+        return [f"tensor {name!r} is not a LoRA weight (names end in .lora_A.weight / .lora_B.weight)"]
+    if module not in limits.modules and module not in (config.get("modules_to_save") or ()):
+        return [
+            f"tensor {name!r} adapts module {module!r}, which the model cannot adapt ({sorted(limits.modules)})"
+        ]
+    return []
+
+
+def safetensors_names(data: bytes) -> list[str]:
+    """Tensor names from a safetensors file's header, without reading the tensors."""
+    size = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + size])
+    return [name for name in header if name != "__metadata__"]
+
+
+def check_adapter(capture: AdapterCapture, limits: AdapterLimits) -> None:
+    """Raise ValueError naming every tensor or setting vLLM would refuse (before anything is written)."""
+    if capture.files:
+        try:
+            config = json.loads(capture.files[CONFIG_FILE])
+        except ValueError as exc:
+            raise ValueError(f"vLLM would refuse this adapter: {CONFIG_FILE} is not JSON ({exc})") from exc
+        weights = capture.files.get(WEIGHTS_FILE)
+        try:
+            names = safetensors_names(weights) if weights is not None else None
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise ValueError(
+                f"vLLM would refuse this adapter: {WEIGHTS_FILE} is not a safetensors file"
+            ) from exc
+    else:
+        config, names = dict(capture.config), list(capture.tensors)
+    problems = adapter_problems(config, names, limits)
+    if problems:
+        raise ValueError("vLLM would refuse this adapter: " + "; ".join(problems))
+
+
 def lora_config(
     rank: int, alpha: float, target_modules: list[str], base_model: str | None = None, **extra: Any
 ) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from typing import Any
 import openai
 from openai.types import Completion
 
-from rollout_actors.failures import CallDeadlineExceeded, MalformedResponse
+from rollout_actors.failures import CallDeadlineExceeded, MalformedResponse, TurnAborted
 from rollout_actors.wire import SamplingConfig
 
 
@@ -31,6 +31,24 @@ class Sampled:
     prompt_ids: list[int] | None = None
     message: dict[str, Any] = field(default_factory=dict)
     """Chat mode only: the assistant message as the server parsed it."""
+    weight_versions: list[tuple[str, int]] = field(default_factory=list)
+    """vLLM's `weight_versions` (0.33+): (weights label, first completion index) per run of tokens; empty
+    when the server does not report them."""
+
+
+@dataclass(frozen=True)
+class CallTags:
+    """What a model call carries besides the prompt: an `X-Request-Id` that names the rollout and turn in
+    the server's logs, and the `cache_salt` of the policy version (no prefix-cache entry computed by an
+    older policy serves a newer one)."""
+
+    request_id: str
+    cache_salt: str | None = None
+
+
+FINISHED_NORMALLY = ("stop", "length", "tool_calls", "repetition", None)
+"""vLLM 0.33 `FINISH_REASON_STRINGS`: stop, length, abort, error, repetition (+ chat's tool_calls).
+`abort` (an engine abort, `/pause?mode=abort`) and `error` never end a turn as if it were complete."""
 
 
 def _sampling_kwargs(sampling: SamplingConfig) -> dict[str, Any]:
@@ -94,6 +112,7 @@ async def complete_tokens(
     *,
     deadline_s: float,
     vocab_size: int | None = None,
+    tags: CallTags | None = None,
 ) -> Sampled:
     # `completions.create` walks every prompt id through the SDK's TypedDict transform: about 8% of a
     # rollout worker's CPU at 1k-token prompts, and it grows with the prompt. The body is plain JSON
@@ -101,8 +120,9 @@ async def complete_tokens(
     body: dict[str, Any] = {"model": model, "prompt": prompt_ids, **_sampling_kwargs(sampling)}
     if sampling.logprobs:
         body["logprobs"] = 1
-    body.update({**sampling.extra_body, "return_token_ids": True})
-    response = await _bounded(client.post("/completions", cast_to=Completion, body=body), deadline_s)
+    body.update({**sampling.extra_body, **_protocol_fields(tags)})
+    call = client.post("/completions", cast_to=Completion, body=body, options={"headers": _headers(tags)})
+    response = await _bounded(call, deadline_s)
     choices = getattr(response, "choices", None)
     if not choices:
         raise MalformedResponse("completion response has no choices")
@@ -114,7 +134,9 @@ async def complete_tokens(
         if not isinstance(token_logprobs, list) or len(token_logprobs) != len(completion_ids):
             raise MalformedResponse("completion logprobs missing or not aligned with token_ids")
         logprobs = [float(x) for x in token_logprobs]
-    return Sampled(completion_ids, logprobs, choice.finish_reason, prompt_ids=prompt_ids)
+    return _finished(
+        Sampled(completion_ids, logprobs, choice.finish_reason, prompt_ids, weight_versions=_spans(choice))
+    )
 
 
 async def complete_chat(
@@ -126,6 +148,7 @@ async def complete_chat(
     *,
     deadline_s: float,
     vocab_size: int | None = None,
+    tags: CallTags | None = None,
 ) -> Sampled:
     kwargs = _sampling_kwargs(sampling)
     if tools:
@@ -134,7 +157,8 @@ async def complete_chat(
         model=model,
         messages=messages,
         logprobs=sampling.logprobs,
-        extra_body={**sampling.extra_body, "return_token_ids": True},
+        extra_body={**sampling.extra_body, **_protocol_fields(tags)},
+        extra_headers=_headers(tags),
         **kwargs,
     )
     response = await _bounded(call, deadline_s)
@@ -150,9 +174,44 @@ async def complete_chat(
         if not isinstance(content, list) or len(content) != len(completion_ids):
             raise MalformedResponse("chat logprobs missing or not aligned with token_ids")
         logprobs = [float(item.logprob) for item in content]
-    return Sampled(
-        completion_ids, logprobs, choice.finish_reason, prompt_ids, _assistant_message(choice.message)
+    return _finished(
+        Sampled(
+            completion_ids,
+            logprobs,
+            choice.finish_reason,
+            prompt_ids,
+            _assistant_message(choice.message),
+            _spans(choice),
+        )
     )
+
+
+def _protocol_fields(tags: CallTags | None) -> dict[str, Any]:
+    fields: dict[str, Any] = {"return_token_ids": True, "return_weight_versions": True}
+    if tags is not None and tags.cache_salt is not None:
+        fields["cache_salt"] = tags.cache_salt
+    return fields
+
+
+def _headers(tags: CallTags | None) -> dict[str, str]:
+    return {"X-Request-Id": tags.request_id} if tags is not None else {}
+
+
+def _spans(choice: Any) -> list[tuple[str, int]]:
+    """(label, start) of each `weight_versions` span, validated; [] when the server sent none."""
+    raw = _extra(choice, "weight_versions")
+    if raw is None:
+        return []
+    try:
+        return [(str(span["version"]), int(span["start"])) for span in raw]
+    except (TypeError, KeyError, ValueError) as exc:
+        raise MalformedResponse(f"weight_versions is malformed: {exc}") from exc
+
+
+def _finished(sampled: Sampled) -> Sampled:
+    if sampled.finish_reason not in FINISHED_NORMALLY:
+        raise TurnAborted(sampled.finish_reason, sampled.completion_ids, sampled)
+    return sampled
 
 
 def _assistant_message(message: Any) -> dict[str, Any]:

@@ -1,17 +1,15 @@
 """`RolloutPlane`: the orchestrator's handle on ray-rollouts.
 
-    async with RolloutPlane(PlaneConfig(lanes={"train": 512, "eval": 64})) as plane:
-        handle = await plane.submit_group(request, n=8)     # at once; members then wait for the lane
-        async for group in plane.groups(lane="train"):      # complete groups, as they complete
-            ...
-        await plane.submit(single)                          # waits while the lane is full
-        async for result in plane.drain(lane="eval"):       # single results, one lane at a time
-            ...
+    plane = RolloutPlane(PlaneConfig(lanes={"train": 512, "eval": 64}))
+    await plane.start()
+    await plane.submit_group(request, n=8)          # waits while the lane is full (back-pressure)
+    async for result in plane.drain():              # one Result per request, as they finish
+        ...
+    await plane.close()
 
 The plane owns every rollout it started: each request gets exactly one `Result` (contract 3), re-dispatched
 under the same lease id when its worker is lost, at most `max_dispatches` times (contract 5). It also owns
-the shared actors it started (renderer pool, env pools, workers) and stops them in `close`. Where answered
-results go is `streams.py`; groups are `groups.py`; off-policy cancellation is `staleness.py`.
+the shared actors it started (renderer pool, env pools, workers) and stops them in `close`.
 """
 
 from __future__ import annotations
@@ -19,29 +17,31 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Literal
 
 import ray
+from pydantic import ValidationError
 
 from rollout_actors.config import PlaneConfig
+from rollout_actors.inference.weights import WeightUpdater, WeightUpdateReport
 from rollout_actors.kernel import RefResolver
 from rollout_actors.lanes import Lanes
+from rollout_actors.lora import AdapterLimits
 from rollout_actors.metrics import PlaneMetrics
 from rollout_actors.naming import PoolNames
 from rollout_actors.publish import PolicyPublisher, PublishHandle
 from rollout_actors.rollout import LoopLimits
 from rollout_actors.shared_pools import SharedPools
-from rollout_actors.staleness import OffPolicyGuard
-from rollout_actors.streams import ResultStreams
-from rollout_actors.submission import Submission, _cancelled
 from rollout_actors.wire import (
     CallerError,
     Failure,
     Result,
     RolloutRequest,
+    new_id,
 )
 from rollout_actors.worker_set import WorkerSet, WorkerSlot
 
@@ -61,7 +61,7 @@ def _refuse_inside_ray_worker() -> None:
         )
 
 
-class RolloutPlane(Submission):
+class RolloutPlane:
     def __init__(
         self,
         config: PlaneConfig | None = None,
@@ -81,6 +81,7 @@ class RolloutPlane(Submission):
                 raise ValueError("give either `servers` or `endpoints`, not both")
             endpoints = servers.endpoints
             servers.before_routing = self.prepare_server
+        self._servers = servers
         self._endpoints = endpoints or (lambda: self.config.endpoints)
         prefix = self.config.name_prefix or f"rollouts-{uuid.uuid4().hex[:8]}"
         self.names = PoolNames(prefix=prefix)
@@ -98,16 +99,21 @@ class RolloutPlane(Submission):
             probe_interval_s=self.config.probe_interval_s,
             limits=LoopLimits(call_timeout_s=self.config.call_timeout_s),
         )
-        self._streams = ResultStreams()
-        self._guard = OffPolicyGuard(self.config.max_off_policy_steps)
-        self._tasks: set[asyncio.Task[Any]] = set()
+        self._results: asyncio.Queue[Result] = asyncio.Queue()
+        self._tasks: set[asyncio.Task[None]] = set()
         self._answered: set[str] = set()
         self._running: dict[str, WorkerSlot] = {}
         self._cancelled: dict[str, asyncio.Event] = {}
-        self._cancel_reasons: dict[str, tuple[str, str]] = {}
+        self._pending = 0
         self._endpoint_load: Counter[str] = Counter()
         self.counters: Counter[str] = Counter()
         self._publisher: PolicyPublisher | None = None
+        self._weights_version = 0
+        """The full-weight version every server holds (0: the weights they started with)."""
+        self._updater: WeightUpdater | None = None
+        self.weights_loader: Callable[[str], Awaitable[None]] | None = None
+        """Brings a server that joins routing after a full-weight update to the current weights (e.g. the
+        trainer sends them to it). Without one, such a server is kept out of routing (`prepare_server`)."""
         self._metrics = PlaneMetrics()
         self._metrics_task: asyncio.Task[None] | None = None
         self._started = False
@@ -135,12 +141,73 @@ class RolloutPlane(Submission):
         await self._pools.close()
         if self._publisher is not None:
             await self._publisher.aclose()
+        if self._updater is not None:
+            await self._updater.aclose()
 
     async def __aenter__(self) -> RolloutPlane:
         return await self.start()
 
     async def __aexit__(self, *exc: Any) -> None:
         await self.close()
+
+    # submission ------------------------------------------------------------------------------------
+    async def submit(self, request: RolloutRequest | dict[str, Any]) -> str:
+        """Queue one rollout; waits while its lane is full. Returns its request id. Never raises for a bad
+        request: that comes back as a `caller` result."""
+        assert self._started, "call `await plane.start()` first"
+        self._pending += 1
+        self.counters["submitted"] += 1
+        try:
+            request = RolloutRequest.model_validate(request)
+            lane = self.lanes.get(request.lane)
+            self._refs.check_allowed(request.env.target)
+        except (ValidationError, CallerError, KeyError) as exc:
+            request_id = request.get("request_id") if isinstance(request, dict) else None
+            request_id = request_id or (
+                request.request_id if isinstance(request, RolloutRequest) else new_id("req")
+            )
+            self._answer(_caller_result(request, request_id, exc))
+            return request_id
+        self._metrics.submitted(request.lane)
+        self._cancelled[request.request_id] = asyncio.Event()
+        await lane.acquire()
+        task = asyncio.get_running_loop().create_task(self._drive(request, lane))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return request.request_id
+
+    async def submit_group(self, request: RolloutRequest | dict[str, Any], n: int) -> list[str]:
+        """`n` rollouts of the same task under one group id; results still stream one by one. An invalid
+        request gives `n` `caller` results, like `n` invalid `submit`s, and raises nothing."""
+        try:
+            base = RolloutRequest.model_validate(request)
+        except ValidationError:
+            raw = {k: v for k, v in dict(request).items() if k not in ("request_id", "lease_id")}
+            group_id = raw.get("group_id") or new_id("group")
+            return [await self.submit({**raw, "group_id": group_id}) for _ in range(n)]
+        group_id = base.group_id or new_id("group")
+        ids = []
+        for i in range(n):
+            seed = None if base.sampling.seed is None else base.sampling.seed + i
+            member = base.model_copy(
+                update={
+                    "request_id": new_id("req"),
+                    "lease_id": new_id("lease"),
+                    "group_id": group_id,
+                    "sampling": base.sampling.model_copy(update={"seed": seed}),
+                }
+            )
+            ids.append(await self.submit(member))
+        return ids
+
+    # results ---------------------------------------------------------------------------------------
+    async def next_result(self, timeout: float | None = None) -> Result:
+        return await asyncio.wait_for(self._results.get(), timeout)
+
+    async def drain(self) -> AsyncIterator[Result]:
+        """Yield results until every request submitted so far has been answered."""
+        while self._pending > 0 or not self._results.empty():
+            yield await self._results.get()
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -150,15 +217,57 @@ class RolloutPlane(Submission):
             "lanes": self.lanes.snapshot(),
             "workers": [{"name": s.name, "in_flight": s.in_flight} for s in self._workers.live()],
             "workers_lost": self._workers.lost_count,
-            "off_policy": self._guard.snapshot(),
         }
 
     # policy ----------------------------------------------------------------------------------------
     @property
     def policy_version(self) -> int:
-        """The policy new rollouts sample from; 0 is the base model."""
+        """The policy new rollouts sample from: the active adapter's version, or the full weights'
+        (`update_weights`); 0 is the base model as the servers started."""
         current = self._publisher.current() if self._publisher is not None else None
-        return current.version if current is not None else 0
+        return max(current.version if current is not None else 0, self._weights_version)
+
+    @property
+    def _api_key_var(self) -> str | None:
+        """The servers' API key, sent with the plane's own calls to them (LoRA, pause/resume, weights)."""
+        return self._servers.spec.api_key_var if self._servers is not None else self.config.server_api_key_var
+
+    async def update_weights(
+        self,
+        update_info: dict[str, Any] | list[dict[str, Any]],
+        version: int,
+        *,
+        transfer: Awaitable[Any] | None = None,
+        mode: Literal["keep", "abort"] = "keep",
+    ) -> WeightUpdateReport:
+        """Load new full weights on every server without dropping rollouts in flight: pause (`keep`: their
+        requests freeze in place), `update_info` through vLLM's weight-update routes (`transfer`, e.g. a
+        trainer's NCCL broadcast, runs while they are open), label them `version`, resume. Turns in flight
+        continue on the new weights and record where the version changed (`Turn.version_changes`); new
+        rollouts start under `version`. `mode="abort"` (vLLM frees the KV of requests in flight): token
+        turns the pause aborted resume from the tokens they had, token-exact, once the servers resumed.
+        See `rollout_actors.inference.weights`."""
+        if version <= self.policy_version:
+            raise ValueError(f"policy version {version} is not newer than {self.policy_version}")
+        servers = list(self._endpoints())
+        if not servers:
+            raise RuntimeError("no live inference server to update")
+        if self._updater is None:
+            self._updater = WeightUpdater(self._api_key_var)
+
+        async def tell_workers() -> None:
+            self._weights_version = version
+            await self._workers.broadcast("set_policy_version", version)
+
+        if mode == "abort":  # turns the pause aborts are ours: they resume from their tokens afterwards
+            await self._workers.broadcast("begin_planned_pause")
+        try:
+            return await self._updater.update(
+                servers, update_info, version, transfer=transfer, mode=mode, on_updated=tell_workers
+            )
+        finally:
+            if mode == "abort":
+                await self._workers.broadcast("end_planned_pause")
 
     @property
     def publisher(self) -> PolicyPublisher:
@@ -166,7 +275,13 @@ class RolloutPlane(Submission):
         if self._publisher is None:
             if self.config.policy_storage_dir is None:
                 raise ValueError("policy publication needs PlaneConfig.policy_storage_dir")
-            self._publisher = PolicyPublisher(self._endpoints, self.config.policy_storage_dir)
+            limits = self._servers.spec.adapter_limits() if self._servers is not None else AdapterLimits()
+            self._publisher = PolicyPublisher(
+                self._endpoints,
+                self.config.policy_storage_dir,
+                limits=limits,
+                api_key_var=self._api_key_var,
+            )
         return self._publisher
 
     async def publish_policy(self, adapter: Any, version: int, donate: bool = False) -> PublishHandle:
@@ -174,20 +289,18 @@ class RolloutPlane(Submission):
         capture exists; `await handle.wait()` for the servers. New rollouts switch to it atomically when
         every server has loaded it; rollouts in flight keep the policy they started with. `donate=True`
         hands fresh arrays over instead of copying them (they are frozen; see `capture_adapter`)."""
-        handle = await self.publisher.publish(adapter, version, donate=donate)
-        self.spawn(self._after_publication(handle))
-        return handle
-
-    async def _after_publication(self, handle: PublishHandle) -> None:
-        try:
-            await handle.wait()
-        except Exception:
-            return  # the previous policy stays active; the caller hears of it through its handle
-        await self.policy_changed()
+        return await self.publisher.publish(adapter, version, donate=donate)
 
     async def prepare_server(self, url: str) -> None:
         """Make a server that is about to join routing serve the active policy (load the active adapter).
         `InferenceServerSet.before_routing` when the plane was given the set; raising keeps it out."""
+        if self._weights_version:
+            if self.weights_loader is None:
+                raise RuntimeError(
+                    f"{url} would serve the starting weights, not v{self._weights_version}: set "
+                    "RolloutPlane.weights_loader to bring a new server to the current weights"
+                )
+            await self.weights_loader(url)
         if self._publisher is not None:
             await self._publisher.load_current(url)
 
@@ -200,11 +313,11 @@ class RolloutPlane(Submission):
         if self._publisher is not None and wanted != 0:
             policy = self._publisher.checkout(wanted)
         if policy is None:
-            if wanted not in (None, 0):
+            if wanted not in (None, self._weights_version):
                 raise CallerError(
                     f"policy_version={wanted} is not loaded on the servers (active: {self.policy_version})"
                 )
-            return request.model_copy(update={"policy_version": 0}), None
+            return request.model_copy(update={"policy_version": self._weights_version}), None
         client = request.client.model_copy(update={"model": policy.name})
         # The renderer keeps the base model's tokenizer: an adapter does not change the vocabulary.
         renderer = request.renderer
@@ -218,6 +331,24 @@ class RolloutPlane(Submission):
     # control ---------------------------------------------------------------------------------------
     async def set_limit(self, lane: str, limit: int) -> None:
         await self.lanes.get(lane).set_limit(limit)
+
+    async def cancel(self, request_id: str) -> bool:
+        event = self._cancelled.get(request_id)
+        if event is None or event.is_set():
+            return False
+        event.set()
+        slot = self._running.get(request_id)
+        if slot is not None and slot.alive:
+            try:
+                await asyncio.wait_for(slot.handle.cancel.remote(request_id), self.config.cancel_grace_s)
+            except Exception:  # the drive loop still answers `cancelled` after the grace period
+                pass
+        return True
+
+    async def cancel_all(self) -> int:
+        ids = [rid for rid, event in self._cancelled.items() if not event.is_set()]
+        await asyncio.gather(*(self.cancel(rid) for rid in ids))
+        return len(ids)
 
     # dispatch --------------------------------------------------------------------------------------
     async def _drive(self, request: RolloutRequest, lane: Any) -> None:
@@ -247,7 +378,6 @@ class RolloutPlane(Submission):
             request, checked_out = self._with_policy(request)
         except CallerError as exc:
             return Result.failed(request, "caller", Failure.from_exception(exc))
-        self._on_policy_stamped(request)
         try:
             return await self._dispatch_on_policy(request, cancelled)
         finally:
@@ -286,6 +416,7 @@ class RolloutPlane(Submission):
             outcome = await self._attempt(request, slot, cancelled)
             if isinstance(outcome, Result):
                 outcome.attempts = attempt
+                outcome.policy_version_end = self.policy_version
                 return outcome
             if attempt < self.config.max_dispatches:
                 self.counters["redispatched"] += 1
@@ -359,7 +490,31 @@ class RolloutPlane(Submission):
             self.counters["duplicates_dropped"] += 1
             return
         self._answered.add(result.lease_id)
+        self._pending -= 1
         self.counters[f"kind.{result.kind}"] += 1
         self._cancelled.pop(result.request_id, None)
-        self._deliver(result)
+        self._results.put_nowait(result)
         self._metrics.answered(result)
+
+
+def _cancelled(request: RolloutRequest, why: str) -> Result:
+    return Result.failed(
+        request, "cancelled", Failure(type="Cancelled", message=f"rollout was cancelled ({why})")
+    )
+
+
+def _caller_result(request: Any, request_id: str, exc: Exception) -> Result:
+    lease_id = (request.get("lease_id") if isinstance(request, dict) else None) or new_id("lease")
+    group_id = request.get("group_id") if isinstance(request, dict) else getattr(request, "group_id", None)
+    failure = Failure.from_exception(exc)
+    failure.message = f"invalid request: {failure.message}"
+    now = time.time()
+    return Result(
+        request_id=request_id,
+        lease_id=lease_id,
+        group_id=group_id,
+        kind="caller",
+        error=failure,
+        started_at=now,
+        finished_at=now,
+    )

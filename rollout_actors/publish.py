@@ -26,11 +26,14 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Literal, NamedTuple
 
+from rollout_actors.client import auth_headers
 from rollout_actors.lora import (
     AdapterCapture,
+    AdapterLimits,
     CaptureBuffers,
     LoraAdapter,
     capture_adapter,
+    check_adapter,
     remove_adapter,
     write_adapter,
 )
@@ -128,6 +131,8 @@ class PolicyPublisher:
         name_prefix: str = "policy",
         retain: int = 4,
         initial: ActivePolicy | None = None,
+        limits: AdapterLimits = AdapterLimits(),
+        api_key_var: str | None = None,
     ):
         if retries < 0 or load_timeout <= 0 or retain < 1:
             raise ValueError("retries >= 0, load_timeout > 0 and retain >= 1 are required")
@@ -149,7 +154,11 @@ class PolicyPublisher:
         # One writer thread: publications serialise to storage in order and never take the default
         # executor's threads away from whoever else runs on this loop.
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lora-writer")
-        self._http = httpx.AsyncClient(timeout=httpx.Timeout(load_timeout), trust_env=False)
+        self.limits = limits
+        """What the servers accept: an adapter past these is refused before anything is written."""
+        self._http = httpx.AsyncClient(
+            timeout=httpx.Timeout(load_timeout), trust_env=False, headers=auth_headers(api_key_var)
+        )
         self._buffers = CaptureBuffers()
         self._order = asyncio.Lock()
         self._closed = False
@@ -191,8 +200,10 @@ class PolicyPublisher:
         """Capture `adapter` and return; writing and loading continue in the background. `donate=True`
         hands the arrays over (frozen, not copied; see `capture_adapter`).
 
-        Raises ValueError at once for an adapter no server could load or a version that is not newer
-        than the active one and every publication in flight.
+        Raises ValueError at once, before anything is written, for an adapter vLLM would refuse (naming
+        the tensor or setting: rank past the servers' `max_lora_rank`, `bias`, DoRA, `modules_to_save`,
+        tensor names, modules the model cannot adapt) or a version that is not newer than the active one
+        and every publication in flight.
         """
         started = time.perf_counter()
         if self._closed:
@@ -201,6 +212,11 @@ class PolicyPublisher:
         if version <= newest:
             raise ValueError(f"policy version {version} is not newer than {newest}")
         capture = capture_adapter(adapter, self._buffers, donate=donate)
+        try:
+            check_adapter(capture, self.limits)  # vLLM's own rules (rank, bias, DoRA, tensor names, modules)
+        except ValueError:
+            self._buffers.give_back(capture)
+            raise
         name = f"{self.name_prefix}-v{version}"
         task = asyncio.create_task(self._run(capture, name, version), name=f"publish-{name}")
         handle = PublishHandle(name, version, task, time.perf_counter() - started)

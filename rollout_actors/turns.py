@@ -20,9 +20,11 @@ from typing import Any, Protocol
 import openai
 
 from renderer_actors.session import RendererSession
-from rollout_actors.model_call import Sampled, complete_chat, complete_tokens, tool_call_views
-from rollout_actors.wire import RolloutRequest, ToolCall, Turn
+from rollout_actors.failures import TurnAborted
+from rollout_actors.model_call import CallTags, Sampled, complete_chat, complete_tokens, tool_call_views
+from rollout_actors.wire import RolloutRequest, ToolCall, Turn, VersionChange
 
+MAX_RESUMES = 3  # a turn the plane aborts more often than this within one turn is reported, not chased
 Budget = Callable[[], float]
 """Seconds the next remote call may take (its ceiling, capped by the rollout's remaining deadline)."""
 
@@ -51,7 +53,51 @@ def strategy_for(
 ) -> TurnStrategy:
     if request.mode == "token":
         return TokenTurns(request, client, pools, budget)
-    return ChatTurns(request, client)
+    return ChatTurns(request, client, pools)
+
+
+class _Calls:
+    """Numbers a rollout's model calls and says which policy each is sent under (contract 10)."""
+
+    def __init__(self, request: RolloutRequest, pools: Any) -> None:
+        self._request = request
+        self._pools = pools
+        self._count = 0
+
+    async def unpaused(self, timeout: float) -> None:
+        """Wait out a pause the plane is holding in abort mode (the servers refuse new requests then)."""
+        wait = getattr(self._pools, "unpaused", None)
+        if wait is not None:
+            await wait(timeout)
+
+    def next(self, resume: int = 0) -> tuple[CallTags, int]:
+        """Tags for the next call (`X-Request-Id` = request id + turn, + part when a turn resumes after a
+        pause; the version's `cache_salt`) and the policy version it is sent under: the rollout's, or
+        newer full weights its worker was told of."""
+        weights = getattr(self._pools, "policy_version", lambda: None)()
+        version = max(self._request.policy_version or 0, weights or 0)
+        if resume:
+            call_id = f"{self._request.request_id}-turn{self._count - 1}-part{resume}"
+        else:
+            call_id = f"{self._request.request_id}-turn{self._count}"
+            self._count += 1
+        return CallTags(call_id, cache_salt=f"policy-v{version}"), version
+
+
+def turn_versions(sampled: Sampled, sent_under: int) -> tuple[int, list[VersionChange]]:
+    """The turn's version and where it changed, from the server's `weight_versions` when it reports them
+    (labels are the versions `RolloutPlane.update_weights` set; others, such as vLLM's "default", say
+    nothing and leave the version the call was sent under)."""
+    labelled = [(int(label), start) for label, start in sampled.weight_versions if label.isdigit()]
+    if not labelled:
+        return sent_under, []
+    version, changes = labelled[0][0] if labelled[0][1] == 0 else sent_under, []
+    current = version
+    for label, start in labelled:
+        if label != current and start > 0:
+            changes.append(VersionChange(at=start, version=label))
+            current = label
+    return version, changes
 
 
 class TokenTurns:
@@ -69,6 +115,7 @@ class TokenTurns:
         self._synthetic = 0
         self._branch = 0
         self._last: Sampled | None = None
+        self._calls = _Calls(request, pools)
         self.forked = False
 
     async def open(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> None:
@@ -82,15 +129,7 @@ class TokenTurns:
 
     async def sample(self, messages: list[dict[str, Any]]) -> tuple[Turn, dict[str, Any]]:
         assert self._renderer is not None
-        request = self._request
-        sampled = await complete_tokens(
-            self._client,
-            request.client.model,
-            self._prompt,
-            request.sampling,
-            deadline_s=request.client.call_deadline,
-            vocab_size=self._renderer.vocab_size,
-        )
+        sampled, version, changes = await self._sample_resuming()
         parsed = await self._renderer.parse(sampled.completion_ids, self._tools, timeout=self._budget())
         self._last = sampled
         turn = Turn(
@@ -103,9 +142,62 @@ class TokenTurns:
             content=parsed.content,
             reasoning=parsed.reasoning,
             tool_calls=parsed.tool_calls,
-            policy_version=request.policy_version or 0,
+            policy_version=version,
+            version_changes=changes,
         )
         return turn, parsed.message
+
+    async def _sample_resuming(self) -> tuple[Sampled, int, list[VersionChange]]:
+        """One turn. If the plane itself paused the servers in abort mode mid-turn, the turn resumes from
+        the tokens already sampled (prompt + those tokens, the rest of `max_tokens`) once they resumed,
+        and records where the version changed; an abort nobody here asked for raises `TurnAborted`."""
+        assert self._renderer is not None
+        request, head = self._request, None
+        version, changes = 0, []
+        for resume in range(MAX_RESUMES + 1):
+            epoch = getattr(self._pools, "pause_epoch", lambda: 0)()
+            done = head.completion_ids if head is not None else []
+            sampling = request.sampling.model_copy(
+                update={"max_tokens": request.sampling.max_tokens - len(done)}
+            )
+            await self._calls.unpaused(self._budget())
+            tags, sent_under = self._calls.next(resume)
+            try:
+                part = await complete_tokens(
+                    self._client,
+                    request.client.model,
+                    self._prompt + done,
+                    sampling,
+                    deadline_s=request.client.call_deadline,
+                    vocab_size=self._renderer.vocab_size,
+                    tags=tags,
+                )
+                aborted = False
+            except TurnAborted as exc:
+                planned = getattr(self._pools, "planned_resume", None)
+                if exc.sampled is None or planned is None or not await planned(epoch, self._budget()):
+                    raise
+                part, aborted = exc.sampled, True
+            part_version, part_changes = turn_versions(part, sent_under)
+            if head is None:
+                head, version, changes = part, part_version, part_changes
+            else:
+                offset = len(head.completion_ids)
+                if part_version != (changes[-1].version if changes else version):
+                    changes.append(VersionChange(at=offset, version=part_version))
+                changes += [VersionChange(at=c.at + offset, version=c.version) for c in part_changes]
+                head = Sampled(
+                    head.completion_ids + part.completion_ids,
+                    head.logprobs + part.logprobs,
+                    part.finish_reason,
+                    head.prompt_ids,
+                )
+            if not aborted:
+                return head, version, changes
+            if len(head.completion_ids) >= request.sampling.max_tokens:
+                head.finish_reason = "length"
+                return head, version, changes
+        raise TurnAborted("abort", head.completion_ids if head else [], head)
 
     async def advance(self, new_messages: list[dict[str, Any]]) -> None:
         assert self._renderer is not None and self._last is not None
@@ -127,9 +219,10 @@ class TokenTurns:
 
 
 class ChatTurns:
-    def __init__(self, request: RolloutRequest, client: openai.AsyncOpenAI):
+    def __init__(self, request: RolloutRequest, client: openai.AsyncOpenAI, pools: Any = None):
         self._request = request
         self._client = client
+        self._calls = _Calls(request, pools)
         self._tools: list[dict[str, Any]] | None = None
         self._seen: list[int] | None = None
         """The previous turn's prompt + completion: what the next prompt should extend."""
@@ -141,6 +234,8 @@ class ChatTurns:
 
     async def sample(self, messages: list[dict[str, Any]]) -> tuple[Turn, dict[str, Any]]:
         request = self._request
+        await self._calls.unpaused(request.client.call_deadline)
+        tags, sent_under = self._calls.next()
         sampled = await complete_chat(
             self._client,
             request.client.model,
@@ -148,7 +243,9 @@ class ChatTurns:
             self._tools,
             request.sampling,
             deadline_s=request.client.call_deadline,
+            tags=tags,
         )
+        version, changes = turn_versions(sampled, sent_under)
         prompt = sampled.prompt_ids or []
         seen = self._seen
         if seen is None:
@@ -170,7 +267,8 @@ class ChatTurns:
             content=message.get("content"),
             reasoning=message.get("reasoning_content"),
             tool_calls=[ToolCall(**view) for view in tool_call_views(message)],
-            policy_version=request.policy_version or 0,
+            policy_version=version,
+            version_changes=changes,
         )
         return turn, message
 

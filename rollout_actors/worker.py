@@ -34,6 +34,10 @@ class RolloutWorker:
         self._handles: dict[str, Any] = {}
         self._started = time.time()
         self._done = 0
+        self._weights_version: int | None = None
+        self._pause_epoch = 0
+        self._unpaused = asyncio.Event()
+        self._unpaused.set()
 
     # PoolDirectory -----------------------------------------------------------------------------
     def renderer_pool(self) -> Any:
@@ -77,6 +81,41 @@ class RolloutWorker:
                 task.cancel()
                 count += 1
         return count
+
+    def policy_version(self) -> int | None:
+        """The full-weight version the servers sample under, as the plane last said (None: never said)."""
+        return self._weights_version
+
+    async def set_policy_version(self, version: int) -> None:
+        """Told by `RolloutPlane.update_weights` before the servers resume: turns sent from now on carry
+        this version's `cache_salt`."""
+        self._weights_version = version
+
+    def pause_epoch(self) -> int:
+        """How many pauses the plane has announced (a rollout compares it before and after a call)."""
+        return self._pause_epoch
+
+    async def begin_planned_pause(self) -> None:
+        """The plane is about to pause the servers in `abort` mode: a turn that comes back aborted from now
+        on was stopped by the plane and resumes from its tokens once `end_planned_pause` says so."""
+        self._pause_epoch += 1
+        self._unpaused.clear()
+
+    async def end_planned_pause(self) -> None:
+        self._unpaused.set()
+
+    async def unpaused(self, timeout: float) -> None:
+        """Return at once, or (while the plane pauses the servers in abort mode, which refuses new
+        requests with 503) when it resumed them; at most `timeout`."""
+        await asyncio.wait_for(self._unpaused.wait(), timeout)
+
+    async def planned_resume(self, since_epoch: int, timeout: float) -> bool:
+        """True when the plane paused the servers since `since_epoch` (the abort was ours); waits, at most
+        `timeout`, until it resumed them. False: nobody here asked for it."""
+        if self._pause_epoch == since_epoch:
+            return False
+        await asyncio.wait_for(self._unpaused.wait(), timeout)
+        return True
 
     async def ping(self) -> dict[str, Any]:
         """Liveness: answered on the rollout event loop, so a blocked loop misses it (wedge detection)."""

@@ -101,6 +101,12 @@ class WorkerSet:
     def live(self) -> list[WorkerSlot]:
         return [s for s in self.slots if s.alive]
 
+    async def broadcast(self, method: str, *args: Any, timeout_s: float = 30.0) -> None:
+        """Call `method` on every live worker, each under `timeout_s`. A worker that does not answer is
+        left to liveness probing (it would be lost anyway); nothing here raises for it."""
+        calls = [asyncio.wait_for(getattr(s.handle, method).remote(*args), timeout_s) for s in self.live()]
+        await asyncio.gather(*calls, return_exceptions=True)
+
     def pick(self) -> WorkerSlot | None:
         live = self.live()
         return min(live, key=lambda s: s.in_flight) if live else None

@@ -51,7 +51,8 @@ from _bench_probe import Probe, ProbeSample, cpu_by_role, time_wait_count
 from _bench_single_process import SingleProcessWorkload, run_wave
 
 from renderer_actors.tokenizer import BUNDLED_MODEL
-from rollout_actors.inference.standin import StandinOptions, StandinServer
+from rollout_actors.inference.server_actor import ServerSpec, standin_options
+from rollout_actors.inference.standin import StandinServer
 from rollout_actors.plane import PlaneConfig, RolloutPlane
 from rollout_actors.wire import ClientConfig, Ref, RendererConfig, RolloutRequest, SamplingConfig
 
@@ -231,7 +232,9 @@ def _cpu_diff(before: dict[str, float], after: dict[str, float]) -> dict[str, fl
 
 
 async def run_way(args: argparse.Namespace, c: int, way: str) -> WayResult:
-    server = StandinServer(StandinOptions(latency_s=args.latency)).start()
+    server = StandinServer(
+        standin_options(ServerSpec(kind="standin", model=BUNDLED_MODEL), latency_s=args.latency)
+    ).start()
     try:
         if way == "a":
             return await run_plane(args, c, server)

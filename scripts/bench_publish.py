@@ -61,7 +61,8 @@ import ray
 from _bench_load import RESULT_TIMEOUT_S, Finished, SteadyLoad
 
 from renderer_actors.tokenizer import BUNDLED_MODEL
-from rollout_actors.inference.standin import StandinOptions, StandinServer
+from rollout_actors.inference.server_actor import ServerSpec, standin_options
+from rollout_actors.inference.standin import StandinServer
 from rollout_actors.lora import LoraAdapter, lora_config
 from rollout_actors.plane import PlaneConfig, RolloutPlane
 
@@ -324,7 +325,12 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     logging.basicConfig(level=logging.WARNING)
-    servers = [StandinServer(StandinOptions(latency_s=args.latency_s)) for _ in range(args.servers)]
+    servers = [
+        StandinServer(
+            standin_options(ServerSpec(kind="standin", model=BUNDLED_MODEL), latency_s=args.latency_s)
+        )
+        for _ in range(args.servers)
+    ]
     storage = tempfile.mkdtemp(prefix="bench-publish-")
     try:
         for server in servers:  # they load their tokenizer while Ray starts

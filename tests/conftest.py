@@ -41,22 +41,31 @@ def ray_session():
     ray.shutdown()
 
 
+def served_like_vllm(**overrides):
+    """Stand-in options with the flags `ServerSpec` gives a production vLLM server (Qwen3 tool and reasoning
+    parsers, LoRA sized for retention, weight-update routes), plus the test routes (`admin`)."""
+    from renderer_actors.tokenizer import BUNDLED_MODEL
+    from rollout_actors.inference.server_actor import ServerSpec, standin_options
+
+    return standin_options(ServerSpec(kind="standin", model=BUNDLED_MODEL), admin=True, **overrides)
+
+
 @pytest.fixture(scope="session")
 def standin():
     """One bundled stand-in inference server process for the whole suite, default options. Tests steer
     it per request with `X-Standin-*` headers (fault, latency, correct rate), never by restarting it."""
-    from rollout_actors.inference.standin import StandinOptions, StandinServer
+    from rollout_actors.inference.standin import StandinServer
 
-    with StandinServer(StandinOptions(admin=True)) as server:
+    with StandinServer(served_like_vllm()) as server:
         yield server
 
 
 @pytest.fixture(scope="session")
 def standin_pair():
     """Two more stand-in servers (endpoint stickiness across servers); started only when asked for."""
-    from rollout_actors.inference.standin import StandinOptions, StandinServer
+    from rollout_actors.inference.standin import StandinServer
 
-    options = StandinOptions(admin=True)  # tests read which rollouts each server saw
+    options = served_like_vllm()
     pair = [StandinServer(options).start(wait=False), StandinServer(options).start(wait=False)]
     try:
         yield tuple(server.wait_ready() for server in pair)

@@ -51,6 +51,16 @@ def adapter(seed: int = 0, rank: int = 8, width: int = 64) -> LoraAdapter:
     return LoraAdapter(tensors, lora_config(rank, 2 * rank, ["q_proj", "v_proj"], BUNDLED_MODEL))
 
 
+def write_adapter_dir(path, seed: int = 0) -> None:
+    """The files a trainer writes for one adapter (PEFT layout), into `path`."""
+    from safetensors.numpy import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    lora = adapter(seed=seed, rank=4)
+    save_file(dict(lora.tensors), str(path / WEIGHTS_FILE))
+    (path / CONFIG_FILE).write_text(json.dumps(dict(lora.config)))
+
+
 def load_directly(url: str, name: str, path: str) -> int:
     with httpx.Client(timeout=5, trust_env=False) as client:
         body = {"lora_name": name, "lora_path": path}
@@ -127,20 +137,19 @@ def test_donated_arrays_are_frozen_not_copied_and_published(servers, tmp_path):
 
 def test_adapter_directory_is_captured_so_the_trainer_can_overwrite_it(servers, tmp_path):
     source = tmp_path / "trainer-out"
-    source.mkdir()
-    (source / CONFIG_FILE).write_text(json.dumps(lora_config(4, 8, ["q_proj"])))
-    (source / WEIGHTS_FILE).write_bytes(b"v1-weights")
+    write_adapter_dir(source, seed=1)
+    first = (source / WEIGHTS_FILE).read_bytes()
 
     async def scenario():
         publisher = PolicyPublisher(servers, tmp_path / "published", load_timeout=10, retries=1)
         handle = await publisher.publish(source, version=3)
-        (source / WEIGHTS_FILE).write_bytes(b"v2-weights-from-the-next-step")
+        write_adapter_dir(source, seed=2)  # the next step's weights, over the same files
         await handle.wait()
         await publisher.aclose()
 
     run(scenario())
     (directory,) = (tmp_path / "published").glob("policy-v3-*")
-    assert (directory / WEIGHTS_FILE).read_bytes() == b"v1-weights"
+    assert (directory / WEIGHTS_FILE).read_bytes() == first != (source / WEIGHTS_FILE).read_bytes()
     assert all("policy-v3" in served_models(url) for url in servers)
 
 
@@ -149,8 +158,7 @@ def test_refusing_server_fails_the_publication_by_name_and_the_previous_policy_s
     # The second server already holds a different adapter under the name v2 will get: vLLM (and the
     # stand-in) refuse a second load of a name with 400.
     stale = tmp_path / "stale"
-    stale.mkdir()
-    (stale / CONFIG_FILE).write_text(json.dumps(lora_config(4, 8, ["q_proj"])))
+    write_adapter_dir(stale, seed=9)
     assert load_directly(refuser, "policy-v2", str(stale)) == 200
 
     async def scenario():

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -24,12 +25,15 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import ray
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from rollout_actors.client import auth_headers
 from rollout_actors.inference.standin.launch import StandinOptions, _child_env
+from rollout_actors.kernel import register_secret
+from rollout_actors.lora import VLLM_LORA_RANKS, AdapterLimits
 
 try:  # openai >= 3 ships its own fork of httpx
     import httpx2 as httpx
@@ -59,9 +63,37 @@ class ServerSpec(BaseModel):
     port: int | None = None
     """None: a free port on the node, chosen at start."""
     tensor_parallel_size: int = Field(default=1, ge=1)
+    tool_call_parser: str | None = "auto"
+    """`--tool-call-parser` (with `--enable-auto-tool-choice`): without it vLLM answers every chat request
+    that carries `tools` with a 400. "auto": the model family's parser (`model_family`); None: no tool
+    parsing (token mode parses tools itself and does not need it)."""
+    reasoning_parser: str | None = "auto"
+    """`--reasoning-parser`: splits the think block into `reasoning`. "auto": the family's; None: off."""
     enable_lora: bool = True
     """vLLM: `--enable-lora` plus runtime load/unload, which policy publication needs."""
     max_lora_rank: int = 64
+    """`--max-lora-rank`; vLLM accepts only 1, 8, 16, 32, 64, 128, 256, 320, 512."""
+    lora_retain: int = Field(default=4, ge=1)
+    """Adapters the publisher keeps loaded (`PolicyPublisher.retain`)."""
+    lora_in_use: int = Field(default=2, ge=0)
+    """Older adapters still sampled by rollouts in flight, beyond `lora_retain` (off-policy staleness)."""
+    max_loras: int | None = None
+    """`--max-loras`: adapters one batch can hold. vLLM's default is 1: a request for another adapter
+    waits while one runs, so the newest policy starves behind old-version rollouts. None: `lora_retain +
+    lora_in_use`, every adapter the publisher can have in use at once."""
+    max_cpu_loras: int | None = None
+    """`--max-cpu-loras` (>= max_loras): adapters cached in CPU memory. None: twice `max_loras`, so a
+    switch never reloads a retained adapter from disk."""
+    api_key_var: str | None = None
+    """Environment variable (on the server's node) holding the API key. The server gets it as
+    `VLLM_API_KEY` in its environment, never on its command line or in a log; every call the project
+    makes to it (readiness, LoRA load/unload, pause/resume, weight updates, metrics) sends it."""
+    weight_updates: bool = True
+    """Serve vLLM's pause/resume and weight-update routes (`VLLM_SERVER_DEV_MODE=1`), which
+    `RolloutPlane.update_weights` uses."""
+    weight_transfer_backend: str = "nccl"
+    """`--weight-transfer-config {"backend": ...}`: how a trainer sends full weights (vLLM's
+    `WeightTransferConfig`: nccl, ipc, ...)."""
     extra_args: list[str] = Field(default_factory=list)
     """Appended verbatim to the server's command line."""
     standin: dict[str, Any] = Field(default_factory=dict)
@@ -77,6 +109,61 @@ class ServerSpec(BaseModel):
     """Consecutive failed /health checks before the server counts as wedged and is killed."""
     num_cpus: float = 1.0
     """CPUs Ray reserves for the actor (the server's own CPU work happens in the subprocess)."""
+
+    @field_validator("max_lora_rank")
+    @classmethod
+    def _vllm_rank(cls, value: int) -> int:
+        if value not in VLLM_LORA_RANKS:
+            raise ValueError(
+                f"max_lora_rank must be one of {VLLM_LORA_RANKS} (vLLM's MaxLoRARanks), got {value}"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _lora_sizes(self) -> ServerSpec:
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.lora_slots:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.lora_slots})")
+        return self
+
+    @property
+    def lora_slots(self) -> int:
+        """`--max-loras` as launched."""
+        return self.max_loras if self.max_loras is not None else self.lora_retain + self.lora_in_use
+
+    @property
+    def parsers(self) -> tuple[str | None, str | None]:
+        """(tool-call parser, reasoning parser) as launched, "auto" resolved by model family."""
+        family = model_family(self.model)
+        tool = family.tool_call_parser if self.tool_call_parser == "auto" else self.tool_call_parser
+        reasoning = family.reasoning_parser if self.reasoning_parser == "auto" else self.reasoning_parser
+        return tool, reasoning
+
+    def adapter_limits(self) -> AdapterLimits:
+        """What an adapter must satisfy to load on these servers (checked before publication)."""
+        return AdapterLimits(max_lora_rank=self.max_lora_rank)
+
+
+class ModelFamily(NamedTuple):
+    tool_call_parser: str | None
+    reasoning_parser: str | None
+
+
+MODEL_FAMILIES: dict[str, ModelFamily] = {
+    # Parser names registered in vLLM 0.33.0 (`vllm/tool_parsers/__init__.py`, `vllm/reasoning/__init__.py`).
+    "qwen3-coder": ModelFamily("qwen3_coder", None),
+    "qwen3": ModelFamily("hermes", "qwen3"),  # Qwen3's <tool_call> JSON and <think> blocks
+    "qwq": ModelFamily("hermes", "deepseek_r1"),
+    "qwen2.5": ModelFamily("hermes", None),
+    "deepseek-r1": ModelFamily(None, "deepseek_r1"),
+    "llama-3": ModelFamily("llama3_json", None),
+}
+"""Lower-cased substrings of a model name, most specific first. Unknown models: Qwen3's defaults (the
+bundled tokenizer and templates are Qwen3's); set the parsers explicitly for anything else."""
+
+
+def model_family(model: str) -> ModelFamily:
+    name = model.lower()
+    return next((family for key, family in MODEL_FAMILIES.items() if key in name), MODEL_FAMILIES["qwen3"])
 
 
 class ServerStatus(BaseModel):
@@ -129,23 +216,80 @@ def vllm_command(spec: ServerSpec, host: str, port: int) -> list[str]:
     if spec.tensor_parallel_size > 1:
         # The GPUs are the ones Ray gave this actor: keep vLLM's workers local, not a Ray placement group.
         command += ["--distributed-executor-backend", "mp"]
-    if spec.enable_lora:
-        command += ["--enable-lora", "--max-lora-rank", str(spec.max_lora_rank)]
+    command += _parser_args(spec) + _lora_args(spec)
+    if spec.weight_updates:
+        command += ["--weight-transfer-config", json.dumps({"backend": spec.weight_transfer_backend})]
     return command + list(spec.extra_args)
 
 
+def _parser_args(spec: ServerSpec) -> list[str]:
+    tool, reasoning = spec.parsers
+    args = ["--enable-auto-tool-choice", "--tool-call-parser", tool] if tool else []
+    return args + (["--reasoning-parser", reasoning] if reasoning else [])
+
+
+def _lora_args(spec: ServerSpec) -> list[str]:
+    if not spec.enable_lora:
+        return []
+    cpu = spec.max_cpu_loras if spec.max_cpu_loras is not None else 2 * spec.lora_slots
+    return [
+        "--enable-lora",
+        "--max-lora-rank",
+        str(spec.max_lora_rank),
+        "--max-loras",
+        str(spec.lora_slots),
+        "--max-cpu-loras",
+        str(cpu),
+    ]
+
+
 def vllm_env(spec: ServerSpec) -> dict[str, str]:
+    """The vLLM server's environment additions (the API key comes from `_api_key_env`)."""
     env = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"} if spec.enable_lora else {}
+    if spec.weight_updates:
+        env["VLLM_SERVER_DEV_MODE"] = "1"  # serves /pause, /resume and the weight-update routes
     return env | dict(spec.env)
+
+
+def _api_key_env(spec: ServerSpec) -> dict[str, str]:
+    """`VLLM_API_KEY` for the server (vLLM's own variable; the stand-in reads it too), taken from
+    `api_key_var` on this node: on no command line, in no log."""
+    if spec.api_key_var is None:
+        return {}
+    key = os.environ.get(spec.api_key_var)
+    if not key:
+        raise ValueError(f"environment variable {spec.api_key_var!r} (api_key_var) is not set on this node")
+    register_secret(key)
+    return {"VLLM_API_KEY": key}
 
 
 def standin_command(spec: ServerSpec, host: str, port: int, port_file: Path) -> list[str]:
     """The bundled stand-in (`launch.StandinOptions` flags). Port 0: it binds a free port itself and
     writes it to `port_file`, so no other process can take the port between choosing and binding."""
-    options = StandinOptions(model=spec.model, **spec.standin)
     command = [sys.executable, "-m", "rollout_actors.inference.standin", "--host", host]
     command += ["--port", str(port), "--port-file", str(port_file), "--parent-pid", str(os.getpid())]
-    return command + options.to_argv() + list(spec.extra_args)
+    return command + standin_options(spec).to_argv() + list(spec.extra_args)
+
+
+def standin_options(spec: ServerSpec, **overrides: Any) -> StandinOptions:
+    """The stand-in started with what `spec` gives a vLLM server (parsers, LoRA limits, weight-update
+    routes), so it is exactly as strict; `spec.standin` and `overrides` add stand-in-only settings."""
+    tool, reasoning = spec.parsers
+    lora: dict[str, Any] = {}
+    if spec.enable_lora:
+        cpu = spec.max_cpu_loras if spec.max_cpu_loras is not None else 2 * spec.lora_slots
+        lora = dict(
+            enable_lora=True, max_lora_rank=spec.max_lora_rank, max_loras=spec.lora_slots, max_cpu_loras=cpu
+        )
+    settings = dict(
+        model=spec.model,
+        enable_auto_tool_choice=tool is not None,
+        tool_call_parser=tool,
+        reasoning_parser=reasoning,
+        weight_updates=spec.weight_updates,
+        **lora,
+    )
+    return StandinOptions(**(settings | spec.standin | overrides))
 
 
 def free_port(host: str) -> int:
@@ -190,12 +334,18 @@ class InferenceServer:
         log_dir = Path(tempfile.mkdtemp(prefix="inference-server-"))
         self._log_path = log_dir / "server.log"
         self._port_file = log_dir / "port"
+        try:
+            key_env = _api_key_env(spec)
+        except ValueError as exc:
+            self._status = ServerStatus(state="dead", reason=str(exc), node_ip=node_ip)
+            return self._status
         if spec.kind == "vllm":
             port: int | None = spec.port or free_port(host)
-            command, env = vllm_command(spec, host, port), os.environ | vllm_env(spec)
+            command, env = vllm_command(spec, host, port), os.environ | vllm_env(spec) | key_env
         else:
             port = spec.port  # None: the stand-in reports the port it bound in the port file
-            command, env = standin_command(spec, host, port or 0, self._port_file), _child_env() | spec.env
+            command = standin_command(spec, host, port or 0, self._port_file)
+            env = _child_env() | key_env | spec.env
         with open(self._log_path, "wb") as log:
             # A file, not a pipe: a chatty server can never block on a full pipe buffer we stopped reading.
             self._process = subprocess.Popen(
@@ -256,7 +406,8 @@ class InferenceServer:
 
     async def _wait_ready(self) -> None:
         deadline = time.monotonic() + self.spec.startup_timeout
-        async with httpx.AsyncClient(timeout=httpx.Timeout(2.0), trust_env=False) as client:
+        headers = auth_headers(self.spec.api_key_var)  # /v1/models is guarded when the server has a key
+        async with httpx.AsyncClient(timeout=httpx.Timeout(2.0), trust_env=False, headers=headers) as client:
             while not self._exited.is_set():
                 if time.monotonic() > deadline:
                     self._fail(f"not ready within startup_timeout={self.spec.startup_timeout:g}s")

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import re
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from rollout_actors.inference.standin.policy import PolicyConfig, Sampled, ScriptedPolicy
@@ -30,7 +30,6 @@ from rollout_actors.inference.standin.wire import (
     ChatMessage,
     CompletionChoice,
     CompletionLogProbs,
-    CompletionRequest,
     CompletionResponse,
     FunctionCall,
     ToolCall,
@@ -50,6 +49,16 @@ class RequestError(ValueError):
         self.param = param
 
 
+@dataclass(frozen=True)
+class Parsers:
+    """What the server was started with (`--enable-auto-tool-choice`, `--tool-call-parser`,
+    `--reasoning-parser`): without them vLLM parses neither tool calls nor reasoning."""
+
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+
+
 @dataclass
 class Answer:
     body: bytes
@@ -57,27 +66,103 @@ class Answer:
     completion_tokens: int
 
 
+@dataclass
+class Draft:
+    """One choice as the policy would sample it, before the engine runs it (pauses and weight updates
+    can still cut it or resample its tail)."""
+
+    prompt_ids: list[int]
+    sampled: Sampled
+    max_tokens: int
+    spans: list[tuple[str, int]] = field(default_factory=list)
+    """(weight version, first output index) for each run of tokens, in order."""
+
+
+@dataclass
+class Plan:
+    """A validated model call: its request, the served name, and one draft per choice."""
+
+    kind: str
+    req: Any
+    model: str
+    seed: int
+    config: PolicyConfig
+    drafts: list[Draft]
+
+
 class Answers:
     """Builds response bodies. One per server; holds the policy and the render/tokenise caches."""
 
-    def __init__(self, policy: ScriptedPolicy, max_model_len: int) -> None:
+    def __init__(self, policy: ScriptedPolicy, max_model_len: int, parsers: Parsers = Parsers()) -> None:
         self.policy = policy
         self.tokenizer = policy.tokenizer
         self.max_model_len = max_model_len
+        self.parsers = parsers
         self.vocab_size = len(self.tokenizer)
         added = self.tokenizer.added_tokens_decoder
         self.regular_vocab = min(added) if added else self.vocab_size
         self._prompts: OrderedDict[str, list[int]] = OrderedDict()
 
+    # -------------------------------------------------------------------------------------- planning
+
+    def plan(self, kind: str, req: Any, model: str, seed: int, config: PolicyConfig) -> Plan:
+        """Validate the request and draft every choice. RequestError (a 400) for what vLLM refuses."""
+        if kind == "completions":
+            _single_choice(req.n, req.stream)
+            prompts = self._completion_prompts(req.prompt)
+            limit = req.max_tokens
+        else:
+            _single_choice(req.n or 1, bool(req.stream))
+            self._check_tool_choice(req)
+            prompts = [self._render(req)]
+            limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        _check_cache_salt(getattr(req, "cache_salt", None))
+        drafts = []
+        for prompt_ids in prompts:
+            max_tokens = self._max_tokens(prompt_ids, limit)
+            sampled = self._sample(prompt_ids, req, max_tokens, seed, config)
+            drafts.append(Draft(prompt_ids, sampled, max_tokens))
+        return Plan(kind, req, model, seed, config, drafts)
+
+    def resample_tail(self, plan: Plan, draft: Draft, keep: int, seed: int) -> None:
+        """New weights landed after `keep` tokens: the rest of the turn is sampled by the new policy,
+        continuing from exactly the tokens already sampled."""
+        head = draft.sampled
+        tail = self._sample(
+            draft.prompt_ids + head.ids[:keep], plan.req, draft.max_tokens - keep, seed, plan.config
+        )
+        ids = head.ids[:keep] + tail.ids
+        draft.sampled = Sampled(
+            ids,
+            head.logprobs[:keep] + tail.logprobs,
+            self.tokenizer.decode(ids, skip_special_tokens=True),
+            tail.finish_reason,
+            tail.stop_reason,
+            tail.script,
+        )
+
+    def cut(self, draft: Draft, keep: int, finish_reason: str) -> None:
+        """The turn ends after `keep` tokens (an abort): what was sampled so far, as sampled."""
+        ids = draft.sampled.ids[:keep]
+        draft.sampled = Sampled(
+            ids,
+            draft.sampled.logprobs[:keep],
+            self.tokenizer.decode(ids, skip_special_tokens=True),
+            finish_reason,  # type: ignore[arg-type]
+            None,
+            draft.sampled.script,
+        )
+
+    def body(self, plan: Plan) -> Answer:
+        return self._completion_body(plan) if plan.kind == "completions" else self._chat_body(plan)
+
     # ------------------------------------------------------------------------------------ completions
 
-    def completion(self, req: CompletionRequest, model: str, seed: int, config: PolicyConfig) -> Answer:
-        _single_choice(req.n, req.stream)
-        prompts = self._completion_prompts(req.prompt)
+    def _completion_body(self, plan: Plan) -> Answer:
+        req = plan.req
         choices, used, produced = [], 0, 0
-        for index, prompt_ids in enumerate(prompts):
-            max_tokens = self._max_tokens(prompt_ids, req.max_tokens)
-            sampled = self._sample(prompt_ids, req, max_tokens, seed, config)
+        for index, draft in enumerate(plan.drafts):
+            sampled = draft.sampled
             logprobs = None
             if req.logprobs is not None:
                 logprobs = self._completion_logprobs(sampled, req.logprobs, req.return_tokens_as_token_ids)
@@ -89,12 +174,13 @@ class Answers:
                     finish_reason=sampled.finish_reason,
                     stop_reason=sampled.stop_reason,
                     token_ids=sampled.ids if req.return_token_ids else None,
-                    prompt_token_ids=prompt_ids if req.return_token_ids else None,
+                    prompt_token_ids=draft.prompt_ids if req.return_token_ids else None,
+                    weight_versions=_spans(draft) if req.return_weight_versions else None,
                 )
             )
-            used, produced = used + len(prompt_ids), produced + len(sampled.ids)
+            used, produced = used + len(draft.prompt_ids), produced + len(sampled.ids)
         usage = UsageInfo(prompt_tokens=used, completion_tokens=produced, total_tokens=used + produced)
-        body = CompletionResponse(model=model, choices=choices, usage=usage).model_dump_json()
+        body = CompletionResponse(model=plan.model, choices=choices, usage=usage).model_dump_json()
         return Answer(body.encode(), used, produced)
 
     def _completion_prompts(self, prompt: Any) -> list[list[int]]:
@@ -128,13 +214,30 @@ class Answers:
 
     # ------------------------------------------------------------------------------------------- chat
 
-    def chat(self, req: ChatCompletionRequest, model: str, seed: int, config: PolicyConfig) -> Answer:
-        _single_choice(req.n or 1, bool(req.stream))
-        prompt_ids = self._render(req)
-        limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        sampled = self._sample(prompt_ids, req, self._max_tokens(prompt_ids, limit), seed, config)
-        parse_tools = bool(req.tools) and req.tool_choice != "none"
-        message = parse_turn(sampled.text, parse_tools)
+    def _check_tool_choice(self, req: ChatCompletionRequest) -> None:
+        """vLLM's rule (0.33.0, `vllm/renderers/online_renderer.py`): tools without `tool_choice` mean
+        "auto", which needs `--enable-auto-tool-choice` and `--tool-call-parser`; "required" or a named
+        tool needs the parser."""
+        if not req.tools and req.tool_choice not in (None, "none"):
+            raise RequestError("When using `tool_choice`, `tools` must be set.", "tool_choice")
+        if not req.tools or self.parsers.tool_call_parser is not None:
+            if req.tools and req.tool_choice in (None, "auto") and not self.parsers.enable_auto_tool_choice:
+                raise RequestError(AUTO_TOOLS_NEED_FLAGS)
+            return
+        if req.tool_choice in (None, "auto"):
+            raise RequestError(AUTO_TOOLS_NEED_FLAGS)
+        if req.tool_choice != "none":
+            raise RequestError(
+                f"tool_choice={json.dumps(req.tool_choice)} requires --tool-call-parser to be set"
+            )
+
+    def _chat_body(self, plan: Plan) -> Answer:
+        req, (draft,) = plan.req, plan.drafts
+        sampled = draft.sampled
+        parse_tools = (
+            bool(req.tools) and req.tool_choice != "none" and self.parsers.tool_call_parser is not None
+        )
+        message = parse_turn(sampled.text, parse_tools, self.parsers.reasoning_parser is not None)
         finish = "tool_calls" if message.tool_calls else sampled.finish_reason
         logprobs = None
         if req.logprobs:
@@ -146,14 +249,15 @@ class Answers:
             finish_reason=finish,
             stop_reason=sampled.stop_reason,
             token_ids=sampled.ids if req.return_token_ids else None,
+            weight_versions=_spans(draft) if req.return_weight_versions else None,
         )
-        used, produced = len(prompt_ids), len(sampled.ids)
+        used, produced = len(draft.prompt_ids), len(sampled.ids)
         usage = UsageInfo(prompt_tokens=used, completion_tokens=produced, total_tokens=used + produced)
         response = ChatCompletionResponse(
-            model=model,
+            model=plan.model,
             choices=[choice],
             usage=usage,
-            prompt_token_ids=prompt_ids if req.return_token_ids else None,
+            prompt_token_ids=draft.prompt_ids if req.return_token_ids else None,
         )
         return Answer(response.model_dump_json().encode(), used, produced)
 
@@ -229,13 +333,13 @@ class Answers:
         return f"token_id:{token_id}" if as_ids else self.policy.pieces.text(token_id)
 
 
-def parse_turn(text: str, parse_tools: bool) -> ChatMessage:
-    """Split an assistant turn like vLLM's qwen3 reasoning parser + hermes tool parser: reasoning needs
-    both think tags; tool calls need every `<tool_call>` body to be JSON with a name, else the whole
-    text stays content (hermes' rule)."""
+def parse_turn(text: str, parse_tools: bool, parse_reasoning: bool = True) -> ChatMessage:
+    """Split an assistant turn like vLLM's qwen3 reasoning parser + hermes tool parser, each only when the
+    server runs with it: reasoning needs both think tags; tool calls need every `<tool_call>` body to be
+    JSON with a name, else the whole text stays content (hermes' rule)."""
     reasoning, content = None, text
     start, end = text.find("<think>"), text.find("</think>")
-    if 0 <= start < end:
+    if parse_reasoning and 0 <= start < end:
         reasoning = text[start + len("<think>") : end].strip("\n")
         content = text[end + len("</think>") :].lstrip("\n")
     calls: list[ToolCall] = []
@@ -249,9 +353,32 @@ def parse_turn(text: str, parse_tools: bool) -> ChatMessage:
             calls = []
         if calls:
             content = content[: content.find("<tool_call>")].rstrip("\n")
-    return ChatMessage(
-        content=content or None, reasoning_content=reasoning, reasoning=reasoning, tool_calls=calls
-    )
+    return ChatMessage(content=content or None, reasoning=reasoning, tool_calls=calls)
+
+
+AUTO_TOOLS_NEED_FLAGS = (
+    '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'
+)
+_CACHE_SALT_FORBIDDEN = set("@/\\\x00")
+
+
+def _check_cache_salt(salt: Any) -> None:
+    """vLLM 0.33.0 `validate_cache_salt`: a non-empty string of at most 128 characters without @ / \\ NUL."""
+    if salt is None:
+        return
+    if not isinstance(salt, str) or not salt or len(salt) > 128 or set(salt) & _CACHE_SALT_FORBIDDEN:
+        raise RequestError(
+            "Parameter 'cache_salt' must be a non-empty string of at most 128 characters without '@', '/', "
+            "'\\\\' or NUL.",
+            "cache_salt",
+        )
+
+
+def _spans(draft: Draft) -> list[dict[str, Any]]:
+    """vLLM's `weight_versions`: contiguous [start, end) output ranges and the weights that sampled them."""
+    spans = draft.spans or [("default", 0)]
+    ends = [start for _, start in spans[1:]] + [len(draft.sampled.ids)]
+    return [{"version": v, "start": start, "end": end} for (v, start), end in zip(spans, ends, strict=True)]
 
 
 def _alternatives(token_id: int, logprob: float, top: int, regular: int) -> list[tuple[int, float]]:

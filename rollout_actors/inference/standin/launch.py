@@ -54,8 +54,11 @@ class StandinServer:
         *,
         host: str = "127.0.0.1",
         startup_timeout_s: float = STARTUP_TIMEOUT_S,
+        env: dict[str, str] | None = None,
     ) -> None:
+        """`env`: added to the server's environment (e.g. `VLLM_API_KEY`, which it reads as vLLM does)."""
         self.options = options
+        self.env = dict(env or {})
         self.host = host
         self.startup_timeout_s = startup_timeout_s
         self.port: int | None = None
@@ -100,7 +103,11 @@ class StandinServer:
         command += self.options.to_argv()
         with open(self._workdir / "server.log", "wb") as log:
             self._process = subprocess.Popen(
-                command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=_child_env()
+                command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=_child_env() | self.env,
             )
         self._deadline = time.monotonic() + self.startup_timeout_s
         return self.wait_ready() if wait else self

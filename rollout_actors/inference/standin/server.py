@@ -26,8 +26,9 @@ import socket
 import sys
 import time
 import zlib
+from collections import deque
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, get_args
 
 from pydantic import ValidationError
@@ -37,7 +38,9 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from renderer_actors.tokenizer import BUNDLED_MODEL, load_tokenizer
-from rollout_actors.inference.standin.answers import Answers, RequestError
+from rollout_actors.inference.standin.answers import Answer, Answers, Parsers, Plan, RequestError
+from rollout_actors.inference.standin.control import admin_routes, lora_routes, weight_routes
+from rollout_actors.inference.standin.engine import DEFAULT_VERSION, Engine
 from rollout_actors.inference.standin.policy import PolicyConfig, ScriptedPolicy
 from rollout_actors.inference.standin.traffic import FaultPlan, TrafficGate, TrafficStats, error_body
 from rollout_actors.inference.standin.wire import (
@@ -45,11 +48,10 @@ from rollout_actors.inference.standin.wire import (
     CompletionRequest,
     FaultKind,
     FaultSettings,
-    LoadLoRAAdapterRequest,
     ModelCard,
     ModelList,
-    UnloadLoRAAdapterRequest,
 )
+from rollout_actors.lora import VLLM_LORA_RANKS, AdapterLimits
 
 log = logging.getLogger("rollout_actors.standin")
 
@@ -57,6 +59,7 @@ BACKLOG = 4096  # 2,048 concurrent rollouts connect at once; the kernel queue mu
 KEEP_ALIVE_S = 5  # clients keep idle connections for less (ClientConfig.keepalive_expiry = 4 s)
 GRACEFUL_SHUTDOWN_S = 2  # a `timeout` fault never answers; shutdown must not wait for it
 PARENT_POLL_S = 1.0
+RECENT_REQUESTS = 10_000  # what `/admin/requests` remembers
 _POLICY_HEADERS = {
     "x-standin-correct-rate": "correct_rate",
     "x-standin-think-rate": "think_rate",
@@ -66,7 +69,8 @@ _POLICY_HEADERS = {
 
 @dataclass(frozen=True)
 class StandinOptions:
-    """Everything the stand-in server can be told at start (mirrors the command line)."""
+    """Everything the stand-in server can be told at start (mirrors the command line). Where vLLM has the
+    same setting, the flag has vLLM's name and default, so a command line means the same to both."""
 
     model: str = BUNDLED_MODEL
     """Served model name; also the tokenizer loaded with `load_tokenizer`."""
@@ -82,13 +86,33 @@ class StandinOptions:
     fault_rate: float = 0.0
     fault: FaultKind = "500"
     max_model_len: int = 32768
+    enable_auto_tool_choice: bool = False
+    """vLLM's flag: tool calls are parsed (and `tools` accepted with "auto" choice) only with it and a
+    `tool_call_parser`; otherwise such a request is the same 400 vLLM gives."""
+    tool_call_parser: str | None = field(default=None, metadata={"type": str})
+    reasoning_parser: str | None = field(default=None, metadata={"type": str})
+    """Without one, the think block stays in `content`, as on vLLM."""
+    enable_lora: bool = False
+    """Serve `/v1/load_lora_adapter` and adapters by name (vLLM: `--enable-lora` plus
+    `VLLM_ALLOW_RUNTIME_LORA_UPDATING`)."""
+    max_lora_rank: int = 16
+    max_loras: int = 1
+    """Distinct adapters in one batch; a request for another one waits (vLLM's scheduler)."""
+    max_cpu_loras: int | None = field(default=None, metadata={"type": int})
+    kv_cache_tokens: int = 4_194_304
+    """The finite KV budget (tokens) behind `vllm:kv_cache_usage_perc` and real waiting counts."""
+    weight_updates: bool = False
+    """Serve `/pause`, `/resume` and the weight-update routes (vLLM: `VLLM_SERVER_DEV_MODE=1`)."""
     startup_delay_s: float = 0.0
     """Delay before loading, so a test can watch `/health` answer 503 first. Zero in production."""
     admin: bool = False
-    """Serve the test routes (`/admin/faults`, `/admin/sessions`). Off unless asked for."""
+    """Serve the test routes (`/admin/faults`, `/admin/sessions`, `/admin/requests`). Off unless asked."""
 
     def policy(self) -> PolicyConfig:
         return PolicyConfig(self.seed, self.correct_rate, self.think_rate, self.noncanonical_rate)
+
+    def parsers(self) -> Parsers:
+        return Parsers(self.enable_auto_tool_choice, self.tool_call_parser, self.reasoning_parser)
 
     def to_argv(self) -> list[str]:
         argv = []
@@ -102,15 +126,28 @@ class StandinOptions:
 
 
 class StandinState:
-    """What the routes share: settings, the loaded policy (None until ready), adapters, counters."""
+    """What the routes share: settings, the loaded policy (None until ready), adapters, the engine."""
 
-    def __init__(self, options: StandinOptions) -> None:
+    def __init__(self, options: StandinOptions, api_key: str | None = None) -> None:
+        if options.enable_auto_tool_choice and not options.tool_call_parser:
+            raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")  # vLLM's TypeError
+        if options.max_lora_rank not in VLLM_LORA_RANKS:
+            raise ValueError(f"--max-lora-rank must be one of {VLLM_LORA_RANKS}, got {options.max_lora_rank}")
+        if options.max_cpu_loras is not None and options.max_cpu_loras < options.max_loras:
+            raise ValueError(
+                f"max_cpu_loras ({options.max_cpu_loras}) must be >= max_loras ({options.max_loras})."
+            )
         self.options = options
+        self.api_key = api_key
         self.policy_config = options.policy()  # validates the rates before a port is bound
         self.faults = FaultPlan(FaultSettings(fault_rate=options.fault_rate, fault=options.fault))
         self.stats = TrafficStats()
+        self.engine = Engine(options.max_loras, options.kv_cache_tokens)
+        self.adapter_limits = AdapterLimits(max_lora_rank=options.max_lora_rank)
         self.answers: Answers | None = None
         self.loras: dict[str, str] = {}
+        self.recent: deque[dict[str, Any]] = deque(maxlen=RECENT_REQUESTS)
+        """What the server saw of its latest model calls (`X-Request-Id`, `cache_salt`, model)."""
         self.load_error: BaseException | None = None
         self.on_fatal: Any = None
         """Asks the HTTP server to exit (set by `main`)."""
@@ -124,7 +161,7 @@ class StandinState:
             started = time.monotonic()
             tokenizer = await asyncio.to_thread(load_tokenizer, self.options.model)
             policy = await asyncio.to_thread(ScriptedPolicy, tokenizer, self.policy_config)
-            self.answers = Answers(policy, self.options.max_model_len)
+            self.answers = Answers(policy, self.options.max_model_len, self.options.parsers())
             log.info("stand-in loaded %s in %.1f s", self.options.model, time.monotonic() - started)
         except Exception as exc:
             self.load_error = exc
@@ -139,6 +176,35 @@ class StandinState:
         return None
 
 
+class InvalidBody(Exception):
+    """A request body vLLM's FastAPI layer would refuse: a 400 in its validation-error shape."""
+
+    def __init__(self, exc: ValidationError) -> None:
+        errors = exc.errors(include_url=False)
+        label = "error" if len(errors) == 1 else "errors"
+        lines = "".join(f"  {_bounded_error(err)}\n" for err in errors[:10])
+        loc = errors[0].get("loc", ()) if errors else ()
+        self.body = error_body(
+            f"{len(errors)} validation {label}:\n{lines}".rstrip(),
+            "Bad Request",
+            400,
+            ".".join(["body", *(str(part) for part in loc)]),
+        )
+        super().__init__(self.body["error"]["message"])
+
+
+def _bounded_error(err: Any) -> str:
+    err = {k: v for k, v in err.items() if k != "ctx"}
+    if "input" in err:
+        text = (
+            str(err["input"])
+            if not isinstance(err["input"], (list, dict))
+            else f"<{type(err['input']).__name__}>"
+        )
+        err["input"] = text[:200]
+    return str(err)[:1000]
+
+
 def _error(message: str, err_type: str, code: int, param: str | None = None) -> JSONResponse:
     return JSONResponse(error_body(message, err_type, code, param), status_code=code)
 
@@ -151,12 +217,7 @@ async def _parse(request: Request, model: type) -> Any:
     try:
         return model.model_validate_json(await request.body())
     except ValidationError as exc:
-        raise RequestError(str(exc).splitlines()[0] + ": " + _first_error(exc)) from exc
-
-
-def _first_error(exc: ValidationError) -> str:
-    err = exc.errors()[0]
-    return f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}"
+        raise InvalidBody(exc) from exc
 
 
 def _overrides(state: StandinState, request: Request) -> tuple[PolicyConfig, float, float]:
@@ -181,14 +242,68 @@ def _overrides(state: StandinState, request: Request) -> tuple[PolicyConfig, flo
 
 def _seed_for(state: StandinState, model: str, seed: int | None, config: PolicyConfig) -> int:
     base = config.seed if seed is None else seed
-    # An adapter is another policy: same prompt, different answers than the base model.
-    return base if model == state.options.model else base * 1_000_003 + zlib.crc32(model.encode())
+    # An adapter is another policy, and so are new weights: same prompt, different answers.
+    if model != state.options.model:
+        base = base * 1_000_003 + zlib.crc32(model.encode())
+    version = state.engine.weight_version
+    return base if version == DEFAULT_VERSION else base * 1_000_033 + zlib.crc32(version.encode())
+
+
+def _tokens_done(elapsed: float, latency: float, per_token: float, total: int) -> int:
+    """Output tokens sampled after `elapsed` seconds of running time."""
+    if elapsed < latency:
+        return 0
+    if per_token <= 0:
+        return total
+    return min(total, int((elapsed - latency) / per_token))
+
+
+async def _run(
+    state: StandinState, plan: Plan, latency: float, per_token: float, drafted_under: str
+) -> Answer:
+    """Run an admitted call on the engine's clock: a `keep` pause freezes it (new weights resample what is
+    left, continuing from the tokens already sampled); an `abort` pause ends it with what it has."""
+    assert state.answers is not None
+    engine, answers = state.engine, state.answers
+    adapter = plan.model if plan.model != state.options.model else None
+    kv = sum(len(d.prompt_ids) + len(d.sampled.ids) for d in plan.drafts)
+    slot = await engine.admit(adapter, kv)
+    try:
+        for draft in plan.drafts:
+            draft.spans = [(engine.weight_version, 0)]
+            if engine.weight_version != drafted_under:  # new weights landed while it waited
+                answers.resample_tail(
+                    plan, draft, 0, _seed_for(state, plan.model, plan.req.seed, plan.config)
+                )
+        lead, elapsed = plan.drafts[0], 0.0
+        while True:
+            stopped = await engine.run_for(latency + per_token * len(lead.sampled.ids) - elapsed)
+            if stopped is None:
+                break
+            elapsed += stopped
+            done = _tokens_done(elapsed, latency, per_token, len(lead.sampled.ids))
+            if engine.pause_mode == "abort":
+                for draft in plan.drafts:
+                    answers.cut(draft, done, "abort")
+                break
+            await engine.resumed()
+            version = engine.weight_version
+            if version != lead.spans[-1][0] and done < len(lead.sampled.ids):
+                seed = _seed_for(state, plan.model, plan.req.seed, plan.config)
+                for draft in plan.drafts:
+                    answers.resample_tail(plan, draft, done, seed)
+                    draft.spans.append((version, done))
+    finally:
+        engine.release(slot)
+    return answers.body(plan)
 
 
 def build_app(state: StandinState) -> TrafficGate:
     async def model_call(request: Request, kind: str) -> Response:
         if state.answers is None:
             return _not_ready(state)
+        if state.engine.refuses_new():
+            return _error("The server is paused; retry after /resume.", "ServiceUnavailableError", 503)
         try:
             body = await _parse(
                 request, CompletionRequest if kind == "completions" else ChatCompletionRequest
@@ -197,21 +312,24 @@ def build_app(state: StandinState) -> TrafficGate:
             if model is None:
                 return _error(f"The model `{body.model}` does not exist.", "NotFoundError", 404, "model")
             config, latency, per_token = _overrides(state, request)
-            seed = _seed_for(state, model, body.seed, config)
-            if kind == "completions":
-                answer = state.answers.completion(body, model, seed, config)
-            else:
-                answer = state.answers.chat(body, model, seed, config)
+            drafted_under = state.engine.weight_version
+            plan = state.answers.plan(kind, body, model, _seed_for(state, model, body.seed, config), config)
         except RequestError as exc:
             return _error(str(exc), "BadRequestError", 400, exc.param)
+        state.recent.append(
+            {
+                "request_id": request.headers.get("x-request-id"),
+                "cache_salt": getattr(body, "cache_salt", None),
+                "model": model,
+            }
+        )
+        try:
+            answer = await _run(state, plan, latency, per_token, drafted_under)
         except Exception as exc:  # a bug here must still answer in the protocol's error shape
             log.exception("stand-in failed to answer a %s call", kind)
             return _error(f"{type(exc).__name__}: {exc}", "InternalServerError", 500)
         state.stats.prompt_tokens += answer.prompt_tokens
         state.stats.completion_tokens += answer.completion_tokens
-        delay = latency + per_token * answer.completion_tokens
-        if delay > 0:
-            await asyncio.sleep(delay)
         return Response(answer.body, media_type="application/json")
 
     async def completions(request: Request) -> Response:
@@ -232,48 +350,12 @@ def build_app(state: StandinState) -> TrafficGate:
         return Response(ModelList(data=cards).model_dump_json(), media_type="application/json")
 
     async def metrics(request: Request) -> Response:
-        return PlainTextResponse(
-            state.stats.render(state.options.model), media_type="text/plain; version=0.0.4"
-        )
+        text = state.stats.render(state.options.model, state.engine)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
-    async def load_lora(request: Request) -> Response:
-        try:
-            body = await _parse(request, LoadLoRAAdapterRequest)
-        except RequestError as exc:
-            return _error(str(exc), "BadRequestError", 400)
-        if not body.lora_name or not body.lora_path:
-            return _error("Both 'lora_name' and 'lora_path' must be provided.", "InvalidUserInput", 400)
-        if body.lora_name in state.loras and not body.load_inplace:
-            msg = f"The lora adapter '{body.lora_name}' has already been loaded."
-            return _error(msg, "InvalidUserInput", 400)
-        if body.lora_name == state.options.model:
-            return _error("A LoRA adapter cannot take the base model's name.", "InvalidUserInput", 400)
-        if not os.path.isfile(os.path.join(body.lora_path, "adapter_config.json")):
-            msg = f"Loading lora {body.lora_name} failed: No adapter found for {body.lora_path}"
-            return _error(msg, "NotFoundError", 404)
-        state.loras[body.lora_name] = body.lora_path
-        log.info("loaded LoRA adapter %s from %s", body.lora_name, body.lora_path)
-        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
-
-    async def unload_lora(request: Request) -> Response:
-        try:
-            body = await _parse(request, UnloadLoRAAdapterRequest)
-        except RequestError as exc:
-            return _error(str(exc), "BadRequestError", 400)
-        if state.loras.pop(body.lora_name, None) is None:
-            return _error(f"The lora adapter '{body.lora_name}' cannot be found.", "NotFoundError", 404)
-        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
-
-    async def admin_faults(request: Request) -> Response:
-        if request.method == "POST":
-            try:
-                state.faults.settings = await _parse(request, FaultSettings)
-            except RequestError as exc:
-                return _error(str(exc), "BadRequestError", 400)
-        return Response(state.faults.settings.model_dump_json(), media_type="application/json")
-
-    async def admin_sessions(request: Request) -> Response:
-        return JSONResponse({"sessions": state.stats.sessions, "overflow": state.stats.sessions_overflow})
+    async def invalid_body(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, InvalidBody)
+        return JSONResponse(exc.body, status_code=400)
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> Any:
@@ -293,18 +375,16 @@ def build_app(state: StandinState) -> TrafficGate:
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
-        Route("/v1/load_lora_adapter", load_lora, methods=["POST"]),
-        Route("/v1/unload_lora_adapter", unload_lora, methods=["POST"]),
     ]
+    if state.options.enable_lora:
+        routes += lora_routes(state, _parse, _error)
+    if state.options.weight_updates:
+        routes += weight_routes(state, _parse, _error)
     if state.options.admin:
-        routes += [
-            Route("/admin/faults", admin_faults, methods=["GET", "POST"]),
-            Route("/admin/sessions", admin_sessions, methods=["GET"]),
-        ]
-    app = Starlette(routes=routes, lifespan=lifespan)
-    return TrafficGate(
-        app, state.stats, state.faults, lambda: state.answers.vocab_size if state.answers else 0
-    )
+        routes += admin_routes(state, _parse)
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={InvalidBody: invalid_body})
+    vocab = lambda: state.answers.vocab_size if state.answers else 0  # noqa: E731
+    return TrafficGate(app, state.stats, state.faults, vocab, api_key=state.api_key)
 
 
 async def _exit_with_parent(parent_pid: int, exit_now: Any) -> None:
@@ -363,7 +443,8 @@ def main(argv: list[str] | None = None) -> int:
     options, args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     _raise_open_files_limit()
-    state = StandinState(options)
+    # The API key comes as vLLM takes it (`VLLM_API_KEY`), never on the command line.
+    state = StandinState(options, api_key=os.environ.get("VLLM_API_KEY") or None)
     sock = _listen(args.host, args.port)
     port = sock.getsockname()[1]
     config = uvicorn.Config(

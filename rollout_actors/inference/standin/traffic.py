@@ -23,6 +23,8 @@ Kinds, each something a real server (or the network in front of it) can do:
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import json
 import random
 from collections import Counter
@@ -35,6 +37,7 @@ MODEL_PATHS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
 FAULT_KINDS: tuple[str, ...] = get_args(FaultKind)
 MAX_SESSIONS = 100_000  # distinct session ids remembered; past it new ones are only counted as overflow
 DROP_BODY_PROMISE = b"4096"  # fallback drop: promise a body, send none, so the client sees a cut response
+GUARDED_PREFIXES = ("/v1", "/v2", "/inference", "/cohere")
 DRIP_INTERVAL_S = 0.5  # below any sane read timeout: a drip never trips it
 DEFAULT_RETRY_AFTER_S = 30
 
@@ -65,9 +68,10 @@ class TrafficStats:
         else:
             self.sessions_overflow += 1
 
-    def render(self, model: str) -> str:
-        """Prometheus text. The `vllm:` series mirror vLLM's names so load-aware code can read either."""
-        label = f'model_name="{model}"'
+    def render(self, model: str, engine: Any) -> str:
+        """Prometheus text. The `vllm:` series carry vLLM 0.33's names and labels
+        (`vllm/v1/metrics/loggers.py`: `model_name`, `engine`) with the engine's real figures."""
+        label = f'model_name="{model}",engine="0"'
         lines = [
             "# TYPE standin_requests_total counter",
             *(f'standin_requests_total{{endpoint="{k}"}} {v}' for k, v in sorted(self.requests.items())),
@@ -86,9 +90,11 @@ class TrafficStats:
             "# TYPE standin_session_overflow_requests_total counter",
             f"standin_session_overflow_requests_total {self.sessions_overflow}",
             "# TYPE vllm:num_requests_running gauge",
-            f"vllm:num_requests_running{{{label}}} {self.in_flight}",
+            f"vllm:num_requests_running{{{label}}} {engine.num_running}",
             "# TYPE vllm:num_requests_waiting gauge",
-            f"vllm:num_requests_waiting{{{label}}} 0",
+            f"vllm:num_requests_waiting{{{label}}} {engine.num_waiting}",
+            "# TYPE vllm:kv_cache_usage_perc gauge",
+            f"vllm:kv_cache_usage_perc{{{label}}} {engine.kv_usage:.6f}",
             "# TYPE vllm:prompt_tokens_total counter",
             f"vllm:prompt_tokens_total{{{label}}} {self.prompt_tokens}",
             "# TYPE vllm:generation_tokens_total counter",
@@ -140,14 +146,27 @@ def _rate(raw: bytes) -> float:
 class TrafficGate:
     """ASGI wrapper: model calls are counted and maybe faulted; everything else passes straight on."""
 
-    def __init__(self, app: Any, stats: TrafficStats, faults: FaultPlan, vocab_size: Any = lambda: 0) -> None:
+    def __init__(
+        self,
+        app: Any,
+        stats: TrafficStats,
+        faults: FaultPlan,
+        vocab_size: Any = lambda: 0,
+        api_key: str | None = None,
+    ) -> None:
         self.app = app
         self.stats = stats
         self.faults = faults
+        self.api_key = api_key
+        """With a key, every `/v1` route answers 401 without `Authorization: Bearer <key>` (vLLM 0.33's
+        `AuthenticationMiddleware`: guarded prefixes `/v1`, `/v2`, `/inference`, `/cohere`)."""
         self.vocab_size = vocab_size
         """The tokenizer's vocabulary size once loaded: the id an `oov` fault plants by default."""
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
+        if self.api_key is not None and scope["type"] == "http" and not self._authorized(scope):
+            await send_json(send, 401, {"error": "Unauthorized"})
+            return
         endpoint = MODEL_PATHS.get(scope.get("path", "")) if scope["type"] == "http" else None
         if endpoint is None or scope.get("method") != "POST":
             await self.app(scope, receive, send)
@@ -175,6 +194,16 @@ class TrafficGate:
             await inject(kind, receive, send, stats, headers)
         finally:
             stats.in_flight -= 1
+
+    def _authorized(self, scope: Scope) -> bool:
+        if scope.get("method") == "OPTIONS" or not scope.get("path", "").startswith(GUARDED_PREFIXES):
+            return True
+        value = dict(scope["headers"]).get(b"authorization", b"").decode(errors="replace")
+        scheme, _, token = value.partition(" ")
+        expected = hashlib.sha256(self.api_key.encode()).digest()  # type: ignore[union-attr]
+        return scheme.lower() == "bearer" and hmac.compare_digest(
+            hashlib.sha256(token.encode()).digest(), expected
+        )
 
 
 def _counting(send: Any, stats: TrafficStats) -> Any:

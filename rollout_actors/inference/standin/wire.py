@@ -1,7 +1,7 @@
 """The subset of vLLM's OpenAI-compatible protocol the stand-in server speaks, as pydantic models.
 
-Field names and shapes follow vLLM (`vllm/entrypoints/openai/{completion,chat_completion}/protocol.py`,
-`engine/protocol.py`): unknown request fields are accepted and ignored as vLLM does; responses carry
+Field names and shapes follow vLLM 0.33.0 (`vllm/entrypoints/openai/{completion,chat_completion}/protocol.py`,
+`vllm/entrypoints/serve/engine/protocol.py`, `vllm/entrypoints/rl/online/api_router.py`): unknown request fields are accepted and ignored as vLLM does; responses carry
 vLLM's extras (`token_ids`, `prompt_token_ids`, `stop_reason`, reasoning). Errors use vLLM's
 `{"error": {"message", "type", "param", "code"}}` body with `code` = the HTTP status.
 """
@@ -49,6 +49,8 @@ class CompletionRequest(_Request):
     include_stop_str_in_output: bool = False
     return_token_ids: bool | None = None
     return_tokens_as_token_ids: bool | None = None
+    return_weight_versions: bool = False
+    cache_salt: str | None = None
 
 
 class ChatCompletionRequest(_Request):
@@ -72,6 +74,8 @@ class ChatCompletionRequest(_Request):
     add_generation_prompt: bool = True
     return_token_ids: bool | None = None
     return_tokens_as_token_ids: bool | None = None
+    return_weight_versions: bool = False
+    cache_salt: str | None = None
 
 
 class LoadLoRAAdapterRequest(_Request):
@@ -98,6 +102,14 @@ class FaultSettings(BaseModel):
 # ------------------------------------------------------------------------------------- responses
 
 
+class WeightVersionSpan(BaseModel):
+    """Output tokens [start, end) were sampled by weights labelled `version` (vLLM 0.33 `outputs.py`)."""
+
+    version: str
+    start: int
+    end: int
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -119,6 +131,7 @@ class CompletionChoice(BaseModel):
     stop_reason: int | str | None = None
     token_ids: list[int] | None = None
     prompt_token_ids: list[int] | None = None
+    weight_versions: list[WeightVersionSpan] | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -145,10 +158,9 @@ class ToolCall(BaseModel):
 class ChatMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
-    reasoning_content: str | None = None
-    """The think block: vLLM's name up to 0.10 and what clients of that era read."""
     reasoning: str | None = None
-    """The same text under the name newer vLLM uses."""
+    """The think block, with a reasoning parser (vLLM 0.33 sends only `reasoning`; 0.10-0.1x sent
+    `reasoning_content`)."""
     tool_calls: list[ToolCall] = Field(default_factory=list)
 
     @model_serializer(mode="wrap")
@@ -180,6 +192,7 @@ class ChatChoice(BaseModel):
     finish_reason: str | None = "stop"
     stop_reason: int | str | None = None
     token_ids: list[int] | None = None
+    weight_versions: list[WeightVersionSpan] | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -207,12 +220,11 @@ class ModelList(BaseModel):
     data: list[ModelCard] = Field(default_factory=list)
 
 
-class ErrorInfo(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: int
+class LoadWeightsRequest(_Request):
+    """`/update_weights`: backend-specific `update_info`, passed through to the weight transfer engine."""
+
+    update_info: dict[str, Any] | list[dict[str, Any]]
 
 
-class ErrorResponse(BaseModel):
-    error: ErrorInfo
+class FinishWeightsRequest(_Request):
+    weight_version: str | None = None

@@ -1,0 +1,417 @@
+"""Meet the real vLLM: each row of what vLLM 0.33.0 does (read from its source) holds for the command line
+the project builds, for the plane's calls, and for the stand-in, which is at least as strict wherever the
+plane depends on it. Servers here are real stand-in processes started with the flags under test."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import tomllib
+from pathlib import Path
+
+import numpy as np
+import openai
+import pytest
+from conftest import served_like_vllm
+from env_pools import TEST_REF_PREFIXES
+from safetensors.numpy import save_file
+
+from renderer_actors.tokenizer import BUNDLED_MODEL
+from rollout_actors.client import build_client
+from rollout_actors.failures import classify
+from rollout_actors.inference.server_actor import (
+    InferenceServer,
+    ServerSpec,
+    server_actor_options,
+    vllm_command,
+    vllm_env,
+)
+from rollout_actors.inference.standin import StandinOptions, StandinServer, StandinStartupError
+from rollout_actors.lora import CONFIG_FILE, WEIGHTS_FILE, LoraAdapter, lora_config
+from rollout_actors.model_call import complete_tokens
+from rollout_actors.plane import PlaneConfig, RolloutPlane
+from rollout_actors.publish import PolicyPublisher, PublishFailure
+from rollout_actors.wire import ClientConfig, Ref, RolloutRequest, SamplingConfig
+
+try:
+    import httpx2 as httpx
+except ImportError:  # pragma: no cover
+    import httpx
+
+KEY_VAR = "RAY_ROLLOUTS_TEST_SECRET"
+DEADLINE_S = 90
+CALC_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "calculator",
+        "description": "Evaluate an arithmetic expression.",
+        "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}},
+    },
+}
+CALC_MESSAGES = [
+    {"role": "system", "content": "Use the calculator tool for arithmetic."},
+    {"role": "user", "content": "Compute (17 * 23) + 45 using the calculator tool."},
+]
+
+
+def run(coro, deadline: float = DEADLINE_S):
+    return asyncio.run(asyncio.wait_for(coro, deadline))
+
+
+@pytest.fixture(scope="module")
+def bare():
+    """A stand-in started like `vllm serve MODEL` with no optional flags, and an API key."""
+    with StandinServer(StandinOptions(admin=True), env={"VLLM_API_KEY": os.environ[KEY_VAR]}) as server:
+        yield server
+
+
+def keyed(server: StandinServer, **kwargs) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=server.base_url, api_key=os.environ[KEY_VAR], max_retries=0, **kwargs)
+
+
+async def chat(client: openai.AsyncOpenAI, **kwargs):
+    async with client:
+        return await client.chat.completions.create(model=BUNDLED_MODEL, max_tokens=256, seed=1, **kwargs)
+
+
+# ---------------------------------------------------------------------- tools and reasoning need flags
+
+
+def test_tools_without_the_tool_parser_flags_are_vllms_400(bare):
+    with pytest.raises(openai.BadRequestError) as info:
+        run(chat(keyed(bare), messages=CALC_MESSAGES, tools=[CALC_TOOL]))
+    assert info.value.body["message"] == (
+        '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'
+    )
+    with pytest.raises(openai.BadRequestError) as info:
+        run(chat(keyed(bare), messages=CALC_MESSAGES, tools=[CALC_TOOL], tool_choice="required"))
+    assert "requires --tool-call-parser" in info.value.body["message"]
+
+
+def test_the_launched_command_carries_tool_and_reasoning_parsers_for_qwen3():
+    command = vllm_command(ServerSpec(model="Qwen/Qwen3-8B"), "10.0.0.5", 8000)
+    flags = " ".join(command)
+    assert "--enable-auto-tool-choice --tool-call-parser hermes" in flags
+    assert "--reasoning-parser qwen3" in flags
+    coder = " ".join(vllm_command(ServerSpec(model="Qwen/Qwen3-Coder-30B-A3B-Instruct"), "h", 1))
+    assert "--tool-call-parser qwen3_coder" in coder and "--reasoning-parser" not in coder
+    off = vllm_command(ServerSpec(model="m", tool_call_parser=None, reasoning_parser=None), "h", 1)
+    assert "--tool-call-parser" not in off and "--enable-auto-tool-choice" not in off
+
+
+def test_a_chat_rollout_with_environment_tools_runs_on_a_server_started_as_spec_builds_it(
+    standin, ray_session
+):
+    """The shared stand-in runs with `ServerSpec`'s flags (conftest): the calculator's chat turns parse."""
+
+    async def scenario():
+        config = PlaneConfig(
+            lanes={"train": 2, "eval": 1},
+            workers=1,
+            worker_num_cpus=0.25,
+            env_pool={"num_cpus": 0.25},
+            allowed_ref_prefixes=TEST_REF_PREFIXES,
+        )
+        async with RolloutPlane(config) as plane:
+            await plane.submit(
+                RolloutRequest(
+                    env=Ref(target="env_actors.examples.calculator_env:CalculatorEnv"),
+                    task_index=1,
+                    mode="chat",
+                    client=ClientConfig(base_url=standin.base_url, model=BUNDLED_MODEL),
+                    sampling=SamplingConfig(max_tokens=200, seed=3),
+                )
+            )
+            return await plane.next_result(timeout=60)
+
+    result = run(scenario(), deadline=120)
+    assert result.kind == "ok", result.error
+    assert result.turns[0].tool_calls and result.turns[0].tool_calls[0].name == "calculator"
+
+
+def test_reasoning_is_split_only_with_a_reasoning_parser_and_returned_as_reasoning(bare, standin):
+    headers = {"X-Standin-Think-Rate": "1"}
+    messages = [{"role": "user", "content": "Tell me about rivers."}]
+    plain = run(chat(keyed(bare), messages=messages, extra_headers=headers)).choices[0].message
+    assert plain.model_extra.get("reasoning") is None and "<think>" in plain.content
+    client = openai.AsyncOpenAI(base_url=standin.base_url, api_key="EMPTY", max_retries=0)
+    parsed = run(chat(client, messages=messages, extra_headers=headers)).choices[0].message
+    assert parsed.model_extra["reasoning"] and "<think>" not in (parsed.content or "")
+    assert "reasoning_content" not in parsed.model_extra  # vLLM 0.33 sends `reasoning` only
+
+
+# ---------------------------------------------------------------------------------------- LoRA limits
+
+
+def test_max_lora_rank_must_be_one_vllm_accepts():
+    with pytest.raises(ValueError, match="max_lora_rank"):
+        ServerSpec(model="m", max_lora_rank=48)
+    with pytest.raises(StandinStartupError) as info:
+        StandinServer(StandinOptions(enable_lora=True, max_lora_rank=48), startup_timeout_s=30).start()
+    assert "--max-lora-rank" in info.value.log_tail
+
+
+def test_max_loras_is_sized_for_retention_plus_adapters_in_use():
+    spec = ServerSpec(model="Qwen/Qwen3-8B")
+    flags = vllm_command(spec, "h", 1)
+    max_loras = int(flags[flags.index("--max-loras") + 1])
+    assert max_loras == spec.lora_retain + spec.lora_in_use >= 4 + 1  # vLLM's default is 1
+    assert int(flags[flags.index("--max-cpu-loras") + 1]) >= max_loras
+    with pytest.raises(ValueError, match="max_cpu_loras"):
+        ServerSpec(model="m", max_loras=4, max_cpu_loras=2)
+
+
+def adapter_dir(path: Path, rank: int = 8, names: tuple[str, ...] = (), **config) -> str:
+    path.mkdir(parents=True, exist_ok=True)
+    names = names or tuple(
+        f"base_model.model.model.layers.0.self_attn.q_proj.lora_{ab}.weight" for ab in "AB"
+    )
+    save_file({n: np.zeros((rank, rank), np.float32) for n in names}, str(path / WEIGHTS_FILE))
+    (path / CONFIG_FILE).write_text(json.dumps(lora_config(rank, 2 * rank, ["q_proj"], **config)))
+    return str(path)
+
+
+def test_a_request_for_an_adapter_that_cannot_join_the_batch_waits(tmp_path):
+    """max_loras=1: while adapter a runs, a request for b waits (counted at /metrics) and runs after it;
+    a base-model request is never held back by max_loras."""
+    options = served_like_vllm(max_loras=1, max_cpu_loras=2)
+
+    async def scenario(server: StandinServer):
+        async with httpx.AsyncClient(base_url=server.url, timeout=30, trust_env=False) as http:
+            for name in ("a", "b"):
+                body = {"lora_name": name, "lora_path": adapter_dir(tmp_path / name)}
+                assert (await http.post("/v1/load_lora_adapter", json=body)).status_code == 200
+            finished: list[str] = []
+
+            async def call(model: str, latency: float) -> None:
+                body = {"model": model, "prompt": [1, 2, 3], "max_tokens": 4}
+                headers = {"X-Standin-Latency": str(latency)}
+                assert (await http.post("/v1/completions", json=body, headers=headers)).status_code == 200
+                finished.append(model)
+
+            first = asyncio.create_task(call("a", 2.0))
+            await _until(http, lambda m: m["running"] == 1)
+            second = asyncio.create_task(call("b", 0.0))
+            waiting = await _until(http, lambda m: m["waiting"] == 1)
+            await call(BUNDLED_MODEL, 0.0)  # the base model passes while b waits
+            await asyncio.gather(first, second)
+            return finished, waiting
+
+    with StandinServer(options) as server:
+        finished, waiting = run(scenario(server))
+    assert waiting["waiting"] == 1
+    assert finished == [BUNDLED_MODEL, "a", "b"]
+
+
+async def _until(http, predicate, timeout: float = 20.0) -> dict:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        figures = parse_metrics((await http.get("/metrics")).text)
+        if predicate(figures):
+            return figures
+        assert asyncio.get_running_loop().time() < deadline, figures
+        await asyncio.sleep(0.05)
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    found = {}
+    for name, key in (
+        ("vllm:num_requests_running", "running"),
+        ("vllm:num_requests_waiting", "waiting"),
+        ("vllm:kv_cache_usage_perc", "kv"),
+    ):
+        match = re.search(rf'^{re.escape(name)}\{{model_name="[^"]+",engine="0"\}} (\S+)$', text, re.M)
+        assert match, f"{name} missing from /metrics"
+        found[key] = float(match.group(1))
+    return found
+
+
+BAD_ADAPTERS = [
+    ({"rank": 128}, "max_lora_rank"),
+    ({"bias": "all"}, "bias"),
+    ({"use_dora": True}, "DoRA"),
+    ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
+    ({"names": ("base_model.model.model.layers.0.self_attn.q_proj.weight",)}, "q_proj.weight"),
+    ({"names": ("base_model.model.model.layers.0.mlp.router.lora_A.weight",)}, "'router'"),
+]
+
+
+@pytest.mark.parametrize(("change", "named"), BAD_ADAPTERS)
+def test_publish_refuses_an_adapter_vllm_would_refuse_before_writing_anything(tmp_path, change, named):
+    rank = change.get("rank", 8)
+    names = change.get("names") or tuple(
+        f"base_model.model.model.layers.0.self_attn.q_proj.lora_{ab}.weight" for ab in "AB"
+    )
+    config = {k: v for k, v in change.items() if k not in ("rank", "names")}
+    lora = LoraAdapter(
+        {n: np.zeros((rank, rank), np.float32) for n in names},
+        lora_config(rank, 2 * rank, ["q_proj"], **config),
+    )
+    storage = tmp_path / "published"
+
+    async def scenario():
+        publisher = PolicyPublisher(["http://127.0.0.1:9/v1"], storage, load_timeout=1, retries=0)
+        try:
+            with pytest.raises(ValueError, match=re.escape(named)):
+                await publisher.publish(lora, version=1)
+        finally:
+            await publisher.aclose()
+
+    run(scenario())
+    assert not storage.exists() or not any(storage.iterdir())
+
+
+@pytest.mark.parametrize(("change", "named"), BAD_ADAPTERS)
+def test_the_stand_in_refuses_at_load_what_vllm_refuses(standin, tmp_path, change, named):
+    rank = change.get("rank", 8)
+    config = {k: v for k, v in change.items() if k not in ("rank", "names")}
+    path = adapter_dir(tmp_path / "bad", rank=rank, names=change.get("names", ()), **config)
+    with httpx.Client(timeout=10, trust_env=False) as http:
+        response = http.post(
+            f"{standin.url}/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": path}
+        )
+    assert response.status_code == 500 and response.json()["error"]["type"] == "InternalServerError"
+    assert named in response.json()["error"]["message"]
+
+
+# --------------------------------------------------------------------------------------------- API key
+
+
+def test_a_server_with_an_api_key_refuses_every_v1_route_without_it(bare):
+    with httpx.Client(base_url=bare.url, timeout=10, trust_env=False) as http:
+        for method, path in (
+            ("GET", "/v1/models"),
+            ("POST", "/v1/completions"),
+            ("POST", "/v1/load_lora_adapter"),
+        ):
+            response = http.request(method, path, json={})
+            assert response.status_code == 401 and response.json() == {"error": "Unauthorized"}, path
+        assert http.get("/health").status_code == 200  # outside /v1, as on vLLM
+        key = {"Authorization": f"Bearer {os.environ[KEY_VAR]}"}
+        assert http.get("/v1/models", headers=key).status_code == 200
+
+
+def test_readiness_and_publication_send_the_key_which_never_reaches_a_command_line(ray_session, tmp_path):
+    spec = ServerSpec(
+        kind="standin",
+        model=BUNDLED_MODEL,
+        host="127.0.0.1",
+        startup_timeout=60,
+        num_cpus=0,
+        api_key_var=KEY_VAR,
+    )
+    secret = os.environ[KEY_VAR]
+    assert secret not in " ".join(vllm_command(spec.model_copy(update={"kind": "vllm"}), "h", 1))
+    assert "VLLM_API_KEY" not in vllm_env(spec)  # read on the server's node, not baked into the spec
+
+    async def scenario():
+        actor = InferenceServer.options(**server_actor_options(spec)).remote(spec)
+        try:
+            status = await actor.start.remote()  # ready only if /v1/models answered 200: the key was sent
+            assert status.state == "ready", status
+            with open(f"/proc/{status.pid}/cmdline", "rb") as handle:
+                cmdline = handle.read()
+            lora = LoraAdapter(
+                {
+                    f"base_model.model.layers.0.self_attn.q_proj.lora_{ab}.weight": np.zeros(
+                        (8, 8), np.float32
+                    )
+                    for ab in "AB"
+                },
+                lora_config(8, 16, ["q_proj"]),
+            )
+            keyless = PolicyPublisher([status.url], tmp_path / "a", load_timeout=5, retries=0)
+            keyed_publisher = PolicyPublisher(
+                [status.url], tmp_path / "b", load_timeout=5, retries=0, api_key_var=KEY_VAR
+            )
+            try:
+                with pytest.raises(PublishFailure) as refused:
+                    await (await keyless.publish(lora, 1)).wait(timeout=30)
+                loaded = await (await keyed_publisher.publish(lora, 1)).wait(timeout=30)
+            finally:
+                await keyless.aclose()
+                await keyed_publisher.aclose()
+            final = await actor.stop.remote()
+            return cmdline, refused.value, loaded, final
+        finally:
+            import ray
+
+            ray.kill(actor)
+
+    cmdline, refused, loaded, final = run(scenario())
+    assert secret.encode() not in cmdline
+    assert refused.failure.status_code == 401
+    assert loaded.version == 1
+    assert secret not in final.model_dump_json()
+
+
+# ------------------------------------------------------------------------------------ protocol fields
+
+
+def test_the_vllm_extra_needs_a_release_that_returns_token_ids_on_both_endpoints():
+    """`return_token_ids` (completions `choices[].token_ids` + `prompt_token_ids`, chat `choices[].token_ids`
+    + top-level `prompt_token_ids`) first shipped in vLLM 0.10.2 (absent from 0.10.0 and 0.10.1.1)."""
+    project = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text())
+    (requirement,) = project["project"]["optional-dependencies"]["vllm"]
+    floor = tuple(int(p) for p in re.search(r">=\s*([\d.]+)", requirement).group(1).split("."))
+    assert floor >= (0, 10, 2)
+
+
+def test_validation_errors_come_in_vllms_shape(standin):
+    with httpx.Client(timeout=10, trust_env=False) as http:
+        response = http.post(f"{standin.base_url}/completions", json={"prompt": [1, 2], "max_tokens": -1})
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["code"] == 400
+    assert error["type"] == "Bad Request" and error["param"] == "body.max_tokens"
+    assert error["message"].startswith("1 validation error:\n")
+
+
+def test_an_abort_the_plane_did_not_ask_for_is_a_model_failure_not_a_finished_turn(standin):
+    """`finish_reason` "abort" (here: someone else paused the server in abort mode mid-call)."""
+
+    async def scenario():
+        config = ClientConfig(
+            base_url=standin.base_url, model=BUNDLED_MODEL, headers={"X-Standin-Latency": "5"}
+        )
+        client = build_client(config)
+        async with httpx.AsyncClient(base_url=standin.url, timeout=10, trust_env=False) as http:
+            call = asyncio.create_task(
+                complete_tokens(client, BUNDLED_MODEL, [1, 2, 3], SamplingConfig(max_tokens=8), deadline_s=30)
+            )
+            await _until(http, lambda m: m["running"] >= 1)
+            assert (await http.post("/pause", params={"mode": "abort"})).status_code == 200
+            try:
+                with pytest.raises(Exception) as caught:
+                    await call
+            finally:
+                await http.post("/resume")
+                await client.close()
+        return classify(caught.value)
+
+    kind, failure = run(scenario())
+    assert kind == "model" and failure.type == "TurnAborted" and "abort" in failure.message
+
+
+def test_metrics_report_kv_usage_and_a_real_waiting_count_from_a_finite_budget():
+    options = served_like_vllm(kv_cache_tokens=400)
+
+    async def scenario(server: StandinServer):
+        async with httpx.AsyncClient(base_url=server.url, timeout=30, trust_env=False) as http:
+            body = {"model": BUNDLED_MODEL, "prompt": list(range(1, 150)), "max_tokens": 16, "seed": 1}
+            headers = {"X-Standin-Latency": "1.5"}
+            calls = [
+                asyncio.create_task(http.post("/v1/completions", json=body, headers=headers))
+                for _ in range(4)
+            ]
+            loaded = await _until(http, lambda m: m["running"] >= 2 and m["waiting"] >= 1)
+            await asyncio.gather(*calls)
+            idle = parse_metrics((await http.get("/metrics")).text)
+            return loaded, idle
+
+    with StandinServer(options) as server:
+        loaded, idle = run(scenario(server))
+    assert loaded["running"] == 2 and loaded["waiting"] == 2  # 2 x ~160 tokens fit in 400, 4 do not
+    assert 0.5 < loaded["kv"] <= 1.0
+    assert idle == {"running": 0, "waiting": 0, "kv": 0.0}
