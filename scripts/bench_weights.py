@@ -116,12 +116,11 @@ async def bench(args: argparse.Namespace, urls: list[str]) -> None:
         failed = [r for r in results if r.kind != "ok"]
         straddling = [(r, t) for r in results for t in r.turns if t.version_changes]
         checked = exact = 0
-        for result, turn in straddling[:CHECKED_TURNS]:
+        # The servers now hold the last version: only a turn that changed to it can be resampled.
+        last = [(r, t) for r, t in straddling if [c.version for c in t.version_changes] == [args.updates]]
+        for result, turn in last[:CHECKED_TURNS]:
             prompt = turn_prompts(result)[result.turns.index(turn)]
             change = turn.version_changes[0]
-            # The servers now hold the last version: only a turn that changed to it can be resampled.
-            if change.version != args.updates or len(turn.version_changes) != 1:
-                continue
             checked += 1
             tail = await resample(urls[0], prompt + turn.completion_ids[: change.at], MAX_TOKENS - change.at)
             exact += tail == turn.completion_ids[change.at :]
