@@ -415,3 +415,28 @@ def test_metrics_report_kv_usage_and_a_real_waiting_count_from_a_finite_budget()
     assert loaded["running"] == 2 and loaded["waiting"] == 2  # 2 x ~160 tokens fit in 400, 4 do not
     assert 0.5 < loaded["kv"] <= 1.0
     assert idle == {"running": 0, "waiting": 0, "kv": 0.0}
+
+
+def test_the_load_reader_reads_vllms_series_with_the_key(bare):
+    from rollout_actors.inference.load import LoadReader, MetricsMissing, parse_load
+
+    async def scenario():
+        reader = LoadReader(api_key_var=KEY_VAR)
+        try:
+            return await reader.read(bare.base_url)
+        finally:
+            await reader.aclose()
+
+    load = run(scenario())
+    assert load.running == 0 and load.waiting == 0 and load.kv_cache_usage == 0.0
+    two_engines = (
+        'vllm:kv_cache_usage_perc{model_name="m",engine="0"} 0.25\n'
+        'vllm:kv_cache_usage_perc{model_name="m",engine="1"} 0.75\n'
+        'vllm:num_requests_running{model_name="m",engine="0"} 3\n'
+        'vllm:num_requests_running{model_name="m",engine="1"} 4\n'
+        'vllm:num_requests_waiting{model_name="m",engine="0"} 1\n'
+        'vllm:num_requests_waiting{model_name="m",engine="1"} 0\n'
+    )
+    assert parse_load(two_engines).model_dump() == {"kv_cache_usage": 0.75, "running": 7, "waiting": 1}
+    with pytest.raises(MetricsMissing):
+        parse_load("standin_requests_in_flight 0\n")
