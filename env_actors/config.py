@@ -6,7 +6,11 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from env_actors.budget import RestartIntensity
+from rollout_actors.kernel import RestartIntensity
+
+ENV_RESTARTS = RestartIntensity(max_restarts=3, window_s=60.0)
+"""Rides out one OOM plus a retry, few enough that a crash loop fails loudly; a minute catches a crash
+loop and forgives sporadic deaths."""
 
 
 class EnvPoolConfig(BaseModel):
@@ -41,7 +45,8 @@ class EnvPoolConfig(BaseModel):
     frozen process."""
     probe_interval: float = Field(default=0.5, gt=0)
     probe_timeout: float = Field(default=2.0, gt=0)
-    restart: RestartIntensity = Field(default_factory=RestartIntensity)
+    restart: RestartIntensity = ENV_RESTARTS
+    """Replacements and growth spawns share it; the initial `min_workers` do not spend it."""
     session_idle_timeout: float = Field(default=3600.0, gt=0)
     """A session untouched this long is closed by the pool (its owner is presumed gone)."""
     allowed_ref_prefixes: tuple[str, ...] | None = None

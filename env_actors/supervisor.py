@@ -28,10 +28,9 @@ from typing import Any, Literal
 import ray
 from ray.exceptions import ActorDiedError
 
-from env_actors.budget import RestartBudget
 from env_actors.config import EnvPoolConfig, WorkerInfo
 from env_actors.server import create_env_server
-from rollout_actors.kernel import Failure, Metric, Ref
+from rollout_actors.kernel import Failure, Metric, Ref, RestartBudget
 
 logger = logging.getLogger(__name__)
 
@@ -165,9 +164,8 @@ class Supervisor:
                 if time.monotonic() < deadline and self.budget.try_spend():
                     pending.add(self._spawn(deadline - time.monotonic()))
         if failure is None:
-            intensity = self.config.restart
             why = (
-                f"restart budget ({intensity.max_restarts} in {intensity.window_s:g} s) spent"
+                self.budget.spent_message()
                 if time.monotonic() < deadline
                 else f"readiness deadline ({ready_timeout:g} s) passed"
             )
@@ -301,7 +299,7 @@ class Supervisor:
         ENV_WORKERS.record(len(ready), {**tags, "state": "ready"})
         ENV_WORKERS.record(len(self.starting()), {**tags, "state": "starting"})
         ENV_SESSIONS.record(sum(len(w.sessions) for w in ready), tags)
-        ENV_RESTARTS_USED.record(self.config.restart.max_restarts - self.budget.remaining(), tags)
+        ENV_RESTARTS_USED.record(self.budget.used(), tags)
 
     def _scale(self, now: float) -> None:
         cfg = self.config

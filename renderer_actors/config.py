@@ -12,12 +12,15 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from rollout_actors.kernel import Ref
+from rollout_actors.kernel import Ref, RestartIntensity
 
 ThinkingRetention = Literal["tool_cycle", "all"]
 DEFAULT_RENDERER_PREFIXES: tuple[str, ...] = ("renderer_actors.examples.",)
 """What a rollout can name as a custom renderer by default: the bundled examples. Widening it is explicit
 pool config (`RendererPoolConfig.allowed_ref_prefixes`), separate from the environments' allowlist."""
+RENDERER_RESTARTS = RestartIntensity(max_restarts=3, window_s=60.0)
+"""Per key: rides out an OOM or a lost node; a renderer that dies (or fails to load) on every start spends
+it in seconds, and then leases for that key fail with the reason instead of respawning it forever."""
 
 
 class RendererConfig(BaseModel):
@@ -72,6 +75,9 @@ class RendererPoolConfig(BaseModel):
     """After a startup failure, leases for that key fail at once for this long."""
     max_renderers_per_key: int = Field(default=64, ge=1)
     """Beyond this, leases overfill the least-loaded renderer instead of growing the pool."""
+    restart: RestartIntensity = RENDERER_RESTARTS
+    """Restart intensity per key: every spawn that replaces a renderer of the key that died, wedged or
+    failed to start spends one; the key's first renderer and growth under load do not."""
     max_lease_s: float = 6 * 3600.0
     """A lease never released (its holder's process died) stops counting as load after this."""
     allowed_ref_prefixes: tuple[str, ...] = DEFAULT_RENDERER_PREFIXES

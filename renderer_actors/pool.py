@@ -20,6 +20,9 @@ Policy, per `RendererKey` (model, library renderer config + template kwargs, his
 - A dead renderer (reported by a session that saw it die, or missed health checks) is replaced; its
   leases are orphaned and their holders re-lease. A startup failure fails every lease for that key at
   once for `failure_hold_s`, with the renderer's traceback, instead of spawning a doomed renderer per call.
+- Every spawn that replaces a renderer of the key that died, wedged or failed to start spends one restart
+  from the key's budget (`RendererPoolConfig.restart`). With none left the key is not respawned: leases
+  go to its live renderers, or, with none live, fail at once saying so, until the window moves on.
 
 The pool owns its background loops (health, reaper) and every renderer's warm-up; `shutdown` stops them
 and kills the renderers. Renderers are created by the pool, so they fate-share with it.
@@ -40,7 +43,7 @@ from ray.exceptions import RayActorError
 from renderer_actors.actor import RendererActor
 from renderer_actors.config import RendererPoolConfig
 from renderer_actors.key import RendererKey
-from rollout_actors.kernel import Metric, new_id
+from rollout_actors.kernel import Metric, RestartBudget, new_id
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +58,8 @@ LEASES = Metric(
 
 
 class RendererStartupError(RuntimeError):
-    """A renderer for this key failed to start recently; the message carries its traceback."""
+    """A renderer for this key failed to start recently (the message carries its traceback), or its key
+    spent its restart budget."""
 
 
 @dataclass
@@ -73,9 +77,14 @@ class _Renderer:
 class _KeyPool:
     key_json: str
     multiplex: int
+    budget: RestartBudget
     renderers: dict[str, _Renderer] = field(default_factory=dict)
     startup_failure: str | None = None
     failed_at: float = 0.0
+    owed: int = 0
+    """Renderers of this key that died, wedged or failed to start and are not respawned yet: the next
+    spawns are restarts (they spend the budget), not growth."""
+    last_death: str = ""
 
 
 @dataclass
@@ -102,6 +111,7 @@ class RendererPool:
             "replaced": 0,
             "startup_failures": 0,
             "expired_leases": 0,
+            "budget_denials": 0,
         }
 
     # ----------------------------------------------------------------------------------- leases
@@ -161,6 +171,7 @@ class RendererPool:
                     for r in renderers
                 ],
                 "startup_failure": pool.startup_failure,
+                "restarts_left": pool.budget.remaining(),
             }
         return {"keys": keys, "leases": len(self._leases), **self._counters}
 
@@ -190,7 +201,8 @@ class RendererPool:
         key_json = RendererKey.from_json(key_json).to_json()  # canonical, whatever the caller sent
         pool = self._keys.get(key_json)
         if pool is None:
-            pool = self._keys[key_json] = _KeyPool(key_json, max(1, int(multiplex)))
+            budget = RestartBudget(self._config.restart)
+            pool = self._keys[key_json] = _KeyPool(key_json, max(1, int(multiplex)), budget)
         return pool
 
     def _lease_one(self, pool: _KeyPool) -> dict[str, Any]:
@@ -200,11 +212,16 @@ class RendererPool:
             if not any(r.ready for r in live):
                 raise RendererStartupError(pool.startup_failure)
         free = [r for r in live if len(r.leases) < pool.multiplex]
+        renderer = None
         if free:
             renderer = min(free, key=lambda r: (not r.ready, len(r.leases), r.created))
         elif len(live) < self._config.max_renderers_per_key:
-            renderer = self._spawn(pool)
-        else:
+            try:
+                renderer = self._spawn(pool)
+            except RendererStartupError:
+                if not live:
+                    raise
+        if renderer is None:  # at the size limit, or the key's restart budget is spent: overfill
             renderer = min(live, key=lambda r: (not r.ready, len(r.leases), r.created))
         lease_id = new_id("rlease")
         renderer.leases.add(lease_id)
@@ -219,6 +236,16 @@ class RendererPool:
     # -------------------------------------------------------------------------------- renderers
 
     def _spawn(self, pool: _KeyPool) -> _Renderer:
+        """Start one renderer for the key. A spawn that replaces a lost one spends a restart; with the
+        budget spent it raises `RendererStartupError` and starts nothing."""
+        if pool.owed:
+            if not pool.budget.try_spend():
+                self._counters["budget_denials"] += 1
+                raise RendererStartupError(
+                    f"renderer for {pool.key_json} is not restarted: {pool.budget.spent_message()}; "
+                    f"last: {pool.last_death}"
+                )
+            pool.owed -= 1
         renderer_id = new_id("renderer")
         handle = _REMOTE_RENDERER.options(
             num_cpus=self._config.renderer_num_cpus,
@@ -248,13 +275,17 @@ class RendererPool:
             pool.failed_at = time.monotonic()
             self._counters["startup_failures"] += 1
             log.warning("%s", pool.startup_failure)
-            self._drop(pool, renderer)
+            self._drop(pool, renderer, lost=pool.startup_failure)
             return
         renderer.ready = True
         pool.startup_failure = None
 
-    def _drop(self, pool: _KeyPool, renderer: _Renderer) -> None:
-        """Forget a renderer and kill it. Its leases are orphaned: releasing them is a no-op."""
+    def _drop(self, pool: _KeyPool, renderer: _Renderer, lost: str | None = None) -> None:
+        """Forget a renderer and kill it. Its leases are orphaned: releasing them is a no-op. `lost`: why
+        it died, wedged or failed to start (its respawn is a restart), None when it was retired."""
+        if lost is not None and renderer.renderer_id in pool.renderers:
+            pool.owed += 1
+            pool.last_death = lost
         pool.renderers.pop(renderer.renderer_id, None)
         for lease_id in renderer.leases:
             self._leases.pop(lease_id, None)
@@ -270,10 +301,15 @@ class RendererPool:
             if renderer is None:
                 continue
             log.warning("renderer %s %s; replacing it", renderer_id, why)
-            self._drop(pool, renderer)
-            self._counters["replaced"] += 1
-            if not self._closed:
+            self._drop(pool, renderer, lost=f"renderer {renderer_id} {why}")
+            if self._closed:
+                return
+            try:
                 self._spawn(pool)
+            except RendererStartupError as exc:
+                log.error("%s", exc)
+                return
+            self._counters["replaced"] += 1
             return
 
     def _release(self, lease_id: str) -> bool:

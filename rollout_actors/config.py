@@ -6,7 +6,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from env_actors.config import EnvPoolConfig
 from renderer_actors.config import RendererPoolConfig
-from rollout_actors.kernel import DEFAULT_ALLOWED_PREFIXES
+from rollout_actors.kernel import DEFAULT_ALLOWED_PREFIXES, RestartIntensity
+
+WORKER_RESTARTS = RestartIntensity(max_restarts=10, window_s=60.0)
+"""Rides out a node's worth of rollout workers lost at once; a worker that dies on every start fails loudly."""
 
 
 class PlaneConfig(BaseModel):
@@ -24,6 +27,8 @@ class PlaneConfig(BaseModel):
     hang_timeout_s: float = 30.0
     """A worker that misses liveness probes this long is lost (Ray takes ~65 s to declare a hung node)."""
     probe_interval_s: float = 2.0
+    worker_restart: RestartIntensity = WORKER_RESTARTS
+    """How many lost rollout workers are replaced in a window; past it a lost worker is not replaced."""
     max_dispatches: int = Field(default=3, ge=1)
     """First dispatch plus at most two re-dispatches after a lost worker, then `infrastructure`."""
     answer_grace_s: float = 60.0

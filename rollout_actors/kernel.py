@@ -2,8 +2,8 @@
 
 It imports nothing of the project, so `renderer_actors` and `env_actors` import it (and only it) from
 `rollout_actors` without depending on the rest (DESIGN.md, "Dependency direction"). It holds the failure
-type, the caller error, ids, secret redaction, and `Ref` with its allowlist: code named by data, resolved
-on the side that runs it.
+type, the caller error, ids, secret redaction, `Ref` with its allowlist (code named by data, resolved
+on the side that runs it), and the supervision kit every supervisor spends restarts from.
 
 Naming code is a capability, so two checks guard it, both owned by the side that resolves:
 
@@ -20,8 +20,11 @@ import importlib
 import inspect
 import re
 import threading
+import time
 import traceback as traceback_module
 import uuid
+from collections import deque
+from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -266,6 +269,67 @@ class RefResolver:
         if isinstance(value, dict):
             return {k: self._value(v, depth) for k, v in value.items()}
         return value
+
+
+# -------------------------------------------------------------------------------------- supervision
+
+
+class RestartIntensity(BaseModel):
+    """Restart intensity, as declared data (Erlang/OTP): at most `max_restarts` restarts within any
+    `window_s` seconds. Rare deaths over a long run fit inside the window and are tolerated; something that
+    dies on every start spends it in seconds and its supervisor stops restarting it, loudly. Each
+    supervisor declares its own default beside the reason for it."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    max_restarts: int = Field(default=3, ge=0)
+    window_s: float = Field(default=60.0, gt=0)
+
+    def describe(self) -> str:
+        return f"{self.max_restarts} restarts in {self.window_s:g} s"
+
+
+@dataclass
+class RestartBudget:
+    """Spends a `RestartIntensity`. One edge rule everywhere: a restart counts for exactly `window_s`
+    seconds after it was spent (at `t + window_s` it no longer does).
+
+    >>> budget = RestartBudget(RestartIntensity(max_restarts=2, window_s=60))
+    >>> budget.try_spend(now=0.0), budget.try_spend(now=1.0), budget.try_spend(now=2.0)
+    (True, True, False)
+    >>> budget.try_spend(now=60.0)  # the first restart left the window
+    True
+    """
+
+    intensity: RestartIntensity
+    spent_total: int = 0
+    """Restarts spent over the budget's whole life."""
+    _spent: deque[float] = field(default_factory=deque, repr=False)
+
+    def try_spend(self, now: float | None = None) -> bool:
+        """Spend one restart if the window has room: True (and it counts), or False (nothing changes)."""
+        now = time.monotonic() if now is None else now
+        self._expire(now)
+        if len(self._spent) >= self.intensity.max_restarts:
+            return False
+        self._spent.append(now)
+        self.spent_total += 1
+        return True
+
+    def remaining(self, now: float | None = None) -> int:
+        self._expire(time.monotonic() if now is None else now)
+        return self.intensity.max_restarts - len(self._spent)
+
+    def used(self, now: float | None = None) -> int:
+        """Restarts counting against the window now."""
+        return self.intensity.max_restarts - self.remaining(now)
+
+    def spent_message(self) -> str:
+        return f"restart budget spent ({self.intensity.describe()})"
+
+    def _expire(self, now: float) -> None:
+        while self._spent and now - self._spent[0] >= self.intensity.window_s:
+            self._spent.popleft()
 
 
 # ------------------------------------------------------------------------------------------ metrics

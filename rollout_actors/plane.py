@@ -98,6 +98,7 @@ class RolloutPlane:
             hang_timeout_s=self.config.hang_timeout_s,
             probe_interval_s=self.config.probe_interval_s,
             limits=LoopLimits(call_timeout_s=self.config.call_timeout_s),
+            restarts=self.config.worker_restart,
         )
         self._results: asyncio.Queue[Result] = asyncio.Queue()
         self._tasks: set[asyncio.Task[None]] = set()

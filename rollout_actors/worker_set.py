@@ -11,12 +11,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
 import ray
 
+from rollout_actors.config import WORKER_RESTARTS
+from rollout_actors.kernel import RestartBudget, RestartIntensity
 from rollout_actors.naming import PoolNames
 from rollout_actors.rollout import LoopLimits
 from rollout_actors.worker import remote_worker_class
@@ -45,7 +46,7 @@ class WorkerSet:
         hang_timeout_s: float,
         probe_interval_s: float,
         limits: LoopLimits,
-        restart_budget: tuple[int, float] = (10, 60.0),
+        restarts: RestartIntensity = WORKER_RESTARTS,
     ) -> None:
         self._names = names
         self._size = size
@@ -53,8 +54,7 @@ class WorkerSet:
         self._hang_timeout_s = hang_timeout_s
         self._probe_interval_s = probe_interval_s
         self._limits = limits
-        self._max_restarts, self._window_s = restart_budget
-        self._restarts: deque[float] = deque()
+        self._budget = RestartBudget(restarts)
         self._serial = 0
         self.slots: list[WorkerSlot] = []
         self.lost_count = 0
@@ -150,23 +150,13 @@ class WorkerSet:
         except Exception:  # already gone
             pass
         self.slots.remove(slot)
-        if not self._closed and self._budget_allows_restart():
+        if self._closed:
+            return
+        if self._budget.try_spend():
             self._replacing += 1
             self._own(self._replace())
-
-    def _budget_allows_restart(self) -> bool:
-        now = time.monotonic()
-        while self._restarts and now - self._restarts[0] > self._window_s:
-            self._restarts.popleft()
-        if len(self._restarts) >= self._max_restarts:
-            log.error(
-                "rollout worker restart budget spent (%d in %g s): not replacing",
-                self._max_restarts,
-                self._window_s,
-            )
-            return False
-        self._restarts.append(now)
-        return True
+        else:
+            log.error("rollout worker %s not replaced: %s", slot.name, self._budget.spent_message())
 
     async def _replace(self) -> None:
         """Counted in `_replacing` from the moment the loss is declared, so a re-dispatch issued in the

@@ -24,9 +24,9 @@ from pathlib import Path
 
 import ray
 
-from env_actors.budget import RestartIntensity
 from env_actors.pool import EnvPoolConfig, EnvStartupError, start_env_pool, stop_env_pool
 from env_actors.session import EnvCallFailed, EnvSession
+from rollout_actors.kernel import RestartIntensity
 from rollout_actors.wire import Ref
 
 ECHO = "env_actors.faults.envs:EchoEnv"

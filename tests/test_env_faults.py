@@ -14,9 +14,9 @@ import ray
 from env_pools import env_pool, pool_name, widened
 from waiting import eventually
 
-from env_actors.budget import RestartIntensity
 from env_actors.pool import EnvPoolConfig, EnvStartupError, start_env_pool
 from env_actors.session import EnvCallFailed, EnvSession
+from rollout_actors.kernel import RestartIntensity
 from rollout_actors.wire import Ref
 
 pytestmark = pytest.mark.usefixtures("ray_session")

@@ -27,7 +27,8 @@ from rollout_actors.inference.server_actor import (
     vllm_command,
     vllm_env,
 )
-from rollout_actors.inference.server_set import InferenceServerSet, RestartBudget
+from rollout_actors.inference.server_set import InferenceServerSet
+from rollout_actors.kernel import RestartIntensity
 
 try:
     import httpx2 as httpx
@@ -183,7 +184,7 @@ def test_sigkilled_server_is_detected_dropped_and_replaced_within_budget(ray_ses
         servers = InferenceServerSet(
             STANDIN,
             replicas=1,
-            budget=RestartBudget(max_restarts=2, window_s=60),
+            restart=RestartIntensity(max_restarts=2, window_s=60),
             before_routing=before_routing,
         )
         try:
@@ -226,7 +227,9 @@ def test_death_report_carries_the_exit_code_and_reason(ray_session):
 
 def test_spent_restart_budget_leaves_the_slot_empty_and_says_so(ray_session):
     async def scenario():
-        servers = InferenceServerSet(STANDIN, replicas=1, budget=RestartBudget(max_restarts=0, window_s=60))
+        servers = InferenceServerSet(
+            STANDIN, replicas=1, restart=RestartIntensity(max_restarts=0, window_s=60)
+        )
         try:
             await servers.start()
             os.kill(servers.status()[0].pid, signal.SIGKILL)

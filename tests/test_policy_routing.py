@@ -15,7 +15,8 @@ from waiting import wait_until
 
 from renderer_actors.tokenizer import BUNDLED_MODEL
 from rollout_actors.inference.server_actor import ServerSpec
-from rollout_actors.inference.server_set import InferenceServerSet, RestartBudget
+from rollout_actors.inference.server_set import InferenceServerSet
+from rollout_actors.kernel import RestartIntensity
 from rollout_actors.lora import LoraAdapter, lora_config
 from rollout_actors.plane import PlaneConfig, RolloutPlane
 from rollout_actors.wire import ClientConfig, Ref, RolloutRequest, SamplingConfig
@@ -123,7 +124,9 @@ def test_the_base_model_is_version_zero(ray_session, standin):
 
 def test_a_replacement_server_serves_the_active_adapter_before_its_first_rollout(ray_session, tmp_path):
     async def scenario():
-        servers = InferenceServerSet(STANDIN, replicas=1, budget=RestartBudget(max_restarts=2, window_s=60))
+        servers = InferenceServerSet(
+            STANDIN, replicas=1, restart=RestartIntensity(max_restarts=2, window_s=60)
+        )
         await servers.start()
         plane = RolloutPlane(config(policy_storage_dir=str(tmp_path)), servers=servers)
         try:

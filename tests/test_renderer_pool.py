@@ -237,3 +237,46 @@ def test_startup_failure_reaches_the_caller_within_seconds_with_the_renderer_tra
         assert (await pool.stats.remote())["startup_failures"] == 1
 
     run(scenario())
+
+
+def test_a_renderer_that_fails_on_every_start_is_respawned_only_within_its_restart_budget(make_pool):
+    pool = make_pool(failure_hold_s=0.0, restart={"max_restarts": 2, "window_s": 600})
+
+    async def scenario():
+        errors: list[str] = []
+        for _ in range(10):  # a lease may land on a doomed renderer still warming: not one spawn per lease
+            with pytest.raises(RendererUnavailable) as failure:
+                await RendererSession.open(pool, "/nonexistent/tokenizer", RendererConfig(), timeout=30)
+            errors.append(str(failure.value))
+            if "restart budget spent" in errors[-1]:
+                break
+        assert "restart budget spent (2 restarts in 600 s)" in errors[-1], errors
+        assert "/nonexistent/tokenizer" in errors[-1]  # and why the last one died
+        with pytest.raises(RendererUnavailable, match="restart budget spent"):
+            await RendererSession.open(pool, "/nonexistent/tokenizer", RendererConfig(), timeout=30)
+        stats = await pool.stats.remote()
+        assert stats["spawned"] == 3, stats  # the first renderer, then two restarts: not one per lease
+        assert stats["budget_denials"] >= 2
+
+    run(scenario())
+
+
+def test_a_killed_renderer_is_not_replaced_once_its_keys_restart_budget_is_spent(make_pool):
+    pool = make_pool(restart={"max_restarts": 1, "window_s": 600})
+
+    async def scenario():
+        session = await RendererSession.open(pool, BUNDLED_MODEL, RendererConfig(multiplex=4), timeout=30)
+        try:
+            await session.start([{"role": "user", "content": "hi"}], None, timeout=10)
+            ray.kill(session._renderer, no_restart=True)
+            await session.start([{"role": "user", "content": "again"}], None, timeout=40)  # on the restart
+            ray.kill(session._renderer, no_restart=True)
+            with pytest.raises(RendererUnavailable, match="restart budget spent"):
+                await session.start([{"role": "user", "content": "once more"}], None, timeout=40)
+        finally:
+            await session.close()
+        stats = await pool.stats.remote()
+        assert stats["spawned"] == 2 and stats["replaced"] == 1 and stats["budget_denials"] >= 1
+        assert stats["keys"][session.key.to_json()]["restarts_left"] == 0
+
+    run(scenario())

@@ -17,14 +17,11 @@ spent the slot stays empty and the set says so in `status()`: it fails loudly ra
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import ray
-from pydantic import BaseModel, ConfigDict, Field
 
 from rollout_actors.inference.server_actor import (
     InferenceServer,
@@ -34,6 +31,7 @@ from rollout_actors.inference.server_actor import (
     raise_for_startup,
     server_actor_options,
 )
+from rollout_actors.kernel import RestartBudget, RestartIntensity
 
 logger = logging.getLogger(__name__)
 
@@ -41,14 +39,9 @@ WATCH_GRACE = 30.0  # beyond the watch period: an actor that cannot answer this 
 STOP_TIMEOUT = 30.0  # stop() grants the server STOP_GRACE (10 s) twice; then the actor is killed anyway
 
 
-class RestartBudget(BaseModel):
-    """Restart intensity: at most `max_restarts` replacements within any `window_s` seconds."""
-
-    model_config = ConfigDict(frozen=True)
-
-    max_restarts: int = Field(default=3, ge=0)
-    """Enough to ride out an OOM or a lost node, few enough that a server dying on every load fails."""
-    window_s: float = Field(default=600.0, gt=0)
+SERVER_RESTARTS = RestartIntensity(max_restarts=3, window_s=600.0)
+"""Enough to ride out an OOM or a lost node, few enough that a server dying on every load fails. Ten
+minutes, because a model server's load alone takes minutes."""
 
 
 @dataclass
@@ -67,18 +60,16 @@ class InferenceServerSet:
         self,
         spec: ServerSpec,
         replicas: int = 1,
-        budget: RestartBudget | None = None,
+        restart: RestartIntensity = SERVER_RESTARTS,
         watch_period: float = 30.0,
         before_routing: Callable[[str], Awaitable[None]] | None = None,
     ):
         self.spec = spec
-        self.budget = budget or RestartBudget()
+        self.budget = RestartBudget(restart)
         self.watch_period = watch_period
         self.before_routing = before_routing
         """Awaited with a replacement's URL before it takes traffic; raising rejects the replacement."""
-        self.restarts = 0
         self._slots = [_Slot(i) for i in range(replicas)]
-        self._restart_times: collections.deque[float] = collections.deque()
         self._tasks: set[asyncio.Task[None]] = set()
         self._closed = False
 
@@ -101,6 +92,11 @@ class InferenceServerSet:
 
     def status(self) -> list[ServerStatus]:
         return [s.status for s in self._slots]
+
+    @property
+    def restarts(self) -> int:
+        """Replacements started over the set's life."""
+        return self.budget.spent_total
 
     @property
     def exhausted(self) -> bool:
@@ -148,11 +144,8 @@ class InferenceServerSet:
             logger.warning("inference server %s died: %s", status.url, status.reason)
             await self._retire(slot)
             while not self._closed:
-                if not self._take_restart():
-                    slot.failed = (
-                        f"restart budget spent ({self.budget.max_restarts} in {self.budget.window_s:g}s); "
-                        f"last death: {status.reason}"
-                    )
+                if not self.budget.try_spend():
+                    slot.failed = f"{self.budget.spent_message()}; last death: {status.reason}"
                     logger.error("inference server slot %d left empty: %s", slot.index, slot.failed)
                     return
                 try:
@@ -172,16 +165,6 @@ class InferenceServerSet:
             return slot.status.model_copy(update={"state": "dead", "reason": f"actor died: {exc!r}"})
         except TimeoutError:
             return slot.status.model_copy(update={"state": "dead", "reason": "actor did not answer watch()"})
-
-    def _take_restart(self) -> bool:
-        now = time.monotonic()
-        while self._restart_times and now - self._restart_times[0] > self.budget.window_s:
-            self._restart_times.popleft()
-        if len(self._restart_times) >= self.budget.max_restarts:
-            return False
-        self._restart_times.append(now)
-        self.restarts += 1
-        return True
 
     async def _retire(self, slot: _Slot) -> None:
         actor, slot.actor = slot.actor, None
