@@ -226,17 +226,19 @@ async def _run_plane(config: RunConfig, endpoints: list[str], model: str, output
                         "sampling": config.sampling.model_copy(update={"seed": seed}),
                     }
                 )
-                await plane.submit_group(request, job.group_size)
+                handle = await plane.submit_group(request, job.group_size)
+                await handle.admitted()  # back-pressure: the next group waits while the lane is full
 
         feeder = asyncio.create_task(feed())
         status = _Status(plane, total, started, live=job.progress)
         with output.open("w") as sink, status:
-            while len(results) < total:
+            for _ in range(job.tasks):
                 # The plane answers every request within its deadline plus grace; past that, fail loudly.
-                result = await plane.next_result(timeout=job.deadline_s + plane_config.answer_grace_s + 60)
-                results.append(result)
-                # Defaults left out: each line reads back whole with `Result.model_validate_json`.
-                sink.write(result.model_dump_json(exclude_defaults=True) + "\n")
+                group = await plane.next_group(timeout=job.deadline_s + plane_config.answer_grace_s + 60)
+                for result in group.results:
+                    results.append(result)
+                    # Defaults left out: each line reads back whole with `Result.model_validate_json`.
+                    sink.write(result.model_dump_json(exclude_defaults=True) + "\n")
                 status.update(results)
         await feeder
     elapsed = time.perf_counter() - started

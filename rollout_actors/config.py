@@ -48,6 +48,9 @@ class PlaneConfig(BaseModel):
     env_ready_timeout_s: float = 120.0
     allowed_ref_prefixes: tuple[str, ...] = DEFAULT_ALLOWED_PREFIXES
     """Module prefixes a request's Refs may name. Widening it is explicit."""
+    max_off_policy_steps: int | None = Field(default=None, ge=0)
+    """When a new policy becomes active, cancel rollouts in flight that started more than this many
+    versions before it (the trainer would drop them anyway). None: never."""
     policy_storage_dir: str | None = None
     """Where published LoRA adapters are written; every server must read it under the same path."""
     server_api_key_var: str | None = None

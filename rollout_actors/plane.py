@@ -1,15 +1,17 @@
 """`RolloutPlane`: the orchestrator's handle on ray-rollouts.
 
-    plane = RolloutPlane(PlaneConfig(lanes={"train": 512, "eval": 64}))
-    await plane.start()
-    await plane.submit_group(request, n=8)          # waits while the lane is full (back-pressure)
-    async for result in plane.drain():              # one Result per request, as they finish
-        ...
-    await plane.close()
+    async with RolloutPlane(PlaneConfig(lanes={"train": 512, "eval": 64})) as plane:
+        handle = await plane.submit_group(request, n=8)     # at once; members then wait for the lane
+        async for group in plane.groups(lane="train"):      # complete groups, as they complete
+            ...
+        await plane.submit(single)                          # waits while the lane is full
+        async for result in plane.drain(lane="eval"):       # single results, one lane at a time
+            ...
 
 The plane owns every rollout it started: each request gets exactly one `Result` (contract 3), re-dispatched
 under the same lease id when its worker is lost, at most `max_dispatches` times (contract 5). It also owns
-the shared actors it started (renderer pool, env pools, workers) and stops them in `close`.
+the shared actors it started (renderer pool, env pools, workers) and stops them in `close`. Where answered
+results go is `streams.py`; groups are `groups.py`; off-policy cancellation is `staleness.py`.
 """
 
 from __future__ import annotations
@@ -17,14 +19,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 import ray
-from pydantic import ValidationError
 
 from rollout_actors.config import PlaneConfig
 from rollout_actors.inference.weights import WeightUpdater, WeightUpdateReport
@@ -36,12 +36,14 @@ from rollout_actors.naming import PoolNames
 from rollout_actors.publish import PolicyPublisher, PublishHandle
 from rollout_actors.rollout import LoopLimits
 from rollout_actors.shared_pools import SharedPools
+from rollout_actors.staleness import OffPolicyGuard
+from rollout_actors.streams import ResultStreams
+from rollout_actors.submission import Submission, _cancelled
 from rollout_actors.wire import (
     CallerError,
     Failure,
     Result,
     RolloutRequest,
-    new_id,
 )
 from rollout_actors.worker_set import WorkerSet, WorkerSlot
 
@@ -61,7 +63,7 @@ def _refuse_inside_ray_worker() -> None:
         )
 
 
-class RolloutPlane:
+class RolloutPlane(Submission):
     def __init__(
         self,
         config: PlaneConfig | None = None,
@@ -100,12 +102,13 @@ class RolloutPlane:
             limits=LoopLimits(call_timeout_s=self.config.call_timeout_s),
             restarts=self.config.worker_restart,
         )
-        self._results: asyncio.Queue[Result] = asyncio.Queue()
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._streams = ResultStreams()
+        self._guard = OffPolicyGuard(self.config.max_off_policy_steps)
+        self._tasks: set[asyncio.Task[Any]] = set()
         self._answered: set[str] = set()
         self._running: dict[str, WorkerSlot] = {}
         self._cancelled: dict[str, asyncio.Event] = {}
-        self._pending = 0
+        self._cancel_reasons: dict[str, tuple[str, str]] = {}
         self._endpoint_load: Counter[str] = Counter()
         self.counters: Counter[str] = Counter()
         self._publisher: PolicyPublisher | None = None
@@ -151,65 +154,6 @@ class RolloutPlane:
     async def __aexit__(self, *exc: Any) -> None:
         await self.close()
 
-    # submission ------------------------------------------------------------------------------------
-    async def submit(self, request: RolloutRequest | dict[str, Any]) -> str:
-        """Queue one rollout; waits while its lane is full. Returns its request id. Never raises for a bad
-        request: that comes back as a `caller` result."""
-        assert self._started, "call `await plane.start()` first"
-        self._pending += 1
-        self.counters["submitted"] += 1
-        try:
-            request = RolloutRequest.model_validate(request)
-            lane = self.lanes.get(request.lane)
-            self._refs.check_allowed(request.env.target)
-        except (ValidationError, CallerError, KeyError) as exc:
-            request_id = request.get("request_id") if isinstance(request, dict) else None
-            request_id = request_id or (
-                request.request_id if isinstance(request, RolloutRequest) else new_id("req")
-            )
-            self._answer(_caller_result(request, request_id, exc))
-            return request_id
-        self._metrics.submitted(request.lane)
-        self._cancelled[request.request_id] = asyncio.Event()
-        await lane.acquire()
-        task = asyncio.get_running_loop().create_task(self._drive(request, lane))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return request.request_id
-
-    async def submit_group(self, request: RolloutRequest | dict[str, Any], n: int) -> list[str]:
-        """`n` rollouts of the same task under one group id; results still stream one by one. An invalid
-        request gives `n` `caller` results, like `n` invalid `submit`s, and raises nothing."""
-        try:
-            base = RolloutRequest.model_validate(request)
-        except ValidationError:
-            raw = {k: v for k, v in dict(request).items() if k not in ("request_id", "lease_id")}
-            group_id = raw.get("group_id") or new_id("group")
-            return [await self.submit({**raw, "group_id": group_id}) for _ in range(n)]
-        group_id = base.group_id or new_id("group")
-        ids = []
-        for i in range(n):
-            seed = None if base.sampling.seed is None else base.sampling.seed + i
-            member = base.model_copy(
-                update={
-                    "request_id": new_id("req"),
-                    "lease_id": new_id("lease"),
-                    "group_id": group_id,
-                    "sampling": base.sampling.model_copy(update={"seed": seed}),
-                }
-            )
-            ids.append(await self.submit(member))
-        return ids
-
-    # results ---------------------------------------------------------------------------------------
-    async def next_result(self, timeout: float | None = None) -> Result:
-        return await asyncio.wait_for(self._results.get(), timeout)
-
-    async def drain(self) -> AsyncIterator[Result]:
-        """Yield results until every request submitted so far has been answered."""
-        while self._pending > 0 or not self._results.empty():
-            yield await self._results.get()
-
     def stats(self) -> dict[str, Any]:
         return {
             "counters": dict(self.counters),
@@ -218,6 +162,7 @@ class RolloutPlane:
             "lanes": self.lanes.snapshot(),
             "workers": [{"name": s.name, "in_flight": s.in_flight} for s in self._workers.live()],
             "workers_lost": self._workers.lost_count,
+            "off_policy": self._guard.snapshot(),
         }
 
     # policy ----------------------------------------------------------------------------------------
@@ -263,12 +208,14 @@ class RolloutPlane:
         if mode == "abort":  # turns the pause aborts are ours: they resume from their tokens afterwards
             await self._workers.broadcast("begin_planned_pause")
         try:
-            return await self._updater.update(
+            report = await self._updater.update(
                 servers, update_info, version, transfer=transfer, mode=mode, on_updated=tell_workers
             )
         finally:
             if mode == "abort":
                 await self._workers.broadcast("end_planned_pause")
+        await self.policy_changed()  # rollouts it leaves too far behind stop (`max_off_policy_steps`)
+        return report
 
     @property
     def publisher(self) -> PolicyPublisher:
@@ -290,7 +237,16 @@ class RolloutPlane:
         capture exists; `await handle.wait()` for the servers. New rollouts switch to it atomically when
         every server has loaded it; rollouts in flight keep the policy they started with. `donate=True`
         hands fresh arrays over instead of copying them (they are frozen; see `capture_adapter`)."""
-        return await self.publisher.publish(adapter, version, donate=donate)
+        handle = await self.publisher.publish(adapter, version, donate=donate)
+        self.spawn(self._after_publication(handle))
+        return handle
+
+    async def _after_publication(self, handle: PublishHandle) -> None:
+        try:
+            await handle.wait()
+        except Exception:
+            return  # the previous policy stays active; the caller hears of it through its handle
+        await self.policy_changed()
 
     async def prepare_server(self, url: str) -> None:
         """Make a server that is about to join routing serve the active policy (load the active adapter).
@@ -333,24 +289,6 @@ class RolloutPlane:
     async def set_limit(self, lane: str, limit: int) -> None:
         await self.lanes.get(lane).set_limit(limit)
 
-    async def cancel(self, request_id: str) -> bool:
-        event = self._cancelled.get(request_id)
-        if event is None or event.is_set():
-            return False
-        event.set()
-        slot = self._running.get(request_id)
-        if slot is not None and slot.alive:
-            try:
-                await asyncio.wait_for(slot.handle.cancel.remote(request_id), self.config.cancel_grace_s)
-            except Exception:  # the drive loop still answers `cancelled` after the grace period
-                pass
-        return True
-
-    async def cancel_all(self) -> int:
-        ids = [rid for rid, event in self._cancelled.items() if not event.is_set()]
-        await asyncio.gather(*(self.cancel(rid) for rid in ids))
-        return len(ids)
-
     # dispatch --------------------------------------------------------------------------------------
     async def _drive(self, request: RolloutRequest, lane: Any) -> None:
         try:
@@ -379,6 +317,7 @@ class RolloutPlane:
             request, checked_out = self._with_policy(request)
         except CallerError as exc:
             return Result.failed(request, "caller", Failure.from_exception(exc))
+        self._on_policy_stamped(request)
         try:
             return await self._dispatch_on_policy(request, cancelled)
         finally:
@@ -417,7 +356,6 @@ class RolloutPlane:
             outcome = await self._attempt(request, slot, cancelled)
             if isinstance(outcome, Result):
                 outcome.attempts = attempt
-                outcome.policy_version_end = self.policy_version
                 return outcome
             if attempt < self.config.max_dispatches:
                 self.counters["redispatched"] += 1
@@ -491,31 +429,7 @@ class RolloutPlane:
             self.counters["duplicates_dropped"] += 1
             return
         self._answered.add(result.lease_id)
-        self._pending -= 1
         self.counters[f"kind.{result.kind}"] += 1
         self._cancelled.pop(result.request_id, None)
-        self._results.put_nowait(result)
+        self._deliver(result)
         self._metrics.answered(result)
-
-
-def _cancelled(request: RolloutRequest, why: str) -> Result:
-    return Result.failed(
-        request, "cancelled", Failure(type="Cancelled", message=f"rollout was cancelled ({why})")
-    )
-
-
-def _caller_result(request: Any, request_id: str, exc: Exception) -> Result:
-    lease_id = (request.get("lease_id") if isinstance(request, dict) else None) or new_id("lease")
-    group_id = request.get("group_id") if isinstance(request, dict) else getattr(request, "group_id", None)
-    failure = Failure.from_exception(exc)
-    failure.message = f"invalid request: {failure.message}"
-    now = time.time()
-    return Result(
-        request_id=request_id,
-        lease_id=lease_id,
-        group_id=group_id,
-        kind="caller",
-        error=failure,
-        started_at=now,
-        finished_at=now,
-    )

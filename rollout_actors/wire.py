@@ -8,10 +8,11 @@ re-exported here, so an orchestrator imports its request types from one place.
 from __future__ import annotations
 
 import re
+import time
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, JsonValue, computed_field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, TypeAdapter, computed_field, field_validator
 
 from renderer_actors.config import RendererConfig
 from renderer_actors.parse import ToolCall
@@ -320,3 +321,30 @@ class Result(BaseModel):
     @classmethod
     def failed(cls, request: RolloutRequest, kind: ResultKind, failure: Failure, **extra: Any) -> Result:
         return cls.of(request, kind, error=failure, **extra)
+
+    @classmethod
+    def refused(cls, raw: Any, request_id: str, exc: Exception) -> Result:
+        """The `caller` result of a request that did not validate (`raw`: the dict or model given)."""
+        fields = raw if isinstance(raw, dict) else raw.__dict__ if isinstance(raw, BaseModel) else {}
+        failure = Failure.from_exception(exc)
+        failure.message = f"invalid request: {failure.message}"
+        now = time.time()
+        lane, group_id, lease_id = fields.get("lane"), fields.get("group_id"), fields.get("lease_id")
+        result = cls(
+            request_id=request_id,
+            lease_id=lease_id if isinstance(lease_id, str) else new_id("lease"),
+            group_id=group_id if isinstance(group_id, str) else None,
+            lane=lane if isinstance(lane, str) else "train",
+            kind="caller",
+            error=failure,
+            started_at=now,
+            finished_at=now,
+        )
+        try:  # the caller's own tag is worth keeping when it is valid JSON
+            result.metadata = _METADATA.validate_python(fields.get("metadata") or {})
+        except ValueError:
+            pass
+        return result
+
+
+_METADATA: TypeAdapter[dict[str, JsonValue]] = TypeAdapter(dict[str, JsonValue])

@@ -24,8 +24,9 @@ from typing import Any
 
 from ray._private.worker import global_worker
 
+from renderer_actors.calls import BridgeRequest
 from renderer_actors.key import RendererKey
-from renderer_actors.renderer import BridgeRequest, build_renderer
+from renderer_actors.renderer import Renderer
 from renderer_actors.tokenizer import BUNDLED_MODEL
 from rollout_actors.samples import trainer_samples, turn_prompts, unique_tokens
 from rollout_actors.wire import RendererConfig, Result, Turn
@@ -40,7 +41,7 @@ def words(rng: random.Random, n: int) -> str:
 
 
 def build_turns(turns: int, tool_tokens: int, completion_tokens: int) -> list[Turn]:
-    renderer = build_renderer(RendererKey.from_config(BUNDLED_MODEL, RendererConfig()))
+    renderer = Renderer.load(RendererKey.from_config(BUNDLED_MODEL, RendererConfig()))
     rng = random.Random(0)
     messages = [
         {"role": "system", "content": "You are a research agent. " + words(rng, 200)},
@@ -77,11 +78,15 @@ def build_turns(turns: int, tool_tokens: int, completion_tokens: int) -> list[Tu
             BridgeRequest(
                 completion_ids=completion,
                 finish_reason="length" if cut else "stop",
-                new_messages=[{"role": "user", "content": "Tool output: " + words(rng, tool_tokens)}],
+                new_messages=[
+                    {"role": "tool", "tool_call_id": f"call-{index}", "content": words(rng, tool_tokens)}
+                ],
                 tools=TOOLS,
+                prompt_tail=added,
                 assistant_message=parsed.message,
             )
         )
+        assert not reply.forked and not reply.needs_history
         added, synthetic = reply.appended_ids, reply.synthetic_ids
     return out
 

@@ -1,5 +1,6 @@
-"""`ray job submit` end to end: a real head started with `ray start --head`, the `rollouts run` entrypoint
-submitted through Ray's Job Submission API, its final status, logs and output file read back.
+"""`ray job submit` end to end, as the README's local development loop writes it: a real head started with
+`ray start --head`, the `rollouts run` entrypoint submitted with the README's own `ray job submit` command,
+followed with its `ray job logs`, and its final status, logs and output file read back.
 
 The head is this test's own: its own ports and its own `--temp-dir` (so its `ray_current_cluster` file
 never redirects another process's `ray.init()` to it), never `ray stop` (which kills every Ray process of
@@ -15,7 +16,6 @@ import json
 import os
 import re
 import secrets
-import shlex
 import shutil
 import signal
 import socket
@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from readme import argv, block, commands
 
 from rollout_actors.wire import Result
 
@@ -38,7 +39,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 BIN_DIR = Path(sys.executable).parent
 """`ray` and `rollouts` of this interpreter: a pyenv shim on PATH could pick another Python by cwd."""
 
-TEST_BUDGET_S = 100.0  # head start + job + teardown; the job takes ~15 s and the head ~7 s on 2 idle cores
+TEST_BUDGET_S = 150.0  # head start + job + teardown; the job takes ~20 s and the head ~7 s on 2 idle cores
 HEAD_START_TIMEOUT_S = 45.0  # one `ray start --head`; a port lost to a race is retried once
 TEARDOWN_RESERVE_S = 15.0  # SIGTERM grace + SIGKILL + sweep, kept out of the job's share of the budget
 TERM_GRACE_S = 5.0  # gcs_server and raylet ignore SIGTERM for 10 s+ here; the agents outlive the raylet
@@ -46,7 +47,8 @@ MARKER_VAR = "RAY_ROLLOUTS_JOB_TEST_HEAD"
 CLIENT_ONLY_VARS = ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS", "RAY_AUTH_TOKEN", "RAY_AUTH_MODE")
 """Dropped from the head's environment: a caller's cluster address or token must not leak into it."""
 KINDS = ("ok", "model", "infrastructure", "caller", "cancelled")
-TASKS, GROUP_SIZE = 4, 2
+README_ADDRESS = "http://127.0.0.1:8265"
+"""The job API address the README's commands use; this test's head listens elsewhere."""
 
 _direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback never goes via a proxy
 
@@ -196,9 +198,26 @@ def local_head() -> Iterator[LocalHead]:
         assert not survivors, f"processes of the test head outlived SIGKILL: {survivors}"
 
 
+def _dev_loop_submit() -> tuple[list[str], list[str]]:
+    """The README's `ray job submit` and `ray job logs` commands of the local development loop."""
+    loop = commands(block("Local development loop", "bash"))
+    assert any(c.startswith("ray start --head") for c in loop) and "export RAY_AUTH_MODE=token" in loop, loop
+    (submit,) = [argv(c) for c in loop if c.startswith("ray job submit")]
+    (logs,) = [argv(c) for c in loop if c.startswith("ray job logs")]
+    return submit, logs
+
+
+def _at(command: list[str], address: str) -> list[str]:
+    """The command against this test's head: its `--address` is the head's, not the default port."""
+    return [str(BIN_DIR / "ray"), *[address if arg == README_ADDRESS else arg for arg in command[1:]]]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(TEST_BUDGET_S + 50)  # backstop only: the test's own deadline fails it first
-def test_rollouts_job_submitted_to_a_local_head_succeeds_and_logs_its_summary(local_head):
+def test_the_readme_dev_loop_submits_a_rollouts_job_that_succeeds_and_logs_its_summary(local_head):
+    """The README's local development loop, command by command: `ray start --head` is this test's own head
+    (its own ports, temp dir and a private token), `export RAY_AUTH_MODE=token` goes into the commands'
+    environment, `ray job submit` and `ray job logs` run as written against it; `ray stop` is not run."""
     from ray.job_submission import JobStatus, JobSubmissionClient
 
     # The head enforces token auth: the client side must send the token (README, "Token authentication").
@@ -206,39 +225,45 @@ def test_rollouts_job_submitted_to_a_local_head_succeeds_and_logs_its_summary(lo
         _direct.open(f"{local_head.dashboard_url}/api/jobs/", timeout=10)
     assert refused.value.code == 401
 
+    submit, follow = _dev_loop_submit()
+    entrypoint = submit[submit.index("--") + 1 :]
+    tasks, group_size = (
+        int(entrypoint[entrypoint.index("--tasks") + 1]),
+        int(entrypoint[entrypoint.index("--group-size") + 1]),
+    )
     output = local_head.temp_dir / "results.jsonl"
     png = local_head.temp_dir / "report.png"
-    entrypoint = shlex.join(
-        ["rollouts", "run", "--config", "scripts/run.example.toml"]  # the shipped example file...
-        + ["--tasks", str(TASKS), "--group-size", str(GROUP_SIZE), "--no-progress"]  # ...flags over it
-        + ["--output", str(output), "--report-png", str(png)]
+    submit = _at(submit, local_head.dashboard_url) + ["--output", str(output), "--report-png", str(png)]
+    env = {k: v for k, v in os.environ.items() if k not in CLIENT_ONLY_VARS}
+    env |= {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(local_head.temp_dir / "auth_token")}
+    done = subprocess.run(
+        submit, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=max(1, local_head.remaining())
     )
-    client = JobSubmissionClient(address=local_head.dashboard_url, headers=local_head.headers)
-    job_id = client.submit_job(entrypoint=entrypoint, runtime_env={"working_dir": str(REPO_ROOT)})
+    printed = done.stdout + done.stderr
+    assert done.returncode == 0, printed[-4000:]
+    job_id = re.search(r"Job '(\S+)' submitted successfully", printed).group(1)
 
-    status = client.get_job_status(job_id)
-    while not status.is_terminal():
-        if local_head.remaining() < 0:
-            client.stop_job(job_id)
-            pytest.fail(f"job {job_id} still {status} at the deadline; logs:\n{client.get_job_logs(job_id)}")
-        time.sleep(0.5)
-        status = client.get_job_status(job_id)
-    logs = client.get_job_logs(job_id)
+    follow = [job_id if arg == "<job_id>" else arg for arg in _at(follow, local_head.dashboard_url)]
+    followed = subprocess.run(follow, env=env, capture_output=True, text=True, timeout=60)
+    logs = followed.stdout + followed.stderr
+    assert followed.returncode == 0, logs[-4000:]
+    client = JobSubmissionClient(address=local_head.dashboard_url, headers=local_head.headers)
     info = client.get_job_info(job_id)
-    assert status == JobStatus.SUCCEEDED, f"{status}: {info.message}\n{logs}"
+    assert info.status == JobStatus.SUCCEEDED, f"{info.status}: {info.message}\n{logs}"
     assert info.driver_exit_code == 0
     assert info.runtime_env["working_dir"].startswith("gcs://")  # the tree went up with the job
 
     # The summary table the CLI prints, read back from the job's logs.
+    total = tasks * group_size
     assert "stand-in inference server at http://127.0.0.1:" in logs
-    assert f"done {TASKS * GROUP_SIZE}/{TASKS * GROUP_SIZE}  in flight" in logs  # the plain status line
+    assert f"done {total}/{total}  in flight" in logs  # the plain status line of --no-progress
     assert png.stat().st_size > 10_000, logs  # the run report's plots
-    assert re.search(rf"\b{TASKS * GROUP_SIZE}\s+rollouts\s+in\b", logs), logs
+    assert re.search(rf"\b{total}\s+rollouts\s+in\b", logs), logs
     table = {kind: int(count) for kind, count in re.findall(r"kind=(\w+)\W+(\d+)", logs)}
     assert set(table) == set(KINDS), logs
 
     results = [Result.model_validate(json.loads(line)) for line in output.read_text().splitlines()]
-    assert len({r.request_id for r in results}) == len(results) == TASKS * GROUP_SIZE
-    assert sorted(Counter(r.group_id for r in results).values()) == [GROUP_SIZE] * TASKS
+    assert len({r.request_id for r in results}) == len(results) == total
+    assert sorted(Counter(r.group_id for r in results).values()) == [group_size] * tasks
     assert table == {kind: sum(r.kind == kind for r in results) for kind in KINDS}
-    assert table["ok"] == TASKS * GROUP_SIZE, logs  # the stand-in injects no faults unless asked to
+    assert table["ok"] == total, logs  # the stand-in injects no faults unless asked to

@@ -61,8 +61,8 @@ def test_rollouts_pools_and_lanes_appear_on_the_prometheus_endpoint(ray_session,
                 client=ClientConfig(base_url=standin.base_url, model=BUNDLED_MODEL),
                 sampling=SamplingConfig(max_tokens=200, seed=3),
             )
-            await plane.submit_group(request, ROLLOUTS)
-            results = [await plane.next_result(timeout=60) for _ in range(ROLLOUTS)]
+            group = await (await plane.submit_group(request, ROLLOUTS)).wait(timeout=60)
+            results = group.results
             # Poll while the plane (and its pools) still run: gauges are sampled by live processes.
             deadline = time.monotonic() + 60
             while True:

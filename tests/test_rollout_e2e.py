@@ -279,8 +279,8 @@ def test_invalid_group_comes_back_as_one_caller_result_per_member(ray_session, s
 
     async def scenario():
         async with small_plane() as plane:
-            ids = await plane.submit_group(malformed, n=3)
-            return ids, await collect(plane, 3)
+            handle = await plane.submit_group(malformed, n=3)
+            return handle.request_ids, (await handle.wait(timeout=DEADLINE_S)).results
 
     ids, results = run(scenario())
     assert len(set(ids)) == 3 and sorted(r.request_id for r in results) == sorted(ids)

@@ -1,0 +1,215 @@
+"""The orchestrator's side of the plane: group handles, results per lane, staleness, the sync wrapper.
+
+Real Ray, real stand-in server, real env and renderer actors. Lanes are kept small so that "a member is
+still waiting for its lane" is a state the test sets up, not a timing it hopes for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+from adapters import unload_adapters
+from env_pools import TEST_REF_PREFIXES
+from waiting import wait_until
+
+from renderer_actors.tokenizer import BUNDLED_MODEL
+from rollout_actors.groups import Stragglers
+from rollout_actors.plane import PlaneConfig, RolloutPlane
+from rollout_actors.wire import ClientConfig, Ref, RolloutRequest, SamplingConfig
+
+MATH = Ref(target="env_actors.examples.math_env:MathEnv")
+ECHO = Ref(target="env_actors.faults.envs:EchoEnv", config={"num_tasks": 8, "turns": 3})
+DEADLINE_S = 120
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, DEADLINE_S))
+
+
+def plane(**overrides) -> RolloutPlane:
+    config = dict(
+        lanes={"train": 8, "eval": 4},
+        workers=1,
+        worker_num_cpus=0.25,
+        env_pool={"num_cpus": 0.25},
+        allowed_ref_prefixes=TEST_REF_PREFIXES,
+    )
+    config.update(overrides)
+    return RolloutPlane(PlaneConfig(**config))
+
+
+def request(standin, latency_s: float = 0.0, env=MATH, **overrides) -> RolloutRequest:
+    client = ClientConfig(
+        base_url=standin.base_url, model=BUNDLED_MODEL, headers={"X-Standin-Latency": str(latency_s)}
+    )
+    fields = dict(env=env, task_index=0, client=client, sampling=SamplingConfig(max_tokens=32, seed=11))
+    fields.update(overrides)
+    return RolloutRequest(**fields)
+
+
+def test_submit_before_start_says_what_to_do_instead_of_a_bare_assert():
+    p = RolloutPlane(PlaneConfig(workers=1))
+    with pytest.raises(RuntimeError, match=r"before start\(\)"):
+        asyncio.run(p.submit({}))
+    with pytest.raises(RuntimeError, match=r"before start\(\)"):
+        asyncio.run(p.submit_group({}, n=2))
+
+
+def test_submit_group_returns_its_ids_before_any_member_waits_and_cancels_as_a_whole(ray_session, standin):
+    """The lane is full (limit 1, one slow rollout): the handle still comes back at once with every id,
+    and cancelling the group answers every member without one ever taking the lane."""
+
+    async def scenario():
+        async with plane(lanes={"train": 1, "eval": 1}) as p:
+            slow = await p.submit(request(standin, latency_s=3.0))
+            handle = await p.submit_group(request(standin), n=3)
+            lane = p.lanes.get("train")
+            state_at_return = (len(set(handle.request_ids)), lane.in_flight, handle.done())
+            assert await handle.cancel() == 3
+            group = await handle
+            slow_still_running = lane.in_flight == 1
+            slow_result = await p.next_result(timeout=60)
+            return state_at_return, group, slow_still_running, slow, slow_result, lane.peak
+
+    state, group, slow_still_running, slow, slow_result, peak = run(scenario())
+    assert state == (3, 1, False)
+    assert [r.kind for r in group.results] == ["cancelled"] * 3
+    assert [r.request_id for r in group.results] == list(group.results[i].request_id for i in range(3))
+    assert slow_still_running and peak == 1  # no member ever held the lane
+    assert slow_result.request_id == slow and slow_result.kind == "ok"
+
+
+def test_complete_groups_stream_per_lane_and_a_handle_claims_its_group(ray_session, standin):
+    async def scenario():
+        async with plane() as p:
+            train = [await p.submit_group(request(standin, task_index=i), n=2) for i in range(3)]
+            evals = [await p.submit_group(request(standin, task_index=i, lane="eval"), n=2) for i in range(2)]
+            claimed = await train[0]  # awaited through its handle: not in the stream below
+            single = await p.submit(request(standin, lane="eval", metadata={"tag": "single"}))
+            eval_groups = [g async for g in p.groups(lane="eval")]
+            train_groups = [g async for g in p.groups(lane="train")]
+            eval_single = await p.next_result(timeout=60, lane="eval")
+            return train, evals, claimed, eval_groups, train_groups, single, eval_single
+
+    train, evals, claimed, eval_groups, train_groups, single, eval_single = run(scenario())
+    assert {g.group_id for g in eval_groups} == {h.group_id for h in evals}
+    assert {g.group_id for g in train_groups} == {h.group_id for h in train[1:]}
+    assert claimed.group_id == train[0].group_id
+    for group in [claimed, *eval_groups, *train_groups]:
+        assert len(group.results) == 2 and all(r.kind == "ok" for r in group.results)
+        assert {r.group_id for r in group.results} == {group.group_id}
+        assert [r.seed for r in group.results] == [11, 12]  # consecutive seeds
+        assert all(r.lane == group.lane for r in group.results)
+        assert len(group.samples()) == 2 and group.policy_versions == [0]
+    assert (eval_single.request_id, eval_single.lane, eval_single.metadata) == (
+        single,
+        "eval",
+        {"tag": "single"},
+    )
+
+
+def test_a_straggler_rule_cancels_the_slowest_member_once_enough_finished(ray_session, standin):
+    """Lane limit 2, group of 3: two members run, the third starts when the first finishes, and is cut
+    as soon as the second makes two `ok` (deadline 0 s). It answers `cancelled` with what it sampled."""
+
+    async def scenario():
+        async with plane(lanes={"train": 2, "eval": 1}) as p:
+            handle = await p.submit_group(
+                request(standin, latency_s=0.5, env=ECHO), n=3, stragglers=Stragglers(after_s=0, min_ok=2)
+            )
+            return await handle, p.stats()
+
+    group, stats = run(scenario())
+    kinds = sorted(r.kind for r in group.results)
+    assert kinds == ["cancelled", "ok", "ok"], [(r.kind, r.error) for r in group.results]
+    (cut,) = [r for r in group.results if r.kind == "cancelled"]
+    assert cut.error.type == "Straggler" and "straggler" in cut.error.message
+    assert stats["counters"]["cancelled.Straggler"] == 1
+
+
+def test_a_request_without_base_url_takes_the_planes_endpoint_or_is_refused(ray_session, standin):
+    async def scenario():
+        bare = request(standin).model_copy(
+            update={"client": ClientConfig(model=BUNDLED_MODEL)}  # no base_url
+        )
+        async with plane(endpoints=[standin.base_url]) as routed:
+            await routed.submit(bare)
+            ok = await routed.next_result(timeout=60)
+        async with plane() as unrouted:
+            await unrouted.submit(bare)
+            refused = await unrouted.next_result(timeout=60)
+        return ok, refused
+
+    ok, refused = run(scenario())
+    assert ok.kind == "ok", ok.error
+    assert refused.kind == "caller" and "base_url" in refused.error.message
+
+
+def adapter(seed: int):
+    from rollout_actors.lora import LoraAdapter, lora_config
+
+    rng = np.random.default_rng(seed)
+    tensors = {
+        f"base_model.model.layers.0.self_attn.q_proj.lora_{ab}.weight": rng.standard_normal(
+            (8, 8), dtype=np.float32
+        )
+        for ab in ("A", "B")
+    }
+    return LoraAdapter(tensors, lora_config(8, 16, ["q_proj"], BUNDLED_MODEL))
+
+
+def test_rollouts_too_far_off_policy_are_cancelled_when_a_new_policy_is_active(
+    ray_session, standin, tmp_path
+):
+    """max_off_policy_steps=1: a rollout started on the base model survives v1 and is cancelled at v2
+    (error type `Stale`, turns kept); a group pinned to one policy samples all its members from it."""
+    endpoints = [standin.base_url]
+
+    async def scenario():
+        config = dict(endpoints=endpoints, policy_storage_dir=str(tmp_path), max_off_policy_steps=1)
+        async with plane(**config) as p:
+            slow = await p.submit(request(standin, latency_s=4.0, env=ECHO))  # 12 s: outlives v2
+            await wait_until(lambda: standin.session_counts().get(slow, 0) >= 2, 30)  # turn 2 on v0
+            await (await p.publish_policy(adapter(1), version=1)).wait(timeout=30)
+            pinned = await p.submit_group(request(standin, latency_s=0.2, task_index=1), n=3, one_policy=True)
+            await pinned.admitted()
+            await (await p.publish_policy(adapter(2), version=2)).wait(timeout=30)
+            stale = await p.next_result(timeout=60)
+            group = await pinned
+            fresh = await p.submit(request(standin, task_index=2))
+            fresh_result = await p.next_result(timeout=60)
+            return slow, stale, group, fresh, fresh_result, p.stats()
+
+    try:
+        slow, stale, group, fresh, fresh_result, stats = run(scenario())
+    finally:
+        unload_adapters(endpoints)
+    assert stale.request_id == slow and stale.kind == "cancelled"
+    assert stale.error.type == "Stale" and "v0" in stale.error.message and stale.turns
+    assert (stale.policy_version_start, stale.policy_version_end, stale.versions_behind) == (0, 2, 2)
+    assert group.policy_versions == [1] and {r.model for r in group.results} == {"policy-v1"}
+    assert all(r.kind == "ok" for r in group.results), [r.error for r in group.results]
+    assert fresh_result.request_id == fresh and fresh_result.versions_behind == 0
+    assert stats["off_policy"]["cancelled_stale"] == 1
+
+
+def test_a_script_without_asyncio_runs_rollouts_and_groups_through_the_sync_wrapper(ray_session, standin):
+    from rollout_actors.sync import SyncRolloutPlane
+
+    config = PlaneConfig(
+        lanes={"train": 4, "eval": 1},
+        workers=1,
+        worker_num_cpus=0.25,
+        env_pool={"num_cpus": 0.25},
+        allowed_ref_prefixes=TEST_REF_PREFIXES,
+    )
+    with SyncRolloutPlane(config) as p:
+        results = p.run([request(standin, task_index=i) for i in range(3)], timeout=60)
+        group = p.run_group(request(standin, task_index=5), n=2, timeout=60)
+        p.call(lambda plane: plane.set_limit("train", 2))
+        stats = p.stats()
+    assert [(r.kind, r.task_index) for r in results] == [("ok", 0), ("ok", 1), ("ok", 2)]
+    assert [r.kind for r in group.results] == ["ok", "ok"] and group.results[0].task_index == 5
+    assert stats["lanes"]["train"]["limit"] == 2

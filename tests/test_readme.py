@@ -1,0 +1,102 @@
+"""The README's code runs: every Python block against the stand-in, the quick start's `rollouts run`, and
+every other command either run by a test (the local dev loop: `test_job_submit.py`) or listed below with
+the reason it cannot run here. A README example that stops working fails CI."""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import inspect
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+from readme import block, blocks, commands
+
+from renderer_actors.tokenizer import BUNDLED_MODEL
+
+PYTHON_BLOCK_DEADLINE_S = 240
+
+NOT_RUN = {
+    "pip install -e": "CI's own first step (`.ci/run`) installs '.[test]', a superset of every install here",
+    "pytest": "the suite itself",
+    "ray stop": "stops every Ray process of the user, this suite's included; test_job_submit ends its head "
+    "by its own processes instead",
+    "ray get-auth-token": "writes the user's ~/.ray/auth_token; the dev-loop test gives its head a private token",
+    "ray up cluster.yaml": "needs an AWS account; tests/test_cluster_yaml.py validates cluster.yaml",
+    "ray dashboard cluster.yaml": "needs the AWS cluster",
+    "ray down cluster.yaml": "needs the AWS cluster",
+    "RAY_AUTH_MODE=token ray job submit": "the cluster's submit (a real vLLM endpoint); the same command "
+    "against a local head runs in test_job_submit.py",
+}
+"""Commands of the README the suite does not execute, by prefix, with the reason."""
+
+RUN_BY_DEV_LOOP_TEST = ("ray start --head", "export RAY_AUTH_MODE=token", "ray job submit", "ray job logs")
+"""Run by `test_job_submit.py` against a head of its own (its own ports and temp dir, a private token)."""
+
+RUN_HERE = ("rollouts run",)
+
+
+def _substitute(code: str, base_url: str) -> str:
+    """The examples name a vLLM server; here they run against the stand-in. The key variable is one the
+    suite sets before Ray starts (the stand-in takes any key)."""
+    return (
+        code.replace('"http://vllm:8000/v1"', repr(base_url))
+        .replace('"Qwen/Qwen3-8B"', repr(BUNDLED_MODEL))
+        .replace('"VLLM_KEY"', '"RAY_ROLLOUTS_TEST_SECRET"')
+    )
+
+
+@pytest.mark.timeout(PYTHON_BLOCK_DEADLINE_S + 30)
+@pytest.mark.parametrize("snippet", blocks("python"), ids=lambda b: b.name)
+def test_python_block_runs(snippet, ray_session, standin):
+    code = compile(
+        _substitute(snippet.code, standin.base_url),
+        f"README.md:{snippet.line}",
+        "exec",
+        flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT,
+    )
+    namespace: dict = {"__name__": "__readme__"}
+
+    async def run_async() -> None:
+        await asyncio.wait_for(eval(code, namespace), PYTHON_BLOCK_DEADLINE_S)
+
+    if code.co_flags & inspect.CO_COROUTINE:  # the block awaits at top level
+        asyncio.run(run_async())
+    else:
+        exec(code, namespace)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_quick_start_runs_the_main_job_on_embedded_defaults(tmp_path):
+    run = [c for c in commands(block("Quick start", "bash")) if c.startswith("rollouts run")]
+    assert run == ["rollouts run"], run
+    started = time.monotonic()
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS",)}
+    done = subprocess.run(
+        [os.path.join(os.path.dirname(sys.executable), "rollouts"), "run"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "256 rollouts in" in done.stdout and "kind=ok" in done.stdout
+    (results,) = list(tmp_path.glob("rollouts-*.jsonl"))
+    assert len(results.read_text().splitlines()) == 256
+    assert time.monotonic() - started < 280
+
+
+def test_every_readme_command_is_run_by_a_test_or_says_why_not():
+    unclassified = []
+    for snippet in blocks("bash"):
+        for command in commands(snippet):
+            known = RUN_HERE + RUN_BY_DEV_LOOP_TEST + tuple(NOT_RUN)
+            if not command.startswith(known):
+                unclassified.append(f"{snippet.name}: {command}")
+    assert not unclassified, "README commands nobody runs or explains:\n" + "\n".join(unclassified)
+    assert {b.lang for b in blocks()} <= {"python", "bash", "toml", ""}, "a block of a language no test reads"
