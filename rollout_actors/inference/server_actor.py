@@ -435,7 +435,9 @@ class InferenceServer:
         assert self._process is not None
         failures, next_check = 0, time.monotonic() + self.spec.health_interval
         async with httpx.AsyncClient(
-            timeout=httpx.Timeout(self.spec.health_timeout), trust_env=False
+            timeout=httpx.Timeout(self.spec.health_timeout),
+            trust_env=False,
+            headers=auth_headers(self.spec.api_key_var),  # /health is unguarded on vLLM; a proxy may not be
         ) as client:
             while (code := self._process.poll()) is None:
                 await asyncio.sleep(POLL_INTERVAL)
