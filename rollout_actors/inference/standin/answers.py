@@ -2,8 +2,8 @@
 
 Completions take token ids (the main path) or text; chat renders its messages with the tokenizer's chat
 template (cached: a rollout resends its whole history every turn) and parses the sampled turn back into
-`content` / `reasoning_content` / `tool_calls` the way vLLM's qwen3 reasoning parser and hermes tool
-parser do. Both run the same `ScriptedPolicy` on prompt ids.
+`content` / `reasoning` / `tool_calls` the way vLLM's qwen3 reasoning parser and hermes tool parser do,
+each only when the server runs with it. Both run the same `ScriptedPolicy` on prompt ids.
 
 End of turn, as vLLM returns it: the close token `<|im_end|>` is the tokenizer's EOS, so when the policy
 ends on it `finish_reason` is "stop", `stop_reason` is None, the id IS the last of `token_ids` (vLLM

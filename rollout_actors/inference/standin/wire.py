@@ -159,8 +159,8 @@ class ChatMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
     reasoning: str | None = None
-    """The think block, with a reasoning parser (vLLM 0.33 sends only `reasoning`; 0.10-0.1x sent
-    `reasoning_content`)."""
+    """The think block, with a reasoning parser. vLLM sends `reasoning` from 0.12 (0.33: only it); up to
+    0.11 it was `reasoning_content`."""
     tool_calls: list[ToolCall] = Field(default_factory=list)
 
     @model_serializer(mode="wrap")
