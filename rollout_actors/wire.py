@@ -189,7 +189,8 @@ class RolloutRequest(BaseModel):
     lane: Lane = "train"
     policy_version: int | None = Field(default=None, ge=0)
     """The policy to sample from: None takes the active one when the rollout starts; N pins published
-    version N (0: the base model). A version no server holds any more is a `caller` result."""
+    adapter version N, or the full weights the servers hold now (0: the weights they started with). A
+    version no server holds any more is a `caller` result."""
     metadata: dict[str, JsonValue] = Field(default_factory=dict)
     """The caller's own data (JSON), copied onto the result untouched."""
     return_messages: bool = False
