@@ -6,6 +6,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from env_actors.config import EnvPoolConfig
 from renderer_actors.config import RendererPoolConfig
+from rollout_actors.concurrency import ConcurrencyConfig
 from rollout_actors.kernel import DEFAULT_ALLOWED_PREFIXES, RestartIntensity
 
 WORKER_RESTARTS = RestartIntensity(max_restarts=10, window_s=60.0)
@@ -48,6 +49,8 @@ class PlaneConfig(BaseModel):
     env_ready_timeout_s: float = 120.0
     allowed_ref_prefixes: tuple[str, ...] = DEFAULT_ALLOWED_PREFIXES
     """Module prefixes a request's Refs may name. Widening it is explicit."""
+    concurrency: ConcurrencyConfig | None = None
+    """Load-aware lane limits (`rollout_actors.concurrency`): None keeps the limits fixed."""
     max_off_policy_steps: int | None = Field(default=None, ge=0)
     """When a new policy becomes active, cancel rollouts in flight that started more than this many
     versions before it (the trainer would drop them anyway). None: never."""

@@ -26,7 +26,9 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import ray
 
+from rollout_actors.concurrency import ConcurrencyController
 from rollout_actors.config import PlaneConfig
+from rollout_actors.inference.load import LoadReader
 from rollout_actors.inference.weights import WeightUpdater, WeightUpdateReport
 from rollout_actors.kernel import RefResolver
 from rollout_actors.lanes import Lanes
@@ -110,6 +112,10 @@ class RolloutPlane(Submission):
         self._cancelled: dict[str, asyncio.Event] = {}
         self._cancel_reasons: dict[str, tuple[str, str]] = {}
         self._endpoint_load: Counter[str] = Counter()
+        self._rollout_endpoint: dict[str, str] = {}
+        """Rollouts in flight -> their endpoint, in start order (the controller cancels the youngest)."""
+        self._controller: ConcurrencyController | None = None
+        self._controller_task: asyncio.Task[None] | None = None
         self.counters: Counter[str] = Counter()
         self._publisher: PolicyPublisher | None = None
         self._weights_version = 0
@@ -129,11 +135,17 @@ class RolloutPlane(Submission):
         await self._pools.start()
         await self._workers.start()
         self._metrics_task = asyncio.get_running_loop().create_task(self._metrics.run(self))
+        if self.config.concurrency is not None:
+            reader = LoadReader(self._api_key_var)
+            self._controller = ConcurrencyController(self, self.config.concurrency, reader)
+            self._controller_task = asyncio.get_running_loop().create_task(self._controller.run())
         self._started = True
         return self
 
     async def close(self) -> None:
         """Cancel what is still running, then stop workers and pools. Every request still gets its result."""
+        if self._controller_task is not None:  # no limit moves or overload cancels while closing
+            self._controller_task.cancel()
         await self.cancel_all()
         if self._tasks:
             await asyncio.wait(self._tasks, timeout=self.config.cancel_grace_s + 5)
@@ -141,6 +153,8 @@ class RolloutPlane(Submission):
             task.cancel()
         if self._metrics_task is not None:
             self._metrics_task.cancel()
+        if self._controller is not None:
+            await self._controller.aclose()
         await self._workers.close()
         await self._pools.close()
         if self._publisher is not None:
@@ -163,6 +177,7 @@ class RolloutPlane(Submission):
             "workers": [{"name": s.name, "in_flight": s.in_flight} for s in self._workers.live()],
             "workers_lost": self._workers.lost_count,
             "off_policy": self._guard.snapshot(),
+            "concurrency": self._controller.snapshot() if self._controller is not None else None,
         }
 
     # policy ----------------------------------------------------------------------------------------
@@ -332,11 +347,21 @@ class RolloutPlane(Submission):
                 update={"client": request.client.model_copy(update={"base_url": endpoint})}
             )
             self._endpoint_load[endpoint] += 1
+            self._rollout_endpoint[request.request_id] = endpoint
         try:
             return await self._dispatch_to_workers(request, cancelled)
         finally:
             if endpoint is not None:
                 self._endpoint_load[endpoint] -= 1
+                self._rollout_endpoint.pop(request.request_id, None)
+
+    def live_endpoints(self) -> list[str]:
+        """The inference base URLs rollouts are routed to now."""
+        return list(self._endpoints())
+
+    def running_on(self, endpoint: str) -> list[str]:
+        """Request ids of the rollouts in flight on `endpoint`, oldest first."""
+        return [rid for rid, url in self._rollout_endpoint.items() if url == endpoint]
 
     def _pick_endpoint(self) -> str | None:
         live = list(self._endpoints())
