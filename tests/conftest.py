@@ -30,6 +30,7 @@ def ray_session():
     if not ray.is_initialized():
         # Logical CPUs above the physical two: actors here mostly wait, and tests pack many of them.
         ray.init(
+            address="local",  # a new cluster of our own, even if `ray start` left one to join on this machine
             num_cpus=8,
             include_dashboard=False,
             log_to_driver=True,

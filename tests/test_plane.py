@@ -131,8 +131,9 @@ def test_lane_bounds_and_set_limit_hold(ray_session, standin):
             return observed, results, evals, p.lanes.snapshot()
 
     observed, results, evals, final = run(scenario())
-    assert all(snap["train"]["in_flight"] <= 6 and snap["eval"]["in_flight"] <= 2 for snap in observed)
-    assert max(snap["train"]["in_flight"] for snap in observed[:20]) <= 3
+    # Each snapshot pairs the bound with what was in flight at that instant: no clock in the assertions.
+    assert all(s[lane]["in_flight"] <= s[lane]["limit"] for s in observed for lane in ("train", "eval"))
+    assert any(s["train"]["limit"] == 3 and s["train"]["in_flight"] == 3 for s in observed)  # bound reached
     assert final["train"]["peak"] > 3  # the raised limit was used
     assert len({r.request_id for r in results}) == 14
     assert all(r.kind == "ok" for r in results)
