@@ -14,6 +14,7 @@ set latency), so sampling every 0.5 s sees them all.
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 from dataclasses import dataclass, field
 
 import psutil
@@ -106,28 +107,58 @@ def process_resources(pid: int) -> tuple[int, int]:
     return proc.num_threads(), proc.memory_info().rss
 
 
+def _role(proc: psutil.Process, me: int, server_pid: int) -> str | None:
+    cmdline = proc.cmdline()
+    if not cmdline:
+        return None
+    first = cmdline[0].split()[0] if cmdline[0].strip() else ""
+    if proc.pid == me:
+        return "driver"
+    if proc.pid == server_pid:
+        return "stand-in"
+    if first.startswith("ray::"):
+        return first.split(".")[0].removeprefix("ray::")
+    if any(part.endswith(("raylet", "gcs_server")) for part in cmdline[:1]) or "ray/" in " ".join(
+        cmdline[:2]
+    ):
+        return "ray daemons"
+    return None
+
+
+def _ours() -> list[psutil.Process]:
+    me = psutil.Process()
+    return [me, *me.children(recursive=True)]
+
+
+def pids_by_role(server_pid: int, roles: tuple[str, ...]) -> dict[str, list[int]]:
+    """The pids of this process and its descendants playing each of `roles` (see `cpu_by_role`)."""
+    found: dict[str, list[int]] = {}
+    me = os.getpid()
+    for proc in _ours():
+        try:
+            role = _role(proc, me, server_pid)
+        except psutil.Error:
+            continue
+        if role in roles:
+            found.setdefault(role, []).append(proc.pid)
+    return found
+
+
 def cpu_by_role(server_pid: int) -> dict[str, float]:
     """CPU seconds (user + system) used so far, by role: this process, the stand-in server, each Ray actor
-    class (`ray::EnvServer`, ...), and Ray's own daemons. Diff two snapshots for a wave's cost; a process
-    that exits between them (a retired renderer) is missed."""
+    class (`ray::EnvServer`, ...), and Ray's own daemons. Only this process and its descendants count (the
+    local Ray cluster it started, the stand-ins it launched): other clusters on a shared machine are not
+    ours. Diff two snapshots for a wave's cost; a process that exits between them (a retired renderer) is
+    missed."""
     roles: dict[str, float] = {}
-    me = psutil.Process()
-    for proc in psutil.process_iter(["pid", "cmdline", "cpu_times"]):
-        cmdline, times = proc.info["cmdline"] or [], proc.info["cpu_times"]
-        if times is None or not cmdline:
-            continue
-        first = cmdline[0].split()[0] if cmdline[0].strip() else ""
-        if proc.pid == me.pid:
-            role = "driver"
-        elif proc.pid == server_pid:
-            role = "stand-in"
-        elif first.startswith("ray::"):
-            role = first.split(".")[0].removeprefix("ray::")
-        elif any(part.endswith(("raylet", "gcs_server")) for part in cmdline[:1]) or "ray/" in " ".join(
-            cmdline[:2]
-        ):
-            role = "ray daemons"
-        else:
+    me = os.getpid()
+    for proc in _ours():
+        try:
+            role = _role(proc, me, server_pid)
+            if role is None:
+                continue
+            times = proc.cpu_times()
+        except psutil.Error:
             continue
         roles[role] = roles.get(role, 0.0) + times.user + times.system
     return roles

@@ -47,7 +47,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import ray
-from _bench_probe import Probe, ProbeSample, cpu_by_role, time_wait_count
+from _bench_probe import Probe, ProbeSample, cpu_by_role, pids_by_role, time_wait_count
+from _bench_profile import WaveProfiler
 from _bench_single_process import SingleProcessWorkload, run_wave
 
 from renderer_actors.tokenizer import BUNDLED_MODEL
@@ -66,6 +67,7 @@ ENVS = {
 WARMUP_ROLLOUTS = 4  # starts the plane's env pool and first renderer before the timed wave
 MAX_TOKENS = 256  # the scripted policy writes < 150 tokens a turn; nothing is cut
 SLOW_FACTOR = 5.0
+PROFILED_ROLES = ("driver", "RolloutWorker", "RendererActor", "EnvServer", "EnvPool", "RendererPool")
 WAYS = {"a": "plane", "b": "single/client-per-rollout", "c": "single/shared-client"}
 
 
@@ -121,9 +123,14 @@ async def run_single(args: argparse.Namespace, c: int, way: str, server: Standin
     probe = Probe(server.pid, server.port, [os.getpid()]).start()
     await asyncio.sleep(0.6)  # the probe's first sample: the idle baseline
     cpu_before = cpu_by_role(server.pid)
+    profiler = (
+        WaveProfiler(f"{args.profile}/c{c}-{way}", {way: [os.getpid()]}).start() if args.profile else None
+    )
     wall, timings = await run_wave(workload, c, per_rollout_client=(way == "b"))
     cpu = _cpu_diff(cpu_before, cpu_by_role(server.pid))
     sample = probe.stop()
+    if profiler is not None:
+        profiler.stop()
     return WayResult(
         way=way,
         wall_s=wall,
@@ -183,6 +190,10 @@ async def run_plane(args: argparse.Namespace, c: int, server: StandinServer) -> 
         await asyncio.sleep(0.6)
         order: dict[str, int] = {}
         cpu_before = cpu_by_role(server.pid)
+        profiler = None
+        if args.profile:
+            roles = pids_by_role(server.pid, PROFILED_ROLES)
+            profiler = WaveProfiler(f"{args.profile}/c{c}-a", roles).start()
         started, started_wall = time.monotonic(), time.time()
         for i in range(c):
             order[await plane.submit(request(i))] = i
@@ -193,6 +204,8 @@ async def run_plane(args: argparse.Namespace, c: int, server: StandinServer) -> 
         ended_wall = time.time()
         cpu = _cpu_diff(cpu_before, cpu_by_role(server.pid))
         sample = probe.stop()
+        if profiler is not None:
+            profiler.stop()
         after = await asyncio.gather(*(w.resources.remote(server.port) for w in workers))
         time_wait = time_wait_count(server.port) - time_wait_before
         stats = plane.stats()
@@ -328,6 +341,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--env-workers", type=int, default=2)
     parser.add_argument("--renderers", type=int, default=2, help="renderers the pool grows to (one per core)")
     parser.add_argument("--renderer-multiplex", type=int, default=0, help="overrides --renderers")
+    parser.add_argument(
+        "--profile", default="", help="py-spy the plane's processes during each wave into DIR"
+    )
     args = parser.parse_args()
     if args.quick:
         args.concurrency, args.latency = [128], 1.0
