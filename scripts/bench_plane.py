@@ -51,6 +51,7 @@ from _bench_probe import Probe, ProbeSample, cpu_by_role, pids_by_role, time_wai
 from _bench_profile import WaveProfiler
 from _bench_single_process import SingleProcessWorkload, run_wave
 
+from renderer_actors.key import RendererKey
 from renderer_actors.tokenizer import BUNDLED_MODEL
 from rollout_actors.inference.server_actor import ServerSpec, standin_options
 from rollout_actors.inference.standin import StandinServer
@@ -64,7 +65,8 @@ ENVS = {
         lambda turns: {"num_tasks": 300, "max_turns": max(turns, 2)},
     ),
 }
-WARMUP_ROLLOUTS = 4  # starts the plane's env pool and first renderer before the timed wave
+WARMUP_ROLLOUTS = 4  # starts the plane's env pool and first renderer before the timed wave (then the
+# renderer pool is grown to the wave's size: `_grow_renderer_pool`)
 MAX_TOKENS = 256  # the scripted policy writes < 150 tokens a turn; nothing is cut
 SLOW_FACTOR = 5.0
 PROFILED_ROLES = ("driver", "RolloutWorker", "RendererActor", "EnvServer", "EnvPool", "RendererPool")
@@ -181,6 +183,7 @@ async def run_plane(args: argparse.Namespace, c: int, server: StandinServer) -> 
         for i in range(WARMUP_ROLLOUTS):
             await plane.submit(request(i))
         warm = [await plane.next_result(timeout=300) for _ in range(WARMUP_ROLLOUTS)]
+        await _grow_renderer_pool(plane, _client(server).model, renderer_multiplex, c)
         workers = [
             ray.get_actor(w["name"], namespace=plane.names.namespace) for w in plane.stats()["workers"]
         ]
@@ -236,6 +239,23 @@ async def run_plane(args: argparse.Namespace, c: int, server: StandinServer) -> 
             )[:3],
         },
     )
+
+
+async def _grow_renderer_pool(plane: RolloutPlane, model: str, multiplex: int, c: int) -> None:
+    """Bring the renderer pool to the size the wave will use (one renderer per `multiplex` leases) and wait
+    until every renderer is loaded, as (b) and (c) load theirs before the wave: a renderer's startup is not
+    a cost per turn."""
+    pool = ray.get_actor(plane.names.renderer_pool, namespace=plane.names.namespace)
+    key_json = RendererKey.from_config(model, RendererConfig(multiplex=multiplex)).to_json()
+    leases = await pool.lease_many.remote(key_json, multiplex, c)
+    await pool.release_many.remote([lease["lease_id"] for lease in leases])
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        renderers = (await pool.stats.remote())["keys"][key_json]["renderers"]
+        if all(r["ready"] for r in renderers):
+            return
+        await asyncio.sleep(0.5)
+    raise TimeoutError("the renderer pool did not load its renderers within 300 s")
 
 
 def _cpu_diff(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
