@@ -230,7 +230,10 @@ def test_the_orchestrator_demo_runs_its_loop_and_prints_a_line_per_step(
     spec.loader.exec_module(demo)
     argv = "--steps 2 --group-size 2 --groups-per-step 2 --in-flight 3 --train-s 0.1 --eval-every 1"
     args = demo.parse_args([*argv.split(), "--eval-tasks", "2", "--latency", "0.05"])
-    run(demo.main(args, [standin.base_url], str(tmp_path)))
+    try:
+        run(demo.main(args, [standin.base_url], str(tmp_path)))
+    finally:
+        unload_adapters([standin.base_url])  # the shared stand-in serves only the base model again
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step")]
     assert len(lines) == 2, lines
     assert all("reward" in line and "off-policy lag" in line and "failures" in line for line in lines)
