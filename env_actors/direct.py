@@ -32,7 +32,7 @@ from ray.exceptions import ActorDiedError, RayError
 from env_actors.interface import EnvResponse
 from env_actors.server import DEADLINE_FAILURE
 from env_actors.supervisor import exit_detail, resolve
-from rollout_actors.kernel import Failure
+from rollout_actors.kernel import Failure, process_owner
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +40,7 @@ DIRECT_CALL_SLACK_S = 0.5
 """The worker enforces each call's deadline itself; waiting this much longer only matters when it cannot
 answer at all (a frozen process the supervisor has not retired yet)."""
 POOL_NOTICE_TIMEOUT_S = 5.0  # asking the pool for a handle or why a worker died; forgetting sessions
+MAX_PLACE_WAIT_S = 60.0  # a placement waits at most this for a replacement worker: a spawn's order of time
 
 
 FailureKind = Literal["infrastructure", "caller"]
@@ -99,7 +100,7 @@ async def call_server(
 
 async def place(pool: Any, session_id: str, timeout: float) -> tuple[str, Any]:
     """(worker name, handle) the pool placed the new session on; `EnvCallFailed` if it could not."""
-    value = await pool_call(_state().place(pool, session_id), timeout, "place")
+    value = await pool_call(_state().place(pool, session_id, timeout), timeout, "place")
     return value["worker"], value["handle"]
 
 
@@ -139,7 +140,7 @@ class _LoopState:
     """Per event loop (futures belong to one loop): cached handles and pending forget notices."""
 
     def __init__(self) -> None:
-        self._places: dict[Any, tuple[Any, list[str], list[asyncio.Future[Any]]]] = {}
+        self._places: dict[Any, tuple[Any, list[str], list[asyncio.Future[Any]], list[float]]] = {}
         self._forgets: dict[Any, tuple[Any, list[str]]] = {}
         self._calls: dict[Any, tuple[Any, list[tuple], list[asyncio.Future[Any]]]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -190,24 +191,27 @@ class _LoopState:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def place(self, pool: Any, session_id: str) -> EnvResponse:
-        """One placement, asked with every other session this loop opens on the pool in this tick."""
+    async def place(self, pool: Any, session_id: str, timeout: float) -> EnvResponse:
+        """One placement, asked with every other session this loop opens on the pool in this tick. The
+        pool may wait up to `timeout` for a replacement worker when none is ready."""
         key = _actor_key(pool)
         batch = self._places.get(key)
         if batch is None:
-            batch = self._places[key] = (pool, [], [])
+            batch = self._places[key] = (pool, [], [], [0.0])
             self._own(self._flush_places(key))
         waiter = asyncio.get_running_loop().create_future()
         batch[1].append(session_id)
         batch[2].append(waiter)
+        batch[3][0] = max(batch[3][0], min(timeout, MAX_PLACE_WAIT_S))
         return await waiter
 
     async def _flush_places(self, key: Any) -> None:
         await asyncio.sleep(0)
-        pool, session_ids, waiters = self._places.pop(key)
+        pool, session_ids, waiters, (wait_s,) = self._places.pop(key)
         try:
             answers = await asyncio.wait_for(
-                resolve(pool.place_many.remote(session_ids)), POOL_NOTICE_TIMEOUT_S
+                resolve(pool.place_many.remote(session_ids, process_owner(), wait_s)),
+                wait_s + POOL_NOTICE_TIMEOUT_S,
             )
         except BaseException as exc:
             _fail_all(waiters, exc)

@@ -21,6 +21,9 @@ Rules an environment follows:
 - `reset`, `step`, `score`, `close` are coroutines and run on the server's event loop; CPU-heavy work
   belongs in `asyncio.to_thread`, because a loop blocked for `hang_timeout` is treated as wedged and killed.
 - `state` is whatever the environment likes (it never leaves the server); everything returned is JSON.
+- A step adds `system`, `user` or `tool` messages (never `assistant`: the model speaks through its sampled
+  token ids), with text content; rewards are finite. The server checks each answer (`StepOut`,
+  `ResetOut`, `ScoreOut` validate), so a breach fails as the environment's bug, where it happens.
 - A problem with the request itself (task index out of range, malformed task, a step after `done`) raises
   `rollout_actors.kernel.CallerError`, which the rollout reports as a `caller` result. Any other exception is
   the environment's fault and is reported as `infrastructure`, with its traceback.
@@ -38,9 +41,9 @@ import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field, FiniteFloat, StrictBool, field_validator
 
-from rollout_actors.kernel import CallerError, Failure, ref_target
+from rollout_actors.kernel import CallerError, Failure, check_json, ref_target
 
 Message = dict[str, Any]
 """One chat message in OpenAI format."""
@@ -58,6 +61,34 @@ class Reset:
     """OpenAI function tools offered to the model, or None."""
 
 
+OPENING_ROLES = frozenset({"system", "user", "assistant", "tool"})
+"""Roles of a session's opening messages (a few-shot prompt may hold assistant turns: they are rendered)."""
+STEP_ROLES = frozenset({"system", "user", "tool"})
+"""Roles of the messages a step adds. Never `assistant`: the model's turns are its sampled token ids,
+bridged as sampled (contract 7), so an environment cannot speak for it."""
+
+
+def check_messages(messages: Any, roles: frozenset[str], where: str) -> list[Message]:
+    """Refuse (ValueError) messages the renderer could not take: the environment's bug, reported as
+    `infrastructure` with its traceback where it happens, not as the request's fault after the fact."""
+    if not isinstance(messages, list):
+        raise ValueError(f"{where} must be a list of chat messages, got {type(messages).__name__}")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise ValueError(f"{where}[{i}] must be a chat message (a dict), got {type(message).__name__}")
+        role, content = message.get("role"), message.get("content")
+        if role not in roles:
+            raise ValueError(f"{where}[{i}] has role {role!r}; an environment may send {sorted(roles)}")
+        parts = isinstance(content, list) and all(isinstance(part, dict) for part in content)
+        if not (content is None or isinstance(content, str) or parts):
+            raise ValueError(
+                f"{where}[{i}].content must be a string, null or a list of content parts, "
+                f"got {type(content).__name__}"
+            )
+    check_json(messages, where)
+    return messages
+
+
 class ResetOut(BaseModel):
     """The wire form of a started session."""
 
@@ -67,27 +98,54 @@ class ResetOut(BaseModel):
     worker: str | None = None
     """Which env worker holds the session (for logs and fault tests)."""
 
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _opening(cls, messages: Any) -> Any:
+        return check_messages(messages, OPENING_ROLES, "messages")
+
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _tools_are_json(cls, tools: Any) -> Any:
+        check_json(tools, "tools")
+        return tools
+
 
 class ScoreOut(BaseModel):
-    """The reward of a finished (or abandoned) episode."""
+    """The reward of a finished (or abandoned) episode. Numbers are finite: a NaN or infinite reward is
+    the environment's bug, not a score (and JSON could not carry it)."""
 
-    reward: float
-    components: dict[str, float] = Field(default_factory=dict)
+    model_config = ConfigDict(revalidate_instances="always")  # one an environment built is checked too
+
+    reward: FiniteFloat
+    components: dict[str, FiniteFloat] = Field(default_factory=dict)
     """Named parts of the reward, e.g. `{"correct": 1.0, "format": 1.0}`."""
     metrics: dict[str, Any] = Field(default_factory=dict)
     """Anything else worth logging (turns taken, tool calls); JSON values."""
+
+    @field_validator("metrics", mode="before")
+    @classmethod
+    def _metrics_are_json(cls, metrics: Any) -> Any:
+        check_json(metrics, "metrics")
+        return metrics
 
 
 class StepOut(BaseModel):
     """The environment's answer to one assistant message."""
 
+    model_config = ConfigDict(revalidate_instances="always")  # one an environment built is checked too
+
     messages: list[Message] = Field(default_factory=list)
     """New messages to append (tool results, a follow-up user turn); empty when nothing is added."""
-    done: bool
+    done: StrictBool
     """True when the episode is over; the next call is `score` (unless this step already carries it)."""
     score: ScoreOut | None = None
     """Set by the server, never by the environment: the episode's score when the step was asked to score
     if done (`score_if_done`) and was done. The session has then ended on its worker (`close` ran)."""
+
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _added(cls, messages: Any) -> Any:
+        return check_messages(messages, STEP_ROLES, "messages")
 
 
 EnvCallKind = Literal["ok", "infrastructure", "caller"]

@@ -42,6 +42,7 @@ value the worker returned before dying is kept), so a call whose worker died wai
 POOL_MAX_CONCURRENCY = 10_000  # every in-flight env call of every rollout waits inside this actor
 POOL_STARTUP_SLACK_S = 10.0  # the pool actor's own process start, on top of the environment's deadline
 RETIRED_WORKER_MEMORY = 1_000  # retired workers remembered with the reason (a session asks why its died)
+LOST_OWNER_MEMORY = 1_000  # lost owners remembered, so a placement one sent before dying is refused
 SESSION_REAP_EVERY_S = 1.0
 
 
@@ -59,6 +60,8 @@ class _Session:
     worker: str
     last_used: float
     """When the pool last heard of it (placement, or its worker saying it is busy)."""
+    owner: str | None = None
+    """The actor that opened it (a rollout worker); `close_owned` ends it when that actor is lost."""
 
 
 class EnvPool:
@@ -69,6 +72,7 @@ class EnvPool:
         self._sessions: dict[str, _Session] = {}
         self._retired: OrderedDict[str, str] = OrderedDict()
         """Worker name -> why it was retired, for sessions whose direct call found it dead."""
+        self._lost_owners: OrderedDict[str, None] = OrderedDict()
         self._supervisor = Supervisor(name, env, config, self._on_retire)
         self._started = False
         self._closed = False
@@ -100,27 +104,46 @@ class EnvPool:
             return EnvResponse.ok()
         return await self._call(slot, "close", (session_id,), min(timeout, self._config.close_timeout))
 
-    async def place_many(self, session_ids: list[str]) -> list[EnvResponse]:
+    async def place_many(
+        self, session_ids: list[str], owner: str | None = None, wait_s: float = 0.0
+    ) -> list[EnvResponse]:
         """Place new sessions on the least-busy ready workers without starting them; each value is
         `{"worker": name, "handle": handle}`. The opener then sends `reset` to the worker itself (batched
         with that worker's other calls, see `direct.py`), and ends the session with `close` if the reset
-        fails. A placed session counts toward placement at once."""
+        fails. A placed session counts toward placement at once. With no ready worker but a replacement
+        starting, placement waits for it up to `wait_s`; with none coming it fails at once. `owner`: the
+        opening actor (see `close_owned`); one already lost gets nothing."""
         answers = []
         for session_id in session_ids:
             if self._closed:
                 answers.append(self._closed_response())
                 continue
+            if owner is not None and owner in self._lost_owners:
+                lost = Failure(type="OwnerLost", message=f"the opener {owner} was lost; nothing is placed")
+                answers.append(EnvResponse.failed(lost))
+                continue
             if session_id in self._sessions:
                 answers.append(_caller_failure("DuplicateEnvSession", f"session id {session_id!r} is in use"))
                 continue
-            slot = self._supervisor.least_busy()
+            slot = self._supervisor.least_busy() or await self._supervisor.ready_worker(wait_s)
             if slot is None:
                 answers.append(self._no_live_worker())
                 continue
-            self._sessions[session_id] = _Session(worker=slot.name, last_used=time.monotonic())
+            self._sessions[session_id] = _Session(slot.name, time.monotonic(), owner)
             slot.sessions.add(session_id)
             answers.append(EnvResponse.ok({"worker": slot.name, "handle": slot.handle}, slot.name))
         return answers
+
+    async def close_owned(self, owner: str) -> int:
+        """The actor `owner` was lost (a rollout worker killed or dead): end every session it opened, on
+        its worker (the environment's `close` runs), now rather than at the idle timeout. A placement it
+        sent before dying and that arrives later is refused. Returns how many sessions were ended."""
+        self._lost_owners[owner] = None
+        while len(self._lost_owners) > LOST_OWNER_MEMORY:
+            self._lost_owners.popitem(last=False)
+        owned = [sid for sid, session in self._sessions.items() if session.owner == owner]
+        await asyncio.gather(*(self.close(sid, self._config.close_timeout) for sid in owned))
+        return len(owned)
 
     async def forget_many(self, session_ids: list[str]) -> int:
         """Sessions that ended on their worker with a scored step: drop them from placement."""

@@ -29,7 +29,9 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
 
 from env_actors.direct import EnvCallFailed, call_server, forget_later, place, pool_call
 from env_actors.interface import EnvResponse, ResetOut, ScoreOut, StepOut
@@ -37,6 +39,8 @@ from env_actors.supervisor import resolve
 from rollout_actors.kernel import Failure, new_id
 
 logger = logging.getLogger(__name__)
+
+Answer = TypeVar("Answer", bound=BaseModel)
 
 SESSION_CALL_SLACK_S = 3.0
 """Beyond the pool's own deadline (which already has its slack): only a dead or wedged pool needs it."""
@@ -73,10 +77,10 @@ class EnvSession:
         worker, server = await place(pool, session_id, timeout)
         try:
             value = await call_server(pool, server, worker, "reset", session_id, (task_index, task), timeout)
+            out = _answer_of(ResetOut, value, "reset")
         except BaseException:  # failed, timed out or cancelled: the placement (or a late reset) is ended
             _submit_close(pool, session_id)
             raise
-        out = ResetOut.model_validate(value)
         return cls(
             pool=pool,
             session_id=session_id,
@@ -92,7 +96,7 @@ class EnvSession:
         """One turn. With `score_if_done`, a done step also scores and ends the session (`out.score`)."""
         self._check_open("step")
         value = await self._direct("step", (assistant_message,), timeout, score_if_done=score_if_done)
-        out = StepOut.model_validate(value)
+        out = _answer_of(StepOut, value, "step")
         if out.score is not None:
             self.closed = True  # the worker ended the session with this step; nothing is left to close
             forget_later(self.pool, self.session_id)
@@ -100,7 +104,7 @@ class EnvSession:
 
     async def score(self, timeout: float) -> ScoreOut:
         self._check_open("score")
-        return ScoreOut.model_validate(await self._direct("score", (), timeout))
+        return _answer_of(ScoreOut, await self._direct("score", (), timeout), "score")
 
     async def close(self, timeout: float = 5.0) -> None:
         """End the session on its worker. Idempotent; never raises. The close request is submitted before
@@ -151,6 +155,17 @@ async def _call(submit: Any, timeout: float, method: str) -> Any:
         return await resolve(submit())
 
     return await pool_call(answer(), timeout + SESSION_CALL_SLACK_S, method)
+
+
+def _answer_of(model: type[Answer], value: Any, method: str) -> Answer:
+    """The env server's answer as its model. One that does not fit is the environment's (or the server's)
+    fault, never the request's: `infrastructure`, not the `caller` a bare ValidationError would read as."""
+    try:
+        return model.model_validate(value)
+    except ValidationError as exc:
+        failure = Failure.from_exception(exc)
+        failure.message = f"env {method} answered something that is not a {model.__name__}: {failure.message}"
+        raise EnvCallFailed(failure, "infrastructure") from None
 
 
 def _submit_close(pool: Any, session_id: str) -> None:

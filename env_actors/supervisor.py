@@ -122,6 +122,8 @@ class Supervisor:
         self._denied = False
         self._closed = False
         self._tasks: set[asyncio.Task] = set()
+        self._changed = asyncio.Event()
+        """Pulsed (set, then replaced) when a worker becomes ready or is retired."""
 
     # ------------------------------------------------------------------------------------ queries
 
@@ -134,6 +136,21 @@ class Supervisor:
     def least_busy(self) -> WorkerSlot | None:
         ready = self.ready()
         return min(ready, key=lambda w: (len(w.sessions), w.inflight)) if ready else None
+
+    async def ready_worker(self, wait_s: float) -> WorkerSlot | None:
+        """The least-busy ready worker. With none ready but one starting (the replacement of one that
+        died), wait for it up to `wait_s`; with none coming, None at once: no live worker fails fast."""
+        deadline = time.monotonic() + wait_s
+        while (slot := self.least_busy()) is None and self.starting() and not self._closed:
+            try:
+                await asyncio.wait_for(self._changed.wait(), deadline - time.monotonic())
+            except TimeoutError:
+                break
+        return slot
+
+    def _pulse(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
 
     # ------------------------------------------------------------------------------------ startup
 
@@ -230,6 +247,7 @@ class Supervisor:
         self.num_tasks = info.get("num_tasks", self.num_tasks)
         self._failures_in_a_row = 0
         self.own(self._probe(slot))
+        self._pulse()
         logger.info("env pool %s: worker %s ready in %.2f s", self.name, slot.name, now - started)
         return SpawnOutcome("ready")
 
@@ -355,6 +373,11 @@ class Supervisor:
             ray.kill(slot.handle, no_restart=True)
         except Exception:  # already gone; killing is best effort by nature
             pass
+        if was_ready and cause in ("died", "wedged") and not self._closed:
+            # Its replacement starts now, not at the next tick: a session re-dispatched in the meantime
+            # waits for it (`ready_worker`) instead of finding nothing starting and failing.
+            self._scale(time.monotonic())
+        self._pulse()
 
     async def shutdown(self) -> None:
         """Stop supervising and kill every worker. In-flight calls fail at once."""

@@ -20,7 +20,7 @@ import asyncio
 import weakref
 from typing import Any
 
-from rollout_actors.kernel import Failure
+from rollout_actors.kernel import Failure, process_owner
 
 BATCH_CALL_TIMEOUT_S = 60.0  # one pool call for many waiters: each waiter's own deadline is usually shorter
 READY_CALL_TIMEOUT_S = 600.0  # tokenizer loads can be slow (hub downloads); the pool's own bound is 300 s
@@ -108,7 +108,8 @@ class BatchedCalls:
         _, key_json, multiplex = batch_key
         try:
             leases = await asyncio.wait_for(
-                pool.lease_many.remote(key_json, multiplex, len(waiters)), BATCH_CALL_TIMEOUT_S
+                pool.lease_many.remote(key_json, multiplex, len(waiters), process_owner()),
+                BATCH_CALL_TIMEOUT_S,
             )
         except BaseException as exc:
             _fail_all(waiters, exc)

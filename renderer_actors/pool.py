@@ -47,6 +47,7 @@ from rollout_actors.kernel import Metric, RestartBudget, new_id
 
 log = logging.getLogger(__name__)
 
+LOST_OWNER_MEMORY = 1_000  # lost owners remembered, so a lease one asked for before dying is refused
 POOL_MAX_CONCURRENCY = 10_000  # leases are instant; this only bounds how many callers may queue at once
 RENDERER_MIN_CONCURRENCY = 64  # health checks and readiness waits on top of `multiplex` rollouts
 
@@ -92,6 +93,8 @@ class _Lease:
     key_json: str
     renderer_id: str
     expires: float
+    owner: str | None = None
+    """The actor that took it (a rollout worker); `release_owned` returns it when that actor is lost."""
 
 
 class RendererPool:
@@ -103,6 +106,7 @@ class RendererPool:
         )
         self._keys: dict[str, _KeyPool] = {}
         self._leases: dict[str, _Lease] = {}
+        self._lost_owners: dict[str, None] = {}
         self._loops: list[asyncio.Task[None]] = []
         self._closed = False
         self._counters = {
@@ -123,22 +127,42 @@ class RendererPool:
         *,
         dead_renderer_id: str | None = None,
         release_lease_id: str | None = None,
+        owner: str | None = None,
     ) -> dict[str, Any]:
         """A slot on a renderer for `key_json`: `{lease_id, renderer, renderer_id, ready}`. Never waits.
 
         `dead_renderer_id`: the caller saw this renderer die (it is replaced before the lease is placed);
-        `release_lease_id`: the caller's previous lease, released in the same call."""
+        `release_lease_id`: the caller's previous lease, released in the same call; `owner`: the actor
+        asking (see `release_owned`)."""
         if release_lease_id is not None:
             self._release(release_lease_id)
         if dead_renderer_id is not None:
             self._replace(dead_renderer_id, "reported dead by a session")
-        return self._lease_one(self._key_pool(key_json, multiplex))
+        self._check_owner(owner)
+        return self._lease_one(self._key_pool(key_json, multiplex), owner)
 
-    async def lease_many(self, key_json: str, multiplex: int, count: int) -> list[dict[str, Any]]:
+    async def lease_many(
+        self, key_json: str, multiplex: int, count: int, owner: str | None = None
+    ) -> list[dict[str, Any]]:
         """`count` leases placed one after another, exactly as `count` calls to `lease` would be (a
         process's concurrent sessions ask in one call: see `renderer_actors.batching`)."""
+        self._check_owner(owner)
         pool = self._key_pool(key_json, multiplex)
-        return [self._lease_one(pool) for _ in range(count)]
+        return [self._lease_one(pool, owner) for _ in range(count)]
+
+    async def release_owned(self, owner: str) -> int:
+        """The actor `owner` was lost (a rollout worker killed or dead): return every lease it held now,
+        not at `max_lease_s`, and refuse leases it asked for before dying that arrive later. Returns how
+        many leases were held."""
+        self._lost_owners[owner] = None
+        while len(self._lost_owners) > LOST_OWNER_MEMORY:
+            del self._lost_owners[next(iter(self._lost_owners))]
+        owned = [lease_id for lease_id, lease in self._leases.items() if lease.owner == owner]
+        return sum(self._release(lease_id) for lease_id in owned)
+
+    def _check_owner(self, owner: str | None) -> None:
+        if owner is not None and owner in self._lost_owners:
+            raise RuntimeError(f"the asking actor {owner} was lost; no lease is placed for it")
 
     async def release(self, lease_id: str) -> bool:
         """Give a slot back. Idempotent; False for an unknown lease (already released, or orphaned by a
@@ -205,7 +229,7 @@ class RendererPool:
             pool = self._keys[key_json] = _KeyPool(key_json, max(1, int(multiplex)), budget)
         return pool
 
-    def _lease_one(self, pool: _KeyPool) -> dict[str, Any]:
+    def _lease_one(self, pool: _KeyPool, owner: str | None = None) -> dict[str, Any]:
         now = time.monotonic()
         live = list(pool.renderers.values())
         if pool.startup_failure and now - pool.failed_at < self._config.failure_hold_s:
@@ -225,7 +249,9 @@ class RendererPool:
             renderer = min(live, key=lambda r: (not r.ready, len(r.leases), r.created))
         lease_id = new_id("rlease")
         renderer.leases.add(lease_id)
-        self._leases[lease_id] = _Lease(pool.key_json, renderer.renderer_id, now + self._config.max_lease_s)
+        self._leases[lease_id] = _Lease(
+            pool.key_json, renderer.renderer_id, now + self._config.max_lease_s, owner
+        )
         return {
             "lease_id": lease_id,
             "renderer": renderer.handle,

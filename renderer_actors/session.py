@@ -38,7 +38,7 @@ from renderer_actors.config import RendererConfig
 from renderer_actors.key import RendererKey
 from renderer_actors.parse import ParsedCompletion
 from renderer_actors.renderer import check_new_messages
-from rollout_actors.kernel import CallerError, Failure
+from rollout_actors.kernel import CallerError, Failure, process_owner
 
 CLOSE_TIMEOUT_S = 5.0  # returning a lease must not hold a finished rollout hostage
 
@@ -242,6 +242,7 @@ class RendererSession:
                     self._multiplex,
                     dead_renderer_id=dead_renderer_id,
                     release_lease_id=self._lease_id,
+                    owner=process_owner(),
                 )
                 lease = await self._remote(ref, deadline, "lease from the renderer pool")
         except RayActorError as exc:

@@ -44,6 +44,26 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:16]}"
 
 
+_owner: str | None = None
+
+
+def process_owner() -> str | None:
+    """The id of the Ray actor this code runs in, or None outside one (a driver, a test). Pools tag what
+    they hand out (env sessions, renderer leases) with it, so when the plane loses that actor (a rollout
+    worker) it can have everything the actor held released at once (`release_owned`, `close_owned`)."""
+    global _owner
+    if _owner is None:
+        try:
+            import ray  # the kernel imports nothing of the project; Ray is the engine, not the project
+
+            if not ray.is_initialized():  # asking the runtime context would start a local Ray
+                return None
+            _owner = ray.get_runtime_context().get_actor_id()
+        except Exception:
+            return None
+    return _owner
+
+
 class CallerError(ValueError):
     """The request itself is invalid (bad Ref, bad task, bad sampling args): a `caller` result."""
 

@@ -17,8 +17,11 @@ results go is `streams.py`; groups are `groups.py`; off-policy cancellation is `
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
+import random
+import time
 import uuid
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
@@ -31,7 +34,7 @@ from rollout_actors.config import PlaneConfig
 from rollout_actors.inference.load import LoadReader
 from rollout_actors.inference.weights import WeightUpdater, WeightUpdateReport
 from rollout_actors.kernel import RefResolver
-from rollout_actors.lanes import Lanes
+from rollout_actors.lanes import Lane, Lanes
 from rollout_actors.lora import AdapterLimits
 from rollout_actors.metrics import PlaneMetrics
 from rollout_actors.naming import PoolNames
@@ -53,6 +56,8 @@ if TYPE_CHECKING:
     from rollout_actors.inference.server_set import InferenceServerSet
 
 log = logging.getLogger(__name__)
+
+REDISPATCH_SPREAD_S = 1.0  # re-dispatches of one loss start spread over this long (see _dispatch_to_workers)
 
 
 def _refuse_inside_ray_worker() -> None:
@@ -103,11 +108,15 @@ class RolloutPlane(Submission):
             probe_interval_s=self.config.probe_interval_s,
             limits=LoopLimits(call_timeout_s=self.config.call_timeout_s),
             restarts=self.config.worker_restart,
+            capacity=self.config.rollouts_per_worker,
+            on_lost=lambda slot: self._pools.release_owner(slot.owner),
         )
         self._streams = ResultStreams()
         self._guard = OffPolicyGuard(self.config.max_off_policy_steps)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._answered: set[str] = set()
+        self._open_leases: set[str] = set()
+        """Leases submitted and not yet answered: a second submission of one is refused (or renamed)."""
         self._running: dict[str, WorkerSlot] = {}
         self._cancelled: dict[str, asyncio.Event] = {}
         self._cancel_reasons: dict[str, tuple[str, str]] = {}
@@ -174,7 +183,9 @@ class RolloutPlane(Submission):
             "redispatched": self.counters["redispatched"],
             "duplicates_dropped": self.counters["duplicates_dropped"],
             "lanes": self.lanes.snapshot(),
-            "workers": [{"name": s.name, "in_flight": s.in_flight} for s in self._workers.live()],
+            "workers": [
+                {"name": s.name, "in_flight": s.in_flight, "peak": s.peak} for s in self._workers.live()
+            ],
             "workers_lost": self._workers.lost_count,
             "off_policy": self._guard.snapshot(),
             "concurrency": self._controller.snapshot() if self._controller is not None else None,
@@ -305,9 +316,12 @@ class RolloutPlane(Submission):
         await self.lanes.get(lane).set_limit(limit)
 
     # dispatch --------------------------------------------------------------------------------------
-    async def _drive(self, request: RolloutRequest, lane: Any) -> None:
+    async def _drive(self, request: RolloutRequest, lane: Lane) -> None:
+        # The request's deadline covers everything from here: its env pool's start, waiting for a
+        # worker, and every attempt (a re-dispatch gets what is left, not a fresh budget).
+        deadline = time.monotonic() + request.deadline_s
         try:
-            result = await self._dispatch(request)
+            result = await self._dispatch(request, deadline)
         except Exception as exc:  # a bug of ours must still answer the request
             log.exception("dispatch of %s failed", request.request_id)
             result = Result.failed(request, "infrastructure", Failure.from_exception(exc))
@@ -315,10 +329,12 @@ class RolloutPlane(Submission):
             await lane.release()
         self._answer(result)
 
-    async def _dispatch(self, request: RolloutRequest) -> Result:
+    async def _dispatch(self, request: RolloutRequest, deadline: float) -> Result:
         cancelled = self._cancelled[request.request_id]
         try:
-            await self._pools.ensure_env_pool(request.env)
+            await asyncio.wait_for(self._pools.ensure_env_pool(request.env), deadline - time.monotonic())
+        except TimeoutError:
+            return _deadline_exceeded(request, "while its env pool was starting")
         except Exception as exc:
             # The env's own failure (import error, bad Ref) says whose fault it was; keep its traceback.
             failure = getattr(exc, "failure", None) or Failure.from_exception(exc)
@@ -334,12 +350,14 @@ class RolloutPlane(Submission):
             return Result.failed(request, "caller", Failure.from_exception(exc))
         self._on_policy_stamped(request)
         try:
-            return await self._dispatch_on_policy(request, cancelled)
+            return await self._dispatch_on_policy(request, cancelled, deadline)
         finally:
             if checked_out is not None and self._publisher is not None:
                 self._publisher.checkin(checked_out)
 
-    async def _dispatch_on_policy(self, request: RolloutRequest, cancelled: asyncio.Event) -> Result:
+    async def _dispatch_on_policy(
+        self, request: RolloutRequest, cancelled: asyncio.Event, deadline: float
+    ) -> Result:
         endpoint = self._pick_endpoint()
         if endpoint is not None:
             # One endpoint for the rollout's whole life: its turns share one server's prefix cache.
@@ -349,7 +367,7 @@ class RolloutPlane(Submission):
             self._endpoint_load[endpoint] += 1
             self._rollout_endpoint[request.request_id] = endpoint
         try:
-            return await self._dispatch_to_workers(request, cancelled)
+            return await self._dispatch_to_workers(request, cancelled, deadline)
         finally:
             if endpoint is not None:
                 self._endpoint_load[endpoint] -= 1
@@ -369,28 +387,51 @@ class RolloutPlane(Submission):
             return None
         return min(live, key=lambda url: self._endpoint_load[url])
 
-    async def _dispatch_to_workers(self, request: RolloutRequest, cancelled: asyncio.Event) -> Result:
+    async def _dispatch_to_workers(
+        self, request: RolloutRequest, cancelled: asyncio.Event, deadline: float
+    ) -> Result:
+        """Dispatch until a result stands. A lost rollout worker, env server or renderer (contract 5) is
+        re-dispatched under the same lease, at most `max_dispatches` times in all, within the deadline."""
+        lost = ""
         for attempt in range(1, self.config.max_dispatches + 1):
             if cancelled.is_set():
                 return _cancelled(request, "before dispatch")
-            slot = await self._workers.pick_or_wait()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return _deadline_exceeded(request, f"after {attempt - 1} dispatch(es); last lost: {lost}")
+            slot = await self._workers.pick_or_wait(timeout=left)
             if slot is None:
                 return Result.failed(
                     request, "infrastructure", Failure(type="NoLiveWorker", message="no live rollout worker")
                 )
-            outcome = await self._attempt(request, slot, cancelled)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return _deadline_exceeded(request, "while waiting for a rollout worker")
+            outcome = await self._attempt(request.model_copy(update={"deadline_s": left}), slot, cancelled)
             if isinstance(outcome, Result):
-                outcome.attempts = attempt
-                return outcome
+                part = lost_part(outcome)
+                if part is None or attempt == self.config.max_dispatches:
+                    outcome.attempts = attempt
+                    return outcome
+                outcome = f"{part} lost: {outcome.error.type if outcome.error else ''}"
+            lost = outcome
             if attempt < self.config.max_dispatches:
                 self.counters["redispatched"] += 1
-                log.warning("re-dispatching %s (lease %s): %s", request.request_id, request.lease_id, outcome)
+                log.warning("re-dispatching %s (lease %s): %s", request.request_id, request.lease_id, lost)
+                # Spread re-dispatches over a moment: a node's workers are reported dead one by one over
+                # tens of milliseconds, and a lost worker's rollouts re-dispatched in the same tick would
+                # pile onto a worker whose death is not known yet, then onto the one survivor.
+                spread = random.uniform(0.0, REDISPATCH_SPREAD_S)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(
+                        cancelled.wait(), min(spread, max(0.0, deadline - time.monotonic()))
+                    )
         return Result.failed(
             request,
             "infrastructure",
             Failure(
                 type="WorkerLost",
-                message=f"rollout worker lost {self.config.max_dispatches} times (last: {outcome})",
+                message=f"rollout worker lost {self.config.max_dispatches} times (last: {lost})",
             ),
             attempts=self.config.max_dispatches,
         )
@@ -398,10 +439,15 @@ class RolloutPlane(Submission):
     async def _attempt(
         self, request: RolloutRequest, slot: WorkerSlot, cancelled: asyncio.Event
     ) -> Result | str:
-        """One dispatch. Returns the result, or the reason the worker was lost."""
-        slot.in_flight += 1
+        """One dispatch. Returns the worker's result, or why the worker was lost."""
+        try:
+            ref = slot.handle.run.remote(request)
+        except Exception as exc:  # Ray could not take the request: validation let through what it must not
+            log.exception("submitting %s to %s", request.request_id, slot.name)
+            return Result.failed(request, "infrastructure", Failure.from_exception(exc))
+        self._workers.dispatched(slot)
         self._running[request.request_id] = slot
-        answer = asyncio.wrap_future(slot.handle.run.remote(request).future())
+        answer = asyncio.wrap_future(ref.future())
         lost = asyncio.ensure_future(slot.lost.wait())
         cancel = asyncio.ensure_future(cancelled.wait())
         deadline = request.deadline_s + self.config.answer_grace_s
@@ -435,7 +481,7 @@ class RolloutPlane(Submission):
                 ),
             )
         finally:
-            slot.in_flight -= 1
+            self._workers.finished(slot)
             self._running.pop(request.request_id, None)
             lost.cancel()
             cancel.cancel()
@@ -454,7 +500,37 @@ class RolloutPlane(Submission):
             self.counters["duplicates_dropped"] += 1
             return
         self._answered.add(result.lease_id)
+        self._open_leases.discard(result.lease_id)
         self.counters[f"kind.{result.kind}"] += 1
         self._cancelled.pop(result.request_id, None)
         self._deliver(result)
         self._metrics.answered(result)
+
+    def _answer_refusal(self, result: Result) -> None:
+        """Deliver the `caller` result of a payload refused at submission. It holds no lease: its lease id
+        may be one in flight (submitted twice) or one the caller will submit again once corrected."""
+        self.counters[f"kind.{result.kind}"] += 1
+        self._deliver(result)
+        self._metrics.answered(result)
+
+
+LOST_PARTS = {
+    "EnvWorkerLost": "env server",
+    "PoolUnreachable": "env pool",
+    "RendererUnavailable": "renderer",
+}
+"""`Failure.type`s that mean a part of ours a rollout depended on was lost (dead, or wedged past its hang
+timeout), not that the rollout itself failed: nothing it did is lost that cannot be redone, so the plane
+re-dispatches it under its lease like a rollout whose worker was lost (contract 5)."""
+
+
+def lost_part(result: Result) -> str | None:
+    """Which part of ours the result says was lost, or None when the result stands."""
+    if result.kind != "infrastructure" or result.error is None:
+        return None
+    return LOST_PARTS.get(result.error.type)
+
+
+def _deadline_exceeded(request: RolloutRequest, when: str) -> Result:
+    message = f"the request's deadline_s={request.deadline_s:g} passed {when}"
+    return Result.failed(request, "infrastructure", Failure(type="DeadlineExceeded", message=message))

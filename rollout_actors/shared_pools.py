@@ -22,6 +22,7 @@ from rollout_actors.wire import Ref
 log = logging.getLogger(__name__)
 
 POOL_SHUTDOWN_TIMEOUT_S = 10.0  # a pool that cannot stop in this long is killed regardless
+RELEASE_TIMEOUT_S = 30.0  # telling a pool to release a lost worker's holdings; it ends them in parallel
 
 
 class SharedPools:
@@ -30,6 +31,7 @@ class SharedPools:
         self._config = config
         self._renderer_pool: Any = None
         self._env_pools: dict[str, asyncio.Future[Any]] = {}
+        self._releases: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
         self._renderer_pool = get_or_create_renderer_pool(
@@ -57,7 +59,33 @@ class SharedPools:
             self._env_pools[key] = future
         return await asyncio.shield(future)
 
+    def release_owner(self, owner: str | None) -> None:
+        """A rollout worker was lost: every pool ends the env sessions and returns the renderer leases its
+        rollouts held, now rather than at their idle timeouts, and refuses what it asks for later (a call
+        it sent before dying may still arrive)."""
+        if owner is None:
+            return
+        calls = [(self._renderer_pool, "release_owned")] if self._renderer_pool is not None else []
+        calls += [
+            (f.result(), "close_owned")
+            for f in self._env_pools.values()
+            if f.done() and not f.cancelled() and f.exception() is None
+        ]
+        for pool, method in calls:
+            task = asyncio.get_running_loop().create_task(self._release(pool, method, owner))
+            self._releases.add(task)
+            task.add_done_callback(self._releases.discard)
+
+    async def _release(self, pool: Any, method: str, owner: str) -> None:
+        try:
+            released = await asyncio.wait_for(getattr(pool, method).remote(owner), RELEASE_TIMEOUT_S)
+            log.info("%s of lost worker %s: %s", method, owner, released)
+        except Exception as exc:  # a pool that is gone holds nothing; one that is wedged is not ours to fix
+            log.warning("%s of lost worker %s failed: %s", method, owner, exc)
+
     async def close(self) -> None:
+        if self._releases:
+            await asyncio.wait(self._releases, timeout=RELEASE_TIMEOUT_S)
         for future in self._env_pools.values():
             if not future.done():
                 future.cancel()

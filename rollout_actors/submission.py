@@ -9,6 +9,7 @@ through `_deliver`, which stamps what only the plane knows (end version, why it 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from typing import TYPE_CHECKING, Any
@@ -21,8 +22,12 @@ from rollout_actors.lanes import Lane, Lanes
 from rollout_actors.metrics import PlaneMetrics
 from rollout_actors.staleness import STALE, OffPolicyGuard
 from rollout_actors.streams import ResultStreams
-from rollout_actors.wire import CallerError, Failure, Result, RolloutRequest, new_id
+from rollout_actors.wire import CallerError, Failure, Result, RolloutRequest, new_id, valid_id
 from rollout_actors.worker_set import WorkerSlot
+
+log = logging.getLogger(__name__)
+
+MAX_GROUP_SIZE = 65_536  # rollouts per submit_group call: far past any GRPO group, short of a typo's 10**9
 
 
 class Submission:
@@ -48,23 +53,31 @@ class Submission:
 
         def _answer(self, result: Result) -> None: ...
 
+        def _answer_refusal(self, result: Result) -> None: ...
+
+        _open_leases: set[str]
+        _answered: set[str]
+
         async def _drive(self, request: RolloutRequest, lane: Lane) -> None: ...
 
     # submission ------------------------------------------------------------------------------------
     async def submit(self, request: RolloutRequest | dict[str, Any]) -> str:
         """Queue one rollout; waits while its lane is full. Returns its request id; the result comes out of
-        `next_result` / `drain`. Never raises for a bad request: that comes back as a `caller` result."""
+        `next_result` / `drain`. Never raises for a bad request: that comes back as exactly one `caller`
+        result naming the field at fault."""
         self._require_started("submit")
         checked = self._check(request)
         self._streams.expect_result(checked.lane)
         if isinstance(checked, Result):
-            self._answer(checked)
+            self._answer_refusal(checked)
         else:
             try:
                 await self._enter(checked, self.lanes.get(checked.lane))
             except asyncio.CancelledError:  # the caller gave up waiting: nothing was submitted
                 self._streams.expect_result(checked.lane, -1)
                 self._cancelled.pop(checked.request_id, None)
+                self._open_leases.discard(checked.lease_id)
+                self.counters["submitted"] -= 1
                 raise
         return checked.request_id
 
@@ -79,14 +92,22 @@ class Submission:
         """`n` rollouts of one task under one group id, with consecutive seeds. Returns the handle at once,
         ids assigned; members then wait for their lane in the background (`await handle.admitted()` waits
         with them). `one_policy`: every member samples from the version active when the first starts.
-        An invalid request gives a group of `n` `caller` results, complete at once."""
+        An invalid request gives a group of `n` `caller` results, complete at once; an invalid `n`, a group
+        of one `caller` result naming it. Neither raises."""
         self._require_started("submit_group")
-        if not isinstance(n, int) or n < 1:
-            raise ValueError(f"submit_group: n must be a positive int, got {n!r}")
-        raw = request.model_dump() if isinstance(request, BaseModel) else dict(request)
-        group_id = raw.get("group_id") if isinstance(raw.get("group_id"), str) else new_id("group")
-        members = [self._check(_member(raw, group_id, i)) for i in range(n)]
-        lane = raw.get("lane") if isinstance(raw.get("lane"), str) else "train"
+        raw = request.model_dump() if isinstance(request, BaseModel) else request
+        group_id = (valid_id(raw.get("group_id")) if isinstance(raw, dict) else None) or new_id("group")
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_GROUP_SIZE:
+            self.counters["submitted"] += 1
+            wrong_n = CallerError(f"n: must be an int in [1, {MAX_GROUP_SIZE}], got {n!r:.40}")
+            members: list[RolloutRequest | Result] = [Result.refused(raw, None, wrong_n, group_id)]
+        elif not isinstance(raw, dict):
+            self.counters["submitted"] += n
+            not_a_request = CallerError(f"request: a RolloutRequest or a dict, got {type(raw).__name__}")
+            members = [Result.refused(raw, None, not_a_request, group_id) for _ in range(n)]
+        else:
+            members = [self._check(_member(raw, group_id, i)) for i in range(n)]
+        lane = members[0].lane
         handle = GroupHandle(
             self,
             group_id,
@@ -103,22 +124,45 @@ class Submission:
         """The validated request, or its `caller` result."""
         self.counters["submitted"] += 1
         try:
-            checked = RolloutRequest.model_validate(request)
-            self.lanes.get(checked.lane)
-            self._refs.check_allowed(checked.env.target)
-            if checked.client.base_url is None and not list(self._endpoints()):
-                raise CallerError("client.base_url is not set and the plane has no endpoints")
-        except (ValidationError, CallerError, KeyError) as exc:
-            given = request.get("request_id") if isinstance(request, dict) else request.request_id
-            return Result.refused(request, given or new_id("req"), exc)
+            checked = self._validated(request)
+        except Exception as exc:  # whatever a payload makes validation raise, it is the payload's fault
+            if not isinstance(exc, (ValidationError, CallerError, KeyError)):
+                log.warning("request refused by an unexpected %s", type(exc).__name__, exc_info=exc)
+            given = (
+                request.get("request_id")
+                if isinstance(request, dict)
+                else getattr(request, "request_id", None)
+            )
+            return Result.refused(request, given, exc)
         self._metrics.submitted(checked.lane)
         self._cancelled[checked.request_id] = asyncio.Event()
+        self._open_leases.add(checked.lease_id)
+        return checked
+
+    def _validated(self, request: Any) -> RolloutRequest:
+        checked = RolloutRequest.model_validate(request)
+        self.lanes.get(checked.lane)
+        self._refs.check_allowed(checked.env.target)
+        if checked.client.base_url is None and not list(self._endpoints()):
+            raise CallerError("client.base_url is not set and the plane has no endpoints")
+        if (
+            checked.lease_id in self._open_leases
+            or checked.lease_id in self._answered
+            or checked.request_id in self._cancelled
+        ):
+            explicit = checked.model_fields_set & {"request_id", "lease_id"}
+            if explicit:
+                # A lease runs once (contract 5): a caller that names one twice gets a refusal, not a rerun.
+                field = "lease_id" if "lease_id" in explicit else "request_id"
+                raise CallerError(f"{field}: already submitted to this plane ({getattr(checked, field)!r})")
+            # The same request object (its ids are defaults) submitted again: a new rollout of its own.
+            checked = checked.model_copy(update={"request_id": new_id("req"), "lease_id": new_id("lease")})
         return checked
 
     async def _admit_group(self, handle: GroupHandle, members: list[RolloutRequest | Result]) -> None:
         for member in members:
             if isinstance(member, Result):
-                self._answer(member)
+                self._answer_refusal(member)
             else:
                 if handle.one_policy and member.policy_version is None:
                     if handle.pinned_version is None:
@@ -189,7 +233,7 @@ class Submission:
     async def cancel(self, request_id: str) -> bool:
         """Cancel one rollout (waiting for its lane or running); it answers `cancelled` with the turns it
         had. False when it already answered."""
-        event = self._cancelled.get(request_id)
+        event = self._cancelled.get(request_id) if isinstance(request_id, str) else None
         if event is None or event.is_set():
             return False
         event.set()

@@ -12,7 +12,18 @@ import time
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, JsonValue, TypeAdapter, computed_field, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    JsonValue,
+    TypeAdapter,
+    ValidationError,
+    computed_field,
+    field_validator,
+    model_validator,
+)
 
 from renderer_actors.config import RendererConfig
 from renderer_actors.parse import ToolCall
@@ -166,14 +177,36 @@ class SamplingConfig(BaseModel):
 RolloutMode = Literal["token", "chat"]
 Lane = str
 
+MAX_ID_CHARS = 256  # ids travel as an HTTP header and into every log line: ample for any naming scheme
+MAX_DEADLINE_S = 7 * 24 * 3600.0  # a week: longer is a unit mistake (ms for s), not a rollout
+
+
+def check_id(value: str) -> str:
+    # A request id is sent as a header (`X-Session-ID`): CR/LF would split it, non-ASCII cannot be encoded.
+    if not 1 <= len(value) <= MAX_ID_CHARS:
+        raise ValueError(f"must be 1 to {MAX_ID_CHARS} characters, got {len(value)}")
+    if not (value.isascii() and value.isprintable()):
+        raise ValueError(f"must be printable ASCII (no CR, LF or control characters), got {value[:40]!r}")
+    return value
+
+
+RequestId = Annotated[str, AfterValidator(check_id)]
+"""An id of a request, lease or group: 1 to 256 printable ASCII characters."""
+
 
 class RolloutRequest(BaseModel):
-    """One rollout: a task of an environment, run against a model endpoint with sampling settings."""
+    """One rollout: a task of an environment, run against a model endpoint with sampling settings.
 
-    request_id: str = Field(default_factory=lambda: new_id("req"))
-    lease_id: str = Field(default_factory=lambda: new_id("lease"))
+    Unknown fields are refused, ids are bounded printable ASCII, and every free-form field (`task`,
+    `sampling.extra_body`, `renderer.template_kwargs`) holds JSON only: a request is data (contract 1),
+    so anything else is the caller's mistake, refused before it reaches Ray's serialiser."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    request_id: RequestId = Field(default_factory=lambda: new_id("req"))
+    lease_id: RequestId = Field(default_factory=lambda: new_id("lease"))
     """Stays the same across re-dispatches: at most one result per lease reaches the caller."""
-    group_id: str | None = None
+    group_id: RequestId | None = None
     env: Ref
     """The environment, e.g. `Ref("env_actors.examples.math_env:MathEnv", {})`."""
     task_index: int | None = None
@@ -184,8 +217,8 @@ class RolloutRequest(BaseModel):
     mode: RolloutMode = "token"
     renderer: RendererConfig = Field(default_factory=RendererConfig)
     max_turns: int = Field(default=8, ge=1)
-    deadline_s: float = Field(default=3600.0, gt=0)
-    """Wall-clock budget for the whole rollout."""
+    deadline_s: float = Field(default=3600.0, gt=0, le=MAX_DEADLINE_S, allow_inf_nan=False)
+    """Wall-clock budget for the whole request, re-dispatches and its env pool's start included."""
     lane: Lane = "train"
     policy_version: int | None = Field(default=None, ge=0)
     """The policy to sample from: None takes the active one when the rollout starts; N pins published
@@ -196,6 +229,20 @@ class RolloutRequest(BaseModel):
     return_messages: bool = False
     """Also return the conversation as chat messages (`Result.messages`). Off by default: they repeat
     the token ids as text and would double a long trajectory's result."""
+
+    @field_validator("task", mode="before")
+    @classmethod
+    def _task_is_json(cls, value: Any) -> Any:
+        if value is not None:
+            check_json(value, "task")
+        return value
+
+    @model_validator(mode="after")
+    def _free_form_is_json(self) -> RolloutRequest:
+        check_json(self.sampling.extra_body, "sampling.extra_body")
+        check_json(self.renderer.template_kwargs, "renderer.template_kwargs")
+        check_json(self.metadata, "metadata")  # finite numbers, bounded depth: it is copied onto the result
+        return self
 
 
 # ------------------------------------------------------------------------------------------- Result
@@ -324,28 +371,60 @@ class Result(BaseModel):
         return cls.of(request, kind, error=failure, **extra)
 
     @classmethod
-    def refused(cls, raw: Any, request_id: str, exc: Exception) -> Result:
-        """The `caller` result of a request that did not validate (`raw`: the dict or model given)."""
+    def refused(cls, raw: Any, request_id: str | None, exc: Exception, group_id: str | None = None) -> Result:
+        """The `caller` result of a request that did not validate (`raw`: whatever was given). Its ids and
+        lane are the payload's own where they are valid (so the caller can match it), fresh otherwise;
+        the message names each field at fault and echoes no value (one may be huge or hostile)."""
         fields = raw if isinstance(raw, dict) else raw.__dict__ if isinstance(raw, BaseModel) else {}
-        failure = Failure.from_exception(exc)
-        failure.message = f"invalid request: {failure.message}"
         now = time.time()
-        lane, group_id, lease_id = fields.get("lane"), fields.get("group_id"), fields.get("lease_id")
         result = cls(
-            request_id=request_id,
-            lease_id=lease_id if isinstance(lease_id, str) else new_id("lease"),
-            group_id=group_id if isinstance(group_id, str) else None,
-            lane=lane if isinstance(lane, str) else "train",
+            request_id=valid_id(request_id) or new_id("req"),
+            lease_id=valid_id(fields.get("lease_id")) or new_id("lease"),
+            group_id=group_id or valid_id(fields.get("group_id")),
+            lane=valid_id(fields.get("lane")) or "train",
             kind="caller",
-            error=failure,
+            error=Failure(type=type(exc).__name__, message=f"invalid request: {describe_invalid(exc)}"),
             started_at=now,
             finished_at=now,
         )
         try:  # the caller's own tag is worth keeping when it is valid JSON
-            result.metadata = _METADATA.validate_python(fields.get("metadata") or {})
-        except ValueError:
+            metadata = _METADATA.validate_python(fields.get("metadata") or {})
+            check_json(metadata, "metadata")
+            result.metadata = metadata
+        except Exception:  # not JSON, or nested deeper than a request may be: dropped
             pass
         return result
+
+
+MAX_REPORTED_ERRORS = 5  # validation errors named in one caller result; the rest are counted
+
+
+def valid_id(value: Any) -> str | None:
+    """`value` if it is a usable id (see `check_id`), else None."""
+    try:
+        return check_id(value) if isinstance(value, str) else None
+    except ValueError:
+        return None
+
+
+def describe_invalid(exc: Exception) -> str:
+    """What was wrong with a request, field by field (its path first), without echoing values."""
+    if isinstance(exc, ValidationError):
+        parts = []
+        for error in exc.errors(include_url=False, include_input=False)[:MAX_REPORTED_ERRORS]:
+            where = ".".join(str(part) for part in error["loc"]) or "request"
+            parts.append(f"{where}: {error['msg']}")
+        more = exc.error_count() - len(parts)
+        return "; ".join(parts) + (f"; and {more} more" if more > 0 else "")
+    if isinstance(exc, KeyError):  # an unknown lane
+        return _clip(f"lane: {exc.args[0] if exc.args else exc}")
+    if isinstance(exc, RecursionError):
+        return "request: nested too deeply to validate"
+    return _clip(str(exc) or type(exc).__name__)
+
+
+def _clip(text: str, limit: int = 500) -> str:
+    return text if len(text) <= limit else f"{text[: limit // 2]}...{text[-limit // 4 :]}"
 
 
 _METADATA: TypeAdapter[dict[str, JsonValue]] = TypeAdapter(dict[str, JsonValue])

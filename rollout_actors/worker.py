@@ -3,6 +3,11 @@
 A rollout is almost entirely waiting on a model, so one async actor holds thousands of them (DESIGN.md,
 "Why actor tasks"). The worker classifies every failure before it leaves the actor and turns a
 cancellation into a `cancelled` result after the rollout's own cleanup has run.
+
+Liveness is answered off the rollout loop: `heartbeats` streams from the `probe` concurrency group (its
+own thread and loop) how long the rollout loop has gone without progress (`loop_watch.py`): a loop busy
+with thousands of rollouts makes progress, one blocked by a synchronous call does not, and a frozen or
+dead process sends nothing. The plane judges both (`worker_set.py`).
 """
 
 from __future__ import annotations
@@ -11,16 +16,20 @@ import asyncio
 import os
 import threading
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import ray
 
 from rollout_actors.client import open_client_count
+from rollout_actors.loop_watch import HEARTBEAT_S, LoopWatch
 from rollout_actors.naming import PoolNames
 from rollout_actors.rollout import LoopLimits, run_rollout
 from rollout_actors.wire import Failure, Result, RolloutRequest
 
 MAX_ROLLOUTS_PER_WORKER = 100_000  # Ray's async-actor concurrency cap; the plane's lanes bound it for real
+PROBE_GROUP = "probe"
+PROBE_GROUP_SIZE = 4  # a heartbeat stream, and slack for one reopened while the old one winds down
 
 
 class RolloutWorker:
@@ -38,6 +47,7 @@ class RolloutWorker:
         self._pause_epoch = 0
         self._unpaused = asyncio.Event()
         self._unpaused.set()
+        self._loop_watch = LoopWatch()
 
     # PoolDirectory -----------------------------------------------------------------------------
     def renderer_pool(self) -> Any:
@@ -118,8 +128,29 @@ class RolloutWorker:
         return True
 
     async def ping(self) -> dict[str, Any]:
-        """Liveness: answered on the rollout event loop, so a blocked loop misses it (wedge detection)."""
-        return {"in_flight": len(self._running), "done": self._done, "pid": os.getpid()}
+        """Readiness: answered on the rollout event loop, whose heartbeat it starts. `actor_id` is the
+        owner tag of the env sessions and renderer leases this worker's rollouts take."""
+        self._loop_watch.bind()
+        return {
+            "in_flight": len(self._running),
+            "done": self._done,
+            "pid": os.getpid(),
+            "actor_id": ray.get_runtime_context().get_actor_id(),
+        }
+
+    @ray.method(concurrency_group=PROBE_GROUP, num_returns="streaming")
+    async def heartbeats(self, interval_s: float) -> AsyncIterator[float]:
+        """The rollout loop's stall (seconds without progress), every `interval_s`, for as long as the
+        caller reads: one call, many answers. Answers of a call already running travel back on their
+        own, so they are not queued behind the thousands of `run` calls a loaded worker is still
+        receiving (a fresh call is: measured, 4-6 s on two cores when a lost worker's rollouts land)."""
+        next_beat = 0.0
+        while True:
+            self._loop_watch.sample()
+            if time.monotonic() >= next_beat:
+                next_beat = time.monotonic() + interval_s
+                yield self._loop_watch.stall_s()
+            await asyncio.sleep(HEARTBEAT_S)
 
     async def resources(self, port: int | None = None) -> dict[str, Any]:
         """What this process holds: open clients, TCP connections (optionally to one port), threads."""
@@ -147,6 +178,7 @@ def remote_worker_class(num_cpus: float) -> Any:
     return ray.remote(
         num_cpus=num_cpus,
         max_concurrency=MAX_ROLLOUTS_PER_WORKER,
+        concurrency_groups={PROBE_GROUP: PROBE_GROUP_SIZE},
         max_restarts=0,
         scheduling_strategy="SPREAD",
     )(RolloutWorker)

@@ -25,7 +25,7 @@ class FakePool:
         self.lease_many = _Method(self._lease_many)
         self.release_many = _Method(self._release_many)
 
-    async def _lease_many(self, key_json, multiplex, count):
+    async def _lease_many(self, key_json, multiplex, count, owner=None):
         self.calls.append(("lease_many", key_json, multiplex, count))
         await asyncio.sleep(self.delay)
         return [

@@ -199,3 +199,48 @@ class SleepsOnRequestEnv(EchoEnv):
         if content.startswith("sleep:"):
             await asyncio.sleep(float(content.removeprefix("sleep:")))
         return await super().step(state, assistant_message)
+
+
+class BadMessagesEnv(EchoEnv):
+    """Each step answers with a message no renderer can take: `kind` is `assistant` (speaks for the
+    model), `robot` (an unknown role) or `int_content` (content that is not text)."""
+
+    BAD = {
+        "assistant": {"role": "assistant", "content": "I am the model now."},
+        "robot": {"role": "robot", "content": "beep"},
+        "int_content": {"role": "user", "content": 42},
+    }
+
+    def __init__(self, kind: str = "assistant", **kwargs: Any):
+        super().__init__(**kwargs)
+        self.kind = kind
+
+    async def step(self, state: _Episode, assistant_message: Message) -> StepOut:
+        state.turns += 1
+        return StepOut(messages=[self.BAD[self.kind]], done=False)
+
+
+class WrongTypesEnv(EchoEnv):
+    """Each step returns a string where a `StepOut` belongs."""
+
+    async def step(self, state: _Episode, assistant_message: Message) -> StepOut:
+        return "done"  # type: ignore[return-value]
+
+
+class BadRewardEnv(EchoEnv):
+    """Scores every episode with `reward` given as text: "nan", "inf" or "-inf"."""
+
+    def __init__(self, reward: str = "nan", **kwargs: Any):
+        super().__init__(**kwargs)
+        self.reward = float(reward)
+
+    async def score(self, state: _Episode) -> ScoreOut:
+        return ScoreOut.model_construct(reward=self.reward, components={}, metrics={})
+
+
+class NeverReturnsEnv(EchoEnv):
+    """Each step awaits for ever (the event loop stays free): only its deadline ends it."""
+
+    async def step(self, state: _Episode, assistant_message: Message) -> StepOut:
+        await asyncio.sleep(FOREVER_S)
+        raise AssertionError("unreachable")
