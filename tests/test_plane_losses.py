@@ -164,18 +164,18 @@ def test_a_rollout_whose_renderer_stays_unavailable_is_redispatched(ray_session,
             await p.submit(request(standin, 0))
             assert (await p.next_result(timeout=120)).kind == "ok"
             pid = await _only_renderer_pid(ray.get_actor(p.names.renderer_pool))
+            before = p.stats()["redispatched"]  # the warm-up may have been re-dispatched already
             await p.submit(request(standin, 1, latency_s=1.0))
             os.kill(pid, signal.SIGSTOP)
             try:
-                await wait_until(lambda: p.stats()["redispatched"] >= 1, 60)
+                await wait_until(lambda: p.stats()["redispatched"] > before, 60)
             finally:
                 os.kill(pid, signal.SIGKILL)
-            return await p.next_result(timeout=120), p.stats()
+            return await p.next_result(timeout=120)
 
-    result, stats = run(scenario())
+    result = run(scenario())
     assert result.kind == "ok", result.error
     assert result.attempts >= 2
-    assert stats["redispatched"] >= 1
 
 
 async def _only_renderer_pid(pool) -> int:
