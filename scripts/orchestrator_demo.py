@@ -43,7 +43,8 @@ import ray
 from renderer_actors.tokenizer import BUNDLED_MODEL
 from rollout_actors.config import PlaneConfig
 from rollout_actors.groups import Group, GroupHandle, Stragglers
-from rollout_actors.inference.standin.launch import StandinOptions, StandinServer
+from rollout_actors.inference.server_actor import ServerSpec, standin_options
+from rollout_actors.inference.standin.launch import StandinServer
 from rollout_actors.lora import LoraAdapter, lora_config
 from rollout_actors.plane import RolloutPlane
 from rollout_actors.publish import PublishHandle
@@ -253,8 +254,10 @@ async def main(args: argparse.Namespace, endpoints: list[str], storage: str) -> 
 if __name__ == "__main__":
     arguments = parse_args()
     with ExitStack() as stack:
+        # Started as `ServerSpec` launches vLLM (LoRA routes and limits, parsers): as strict as production.
+        spec = ServerSpec(kind="standin", model=BUNDLED_MODEL)
         servers = [
-            stack.enter_context(StandinServer(StandinOptions(seed=i))) for i in range(arguments.servers)
+            stack.enter_context(StandinServer(standin_options(spec, seed=i))) for i in range(arguments.servers)
         ]
         storage = stack.enter_context(tempfile.TemporaryDirectory(prefix="demo-adapters-"))
         ray.init(num_cpus=max(4, 2 * (os.cpu_count() or 2)), include_dashboard=False, log_to_driver=False)
