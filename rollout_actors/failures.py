@@ -7,6 +7,7 @@ Ray strips exception causes at actor boundaries, so the worker turns every excep
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 import openai
@@ -64,3 +65,25 @@ def classify(exc: BaseException) -> tuple[ResultKind, Failure]:
     if isinstance(exc, (CallerError, ValidationError)):
         return "caller", Failure.from_exception(exc)
     return "infrastructure", Failure.from_exception(exc)
+
+
+FAILED_KINDS = ("model", "infrastructure", "caller")
+
+
+def log_failure(logger: logging.Logger, result: Any) -> None:
+    """Log a failed result once, where it was classified: one line naming the rollout (request, lease,
+    worker) and the failure; its traceback at debug level."""
+    if result.kind not in FAILED_KINDS or result.error is None:
+        return
+    error = result.error
+    logger.warning(
+        "rollout %s (lease %s, worker %s) ended %s: %s: %s",
+        result.request_id,
+        result.lease_id,
+        result.worker or "-",
+        result.kind,
+        error.type,
+        error.message.splitlines()[0][:300] if error.message else "",
+    )
+    if error.traceback:
+        logger.debug("rollout %s traceback:\n%s", result.request_id, error.traceback)

@@ -42,6 +42,19 @@ WORKERS_LOST = Metric(
     kind="counter", name="workers_lost", description="Rollout workers lost (dead or wedged)"
 )
 WORKERS_LIVE = Metric(kind="gauge", name="workers_live", description="Live rollout workers")
+LOOP_STALL = Metric(
+    kind="gauge",
+    name="worker_loop_stall_s",
+    description="Seconds a rollout worker's event loop has gone without progress (load shows as lag, a wedge grows)",
+    tag_keys=("worker",),
+)
+MODEL_CALL_LATENCY = Metric(
+    kind="histogram",
+    name="model_call_latency_s",
+    description="One model call, all attempts, seconds",
+    tag_keys=("outcome",),
+    boundaries=LATENCY_BUCKETS_S,
+)
 POLICY_VERSION = Metric(kind="gauge", name="policy_version", description="Active policy version")
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,6 +20,7 @@ import orjson
 
 from rollout_actors.client import httpx
 from rollout_actors.failures import CallDeadlineExceeded, MalformedResponse, TurnAborted
+from rollout_actors.metrics import MODEL_CALL_LATENCY
 from rollout_actors.wire import SamplingConfig
 
 
@@ -87,15 +89,20 @@ async def _bounded(call: Awaitable[Any], deadline_s: float) -> Any:
     `Retry-After`, would stretch them; this deadline it cannot. A body that claims JSON and is not is
     the server's fault too: `MalformedResponse`."""
     scope = asyncio.timeout(deadline_s)
+    started, outcome = time.monotonic(), "error"
     try:
         async with scope:
-            return await call
+            answer = await call
+        outcome = "ok"
+        return answer
     except TimeoutError as exc:
         if scope.expired():
             raise CallDeadlineExceeded(f"model call exceeded its total deadline of {deadline_s:g} s") from exc
         raise
     except json.JSONDecodeError as exc:
         raise MalformedResponse(f"response body is not JSON: {exc}") from exc
+    finally:
+        MODEL_CALL_LATENCY.record(time.monotonic() - started, {"outcome": outcome})
 
 
 def _extra(obj: Any, name: str) -> Any:

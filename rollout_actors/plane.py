@@ -31,6 +31,7 @@ import ray
 
 from rollout_actors.concurrency import ConcurrencyController
 from rollout_actors.config import PlaneConfig
+from rollout_actors.failures import log_failure
 from rollout_actors.inference.load import LoadReader
 from rollout_actors.inference.weights import WeightUpdater, WeightUpdateReport
 from rollout_actors.kernel import RefResolver
@@ -417,7 +418,13 @@ class RolloutPlane(Submission):
             lost = outcome
             if attempt < self.config.max_dispatches:
                 self.counters["redispatched"] += 1
-                log.warning("re-dispatching %s (lease %s): %s", request.request_id, request.lease_id, lost)
+                log.warning(
+                    "re-dispatching rollout %s (lease %s, worker %s): %s",
+                    request.request_id,
+                    request.lease_id,
+                    slot.name,
+                    lost,
+                )
                 # Spread re-dispatches over a moment: a node's workers are reported dead one by one over
                 # tens of milliseconds, and a lost worker's rollouts re-dispatched in the same tick would
                 # pile onto a worker whose death is not known yet, then onto the one survivor.
@@ -503,6 +510,8 @@ class RolloutPlane(Submission):
         self._open_leases.discard(result.lease_id)
         self.counters[f"kind.{result.kind}"] += 1
         self._cancelled.pop(result.request_id, None)
+        if result.worker is None:  # classified here, not by a worker (which logged its own)
+            log_failure(log, result)
         self._deliver(result)
         self._metrics.answered(result)
 
@@ -510,6 +519,7 @@ class RolloutPlane(Submission):
         """Deliver the `caller` result of a payload refused at submission. It holds no lease: its lease id
         may be one in flight (submitted twice) or one the caller will submit again once corrected."""
         self.counters[f"kind.{result.kind}"] += 1
+        log_failure(log, result)
         self._deliver(result)
         self._metrics.answered(result)
 

@@ -13,6 +13,7 @@ dead process sends nothing. The plane judges both (`worker_set.py`).
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import threading
 import time
@@ -22,7 +23,9 @@ from typing import Any
 import ray
 
 from rollout_actors.client import open_client_count
+from rollout_actors.failures import log_failure
 from rollout_actors.loop_watch import HEARTBEAT_S, LoopWatch
+from rollout_actors.metrics import LOOP_STALL
 from rollout_actors.naming import PoolNames
 from rollout_actors.rollout import LoopLimits, run_rollout
 from rollout_actors.wire import Failure, Result, RolloutRequest
@@ -30,6 +33,8 @@ from rollout_actors.wire import Failure, Result, RolloutRequest
 MAX_ROLLOUTS_PER_WORKER = 100_000  # Ray's async-actor concurrency cap; the plane's lanes bound it for real
 PROBE_GROUP = "probe"
 PROBE_GROUP_SIZE = 4  # a heartbeat stream, and slack for one reopened while the old one winds down
+
+log = logging.getLogger(__name__)
 
 
 class RolloutWorker:
@@ -80,6 +85,7 @@ class RolloutWorker:
             self._running.pop(request.request_id, None)
             self._done += 1
         result.worker = self._name
+        log_failure(log, result)  # classified here, so logged here (once)
         return result
 
     async def cancel(self, request_id: str | None = None) -> int:
@@ -149,7 +155,9 @@ class RolloutWorker:
             self._loop_watch.sample()
             if time.monotonic() >= next_beat:
                 next_beat = time.monotonic() + interval_s
-                yield self._loop_watch.stall_s()
+                stall = self._loop_watch.stall_s()
+                LOOP_STALL.record(stall, {"worker": self._name})
+                yield stall
             await asyncio.sleep(HEARTBEAT_S)
 
     async def resources(self, port: int | None = None) -> dict[str, Any]:

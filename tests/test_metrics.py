@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import time
 import urllib.request
@@ -27,7 +28,11 @@ def scrape() -> dict[str, float]:
         match = re.match(r"(ray_rollouts_\w+)(\{[^}]*\})? (\S+)$", line)
         if match:
             labels = dict(re.findall(r'(\w+)="([^"]*)"', match.group(2) or ""))
-            keep = {k: v for k, v in labels.items() if k in ("lane", "kind", "state", "le", "env", "key")}
+            keep = {
+                k: v
+                for k, v in labels.items()
+                if k in ("lane", "kind", "state", "le", "env", "key", "outcome")
+            }
             key = match.group(1) + str(sorted(keep.items()))
             samples[key] = samples.get(key, 0.0) + float(match.group(3))
     return samples
@@ -76,6 +81,8 @@ def test_rollouts_pools_and_lanes_appear_on_the_prometheus_endpoint(ray_session,
                     "env_workers": value(samples, "ray_rollouts_env_workers", state="ready"),
                     "renderers": value(samples, "ray_rollouts_renderers"),
                     "workers_live": value(samples, "ray_rollouts_workers_live"),
+                    "model_calls": value(samples, "ray_rollouts_model_call_latency_s_count", outcome="ok"),
+                    "loop_stall_series": sum(1 for k in samples if "worker_loop_stall_s" in k),
                 }
                 if all(v > 0 for v in wanted.values()) and wanted["finished"] >= ROLLOUTS:
                     return results, wanted
@@ -85,3 +92,46 @@ def test_rollouts_pools_and_lanes_appear_on_the_prometheus_endpoint(ray_session,
     results, figures = asyncio.run(asyncio.wait_for(scenario(), DEADLINE_S))
     assert [r.kind for r in results] == ["ok"] * ROLLOUTS, [r.error for r in results]
     assert figures["submitted"] >= ROLLOUTS and figures["latency"] >= ROLLOUTS
+
+
+@pytest.mark.timeout(DEADLINE_S + 30)
+def test_a_failed_rollout_is_logged_once_where_it_was_classified_naming_request_lease_and_worker(
+    ray_session, standin, caplog
+):
+    """A model failure is classified on the worker: one line in that worker's log names the rollout; a
+    request refused at submission is classified by the plane: one line in the driver's log."""
+    import ray
+
+    failing = ClientConfig(base_url=standin.base_url, model=BUNDLED_MODEL, headers={"X-Standin-Fault": "500"})
+
+    async def scenario():
+        config = PlaneConfig(lanes={"train": 4}, workers=1, worker_num_cpus=0.25, env_pool={"num_cpus": 0.25})
+        async with RolloutPlane(config) as plane:
+            request = RolloutRequest(
+                env=Ref("env_actors.examples.math_env:MathEnv"), task_index=0, client=failing, max_turns=1
+            )
+            await plane.submit(request)
+            refused = await plane.submit({**request.model_dump(mode="json"), "request_id": "bad id\r\n"})
+            return request, [await plane.next_result(timeout=60) for _ in range(2)], refused
+
+    with caplog.at_level("WARNING", logger="rollout_actors"):
+        request, results, refused = asyncio.run(asyncio.wait_for(scenario(), DEADLINE_S))
+    model = next(r for r in results if r.request_id == request.request_id)
+    assert model.kind == "model" and model.worker
+    driver_lines = [r.getMessage() for r in caplog.records if "ended" in r.getMessage()]
+    assert not any(request.request_id in line for line in driver_lines)  # the worker logged it, not the plane
+    assert sum("ended caller" in line for line in driver_lines) == 1
+
+    log_dir = ray._private.worker.global_worker.node.get_logs_dir_path()
+    deadline = time.monotonic() + 30
+    while True:
+        lines = []
+        for path in os.listdir(log_dir):
+            if path.startswith("worker-") and path.endswith((".err", ".out")):
+                with open(os.path.join(log_dir, path), errors="replace") as f:
+                    lines += [line for line in f if request.request_id in line and " ended " in line]
+        if lines or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert len(lines) == 1, lines
+    assert request.lease_id in lines[0] and model.worker in lines[0] and "ended model" in lines[0]
