@@ -257,10 +257,15 @@ if __name__ == "__main__":
         # Started as `ServerSpec` launches vLLM (LoRA routes and limits, parsers): as strict as production.
         spec = ServerSpec(kind="standin", model=BUNDLED_MODEL)
         servers = [
-            stack.enter_context(StandinServer(standin_options(spec, seed=i))) for i in range(arguments.servers)
+            stack.enter_context(StandinServer(standin_options(spec, seed=i)))
+            for i in range(arguments.servers)
         ]
         storage = stack.enter_context(tempfile.TemporaryDirectory(prefix="demo-adapters-"))
-        ray.init(num_cpus=max(4, 2 * (os.cpu_count() or 2)), include_dashboard=False, log_to_driver=False)
+        if os.environ.get("RAY_ADDRESS"):
+            ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
+        else:  # a private local Ray, never another cluster that happens to run on this machine
+            cpus = max(4, 2 * (os.cpu_count() or 2))
+            ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False)
         try:
             asyncio.run(main(arguments, [s.base_url for s in servers], storage))
         finally:
