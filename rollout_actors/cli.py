@@ -155,8 +155,15 @@ def _init_ray(address: str | None) -> None:
     if address:
         ray.init(address=address, log_to_driver=False)
     else:
-        # Rollout, renderer and env actors mostly wait: logical CPUs above the physical count let them pack.
-        ray.init(num_cpus=max(4, 2 * (os.cpu_count() or 2)), include_dashboard=False, log_to_driver=False)
+        # Embedded means our own: `address="local"` never joins a cluster someone's `ray start` left on the
+        # machine (join one with --ray-address auto). Rollout, renderer and env actors mostly wait: logical
+        # CPUs above the physical count let them pack.
+        ray.init(
+            address="local",
+            num_cpus=max(4, 2 * (os.cpu_count() or 2)),
+            include_dashboard=False,
+            log_to_driver=False,
+        )
 
 
 def run(config: RunConfig) -> int:

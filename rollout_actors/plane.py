@@ -254,6 +254,9 @@ class RolloutPlane(Submission):
             self._publisher = PolicyPublisher(
                 self._endpoints,
                 self.config.policy_storage_dir,
+                # Adapter names are this plane's own: a restarted orchestrator's `v1` on long-lived servers
+                # must not collide with (or be mistaken for) the previous run's, still loaded there.
+                name_prefix=f"{self.names.prefix}-policy",
                 limits=limits,
                 api_key_var=self._api_key_var,
             )

@@ -239,15 +239,15 @@ def test_an_adapter_in_use_is_not_unloaded_however_many_versions_follow(ray_sess
 
     async def scenario():
         async with plane(endpoints=endpoints, policy_storage_dir=str(tmp_path)) as p:
-            await (await p.publish_policy(adapter(1), version=1)).wait(timeout=30)
+            v1 = (await (await p.publish_policy(adapter(1), version=1)).wait(timeout=30)).name
             echo = Ref(target="env_actors.faults.envs:EchoEnv", config={"num_tasks": 4, "turns": 3})
-            await p.submit(slow_request(standin_pair[0], 1.5, 0, env=echo))  # 3 turns of 1.5 s on policy-v1
+            await p.submit(slow_request(standin_pair[0], 1.5, 0, env=echo))  # 3 turns of 1.5 s on v1
             await wait_until(lambda: any(s.in_flight > 0 for s in p._workers.live()), 20)
             for version in range(2, 7):  # retention alone would unload v1 at v5
                 await (await p.publish_policy(adapter(version), version=version)).wait(timeout=30)
-            still_loaded = "policy-v1" in served()
+            still_loaded = v1 in served()
             result = await p.next_result(timeout=60)
-            await wait_until(lambda: "policy-v1" not in served(), 20)  # retired once its user is done
+            await wait_until(lambda: v1 not in served(), 20)  # retired once its user is done
             return still_loaded, result
 
     try:

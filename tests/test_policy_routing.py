@@ -77,9 +77,12 @@ def test_a_pinned_policy_version_is_sampled_from_that_versions_adapter(ray_sessi
     url = standin.base_url
 
     async def scenario():
-        async with RolloutPlane(config(endpoints=[url], policy_storage_dir=str(tmp_path))) as plane:
+        # A fixed name prefix: adapter names (and so the stand-in's answers) are the same on every run.
+        fixed = config(endpoints=[url], policy_storage_dir=str(tmp_path), name_prefix="routing-test")
+        async with RolloutPlane(fixed) as plane:
+            names = {}
             for version in (1, 2):
-                await (await plane.publish_policy(adapter(version), version)).wait(timeout=30)
+                names[version] = (await (await plane.publish_policy(adapter(version), version)).wait(30)).name
             ids = {
                 "v1": await plane.submit(request(url, policy_version=1)),
                 "base": await plane.submit(request(url, policy_version=0)),
@@ -89,8 +92,9 @@ def test_a_pinned_policy_version_is_sampled_from_that_versions_adapter(ray_sessi
             results = {r.request_id: r for r in [await plane.next_result(timeout=60) for _ in ids]}
             by_name = {name: results[rid] for name, rid in ids.items()}
             prompt = by_name["v1"].turns[0].new_prompt_ids  # a first turn adds its whole prompt
-            truth = {model: await sampled_by(url, model, prompt) for model in ("policy-v1", "policy-v2")}
+            truth = {f"v{v}": await sampled_by(url, name, prompt) for v, name in names.items()}
             truth[BUNDLED_MODEL] = await sampled_by(url, BUNDLED_MODEL, prompt)
+            assert by_name["v1"].model == names[1] and by_name["active"].model == names[2]
             return by_name, truth
 
     try:
@@ -102,9 +106,9 @@ def test_a_pinned_policy_version_is_sampled_from_that_versions_adapter(ray_sessi
         assert result.kind == "ok", result.error
     assert len({tuple(ids) for ids in truth.values()}) == 3, "each policy samples differently"
     # The version a result reports is the one whose adapter sampled its tokens.
-    assert v1.policy_version_start == 1 and v1.turns[0].completion_ids == truth["policy-v1"]
+    assert v1.policy_version_start == 1 and v1.turns[0].completion_ids == truth["v1"]
     assert base.policy_version_start == 0 and base.turns[0].completion_ids == truth[BUNDLED_MODEL]
-    assert active.policy_version_start == 2 and active.turns[0].completion_ids == truth["policy-v2"]
+    assert active.policy_version_start == 2 and active.turns[0].completion_ids == truth["v2"]
     assert [t.policy_version for t in v1.turns] == [1] and [t.policy_version for t in base.turns] == [0]
     assert gone.kind == "caller" and "policy_version=7" in gone.error.message
 
@@ -131,7 +135,7 @@ def test_a_replacement_server_serves_the_active_adapter_before_its_first_rollout
         plane = RolloutPlane(config(policy_storage_dir=str(tmp_path)), servers=servers)
         try:
             async with plane:
-                await (await plane.publish_policy(adapter(1), 1)).wait(timeout=30)
+                v1 = (await (await plane.publish_policy(adapter(1), 1)).wait(timeout=30)).name
                 (first,) = servers.endpoints()
                 os.kill(servers.status()[0].pid, signal.SIGKILL)
                 await wait_until(lambda: first not in servers.endpoints(), timeout=10)
@@ -140,11 +144,11 @@ def test_a_replacement_server_serves_the_active_adapter_before_its_first_rollout
                 # Routed only now, and it already holds the active adapter.
                 loaded = served_models(replacement)
                 await plane.submit(request("http://unused.invalid/v1"))
-                return loaded, await plane.next_result(timeout=60)
+                return v1, loaded, await plane.next_result(timeout=60)
         finally:
             await servers.aclose()
 
-    loaded, result = run(scenario())
-    assert "policy-v1" in loaded
+    v1, loaded, result = run(scenario())
+    assert v1 in loaded
     assert result.kind == "ok", result.error
     assert result.policy_version_start == 1
