@@ -27,7 +27,7 @@ import weakref
 from collections.abc import Awaitable
 from typing import Any, Literal
 
-from ray.exceptions import ActorDiedError, RayError
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayError
 
 from env_actors.interface import EnvResponse
 from env_actors.server import DEADLINE_FAILURE
@@ -92,7 +92,15 @@ async def call_server(
         reason = await _why_lost(pool, worker, exit_detail(exc))
         message = f"env worker {worker} was lost during {method}: {reason}"
         raise EnvCallFailed(Failure(type="EnvWorkerLost", message=message), worker_exit=reason) from None
-    except RayError as exc:  # unreachable for now (a network blip, a node under pressure): not judged here
+    except ActorUnavailableError as exc:
+        # Its node is unreachable (lost, or not yet declared dead, which takes Ray tens of seconds): the
+        # session cannot go on. Whether the worker is dead is the supervisor's call (hang_timeout); for
+        # the rollout it is a lost part, re-dispatched like a death, and the pool places nothing more on it.
+        _notice_unreachable(pool, worker)
+        failure = Failure.from_exception(exc)
+        message = f"env worker {worker} is unreachable during {method}: {failure.message}"
+        raise EnvCallFailed(Failure(type="EnvWorkerUnreachable", message=message)) from None
+    except RayError as exc:  # anything else Ray says of the call: not judged here
         failure = Failure.from_exception(exc)
         raise EnvCallFailed(failure) from None
     return unwrap(response, method)
@@ -122,6 +130,13 @@ async def pool_call(answer: Awaitable[EnvResponse], wait_s: float, method: str) 
 def forget_later(pool: Any, session_id: str) -> None:
     """Tell the pool, with every other session this loop ended in this tick, that the session is over."""
     _state().forget(pool, session_id)
+
+
+def _notice_unreachable(pool: Any, worker: str) -> None:
+    try:
+        pool.worker_unreachable.remote(worker)  # a notice: nobody waits for its answer
+    except Exception:  # the pool is gone: nothing to tell
+        pass
 
 
 async def _why_lost(pool: Any, worker: str, detail: str) -> str:

@@ -160,6 +160,13 @@ class EnvPool:
             self._supervisor.retire(slot, f"died: {detail}", "died")
         return self._retired.get(worker, f"died: {detail}")
 
+    async def worker_unreachable(self, worker: str) -> None:
+        """A session's direct call could not reach `worker` (its node lost or cut off): place nothing more
+        on it until it answers a probe again; the supervisor judges it wedged if it never does."""
+        slot = self._supervisor.workers.get(worker)
+        if slot is not None:
+            slot.unreachable_at = time.monotonic()
+
     async def num_tasks(self, timeout: float = 0.0) -> EnvResponse:
         """How many tasks the environment has (learned at readiness; `timeout` is unused)."""
         if self._supervisor.num_tasks is None:

@@ -329,6 +329,7 @@ def create_env_server(name: str, env: Ref, config: EnvPoolConfig) -> ray.actor.A
         num_cpus=config.num_cpus,
         resources=dict(config.resources) or None,
         max_concurrency=max(MIN_SERVER_CONCURRENCY, 2 * config.multiplex),
+        scheduling_strategy="SPREAD",  # one node's loss takes a fraction of the pool, not all of it
     )
     limits = (config.step_timeout, config.score_timeout, config.reset_timeout)
     return actor.remote(env, name, tuple(prefixes), limits)

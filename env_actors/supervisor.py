@@ -84,6 +84,8 @@ class WorkerSlot:
     node_id: str | None = None
     last_alive: float = 0.0
     idle_since: float = 0.0
+    unreachable_at: float | None = None
+    """When a session last found it unreachable; it takes no new session until it shows life after that."""
 
     def info(self) -> WorkerInfo:
         state = "ready" if self.state == "ready" else "starting"
@@ -134,8 +136,22 @@ class Supervisor:
         return [w for w in self.workers.values() if w.state == "starting"]
 
     def least_busy(self) -> WorkerSlot | None:
+        """The ready worker with the fewest sessions, preferring those that showed life lately: one whose
+        probes went unanswered, or that a session found unreachable, gets no new session (it would fail
+        at once, so its count would drop and draw every re-dispatched session onto it) until it answers
+        again or is judged wedged."""
         ready = self.ready()
-        return min(ready, key=lambda w: (len(w.sessions), w.inflight)) if ready else None
+        if not ready:
+            return None
+        now = time.monotonic()
+        trusted = [w for w in ready if not self._suspect(w, now)] or ready
+        return min(trusted, key=lambda w: (len(w.sessions), w.inflight))
+
+    def _suspect(self, slot: WorkerSlot, now: float) -> bool:
+        quiet_s = max(3 * self.config.probe_interval, self.config.probe_timeout + self.config.probe_interval)
+        if slot.unreachable_at is not None and slot.last_alive <= slot.unreachable_at:
+            return True
+        return now - slot.last_alive > quiet_s
 
     async def ready_worker(self, wait_s: float) -> WorkerSlot | None:
         """The least-busy ready worker. With none ready but one starting (the replacement of one that

@@ -276,6 +276,7 @@ class RendererPool:
         handle = _REMOTE_RENDERER.options(
             num_cpus=self._config.renderer_num_cpus,
             max_concurrency=2 * pool.multiplex + RENDERER_MIN_CONCURRENCY,
+            scheduling_strategy="SPREAD",  # one node's loss takes a fraction of the renderers
         ).remote(pool.key_json, renderer_id, self._config.allowed_ref_prefixes)
         now = time.monotonic()
         renderer = _Renderer(renderer_id, handle, created=now, idle_since=now)
@@ -292,6 +293,12 @@ class RendererPool:
         except Exception as exc:
             if renderer.renderer_id not in pool.renderers:
                 return  # retired or replaced meanwhile: not a startup failure
+            if isinstance(exc, RayActorError):
+                # Its process died while loading (killed, its node lost): a death, replaced under the key's
+                # restart budget, not a startup failure that would fail every lease for failure_hold_s. A
+                # load that kills its process every time spends the budget and then fails loudly.
+                self._replace(renderer.renderer_id, f"died while starting: {type(exc).__name__}")
+                return
             what = (
                 f"timed out after {self._config.startup_timeout_s:g} s"
                 if isinstance(exc, TimeoutError)

@@ -396,13 +396,16 @@ class RolloutPlane(Submission):
     ) -> Result:
         """Dispatch until a result stands. A lost rollout worker, env server or renderer (contract 5) is
         re-dispatched under the same lease, at most `max_dispatches` times in all, within the deadline."""
-        lost = ""
+        losses: list[str] = []
+        """What each lost dispatch lost (a worker's cause, or the part a result names), oldest first."""
         for attempt in range(1, self.config.max_dispatches + 1):
             if cancelled.is_set():
                 return _cancelled(request, "before dispatch")
             left = deadline - time.monotonic()
             if left <= 0:
-                return _deadline_exceeded(request, f"after {attempt - 1} dispatch(es); last lost: {lost}")
+                return _deadline_exceeded(
+                    request, f"after {attempt - 1} dispatch(es) lost: {_listed(losses)}"
+                )
             slot = await self._workers.pick_or_wait(timeout=left)
             if slot is None:
                 return Result.failed(
@@ -414,11 +417,20 @@ class RolloutPlane(Submission):
             outcome = await self._attempt(request.model_copy(update={"deadline_s": left}), slot, cancelled)
             if isinstance(outcome, Result):
                 part = lost_part(outcome)
-                if part is None or attempt == self.config.max_dispatches:
+                if part is None:
                     outcome.attempts = attempt
                     return outcome
-                outcome = f"{part} lost: {outcome.error.type if outcome.error else ''}"
-            lost = outcome
+                losses.append(f"{part} ({outcome.error.type if outcome.error else '?'})")
+                if attempt == self.config.max_dispatches:
+                    # The budget is spent: the last loss's own result, saying what every dispatch lost.
+                    outcome.attempts = attempt
+                    if outcome.error is not None:
+                        outcome.error.message = (
+                            f"{attempt} dispatches lost ({_listed(losses)}); last: {outcome.error.message}"
+                        )
+                    return outcome
+            else:
+                losses.append(f"rollout worker ({outcome})")
             if attempt < self.config.max_dispatches:
                 self.counters["redispatched"] += 1
                 log.warning(
@@ -426,7 +438,7 @@ class RolloutPlane(Submission):
                     request.request_id,
                     request.lease_id,
                     slot.name,
-                    lost,
+                    losses[-1],
                 )
                 # Spread re-dispatches over a moment: a node's workers are reported dead one by one over
                 # tens of milliseconds, and a lost worker's rollouts re-dispatched in the same tick would
@@ -441,7 +453,7 @@ class RolloutPlane(Submission):
             "infrastructure",
             Failure(
                 type="WorkerLost",
-                message=f"rollout worker lost {self.config.max_dispatches} times (last: {lost})",
+                message=f"{self.config.max_dispatches} dispatches lost: {_listed(losses)}",
             ),
             attempts=self.config.max_dispatches,
         )
@@ -529,6 +541,7 @@ class RolloutPlane(Submission):
 
 LOST_PARTS = {
     "EnvWorkerLost": "env server",
+    "EnvWorkerUnreachable": "env server",
     "PoolUnreachable": "env pool",
     "RendererUnavailable": "renderer",
 }
@@ -542,6 +555,10 @@ def lost_part(result: Result) -> str | None:
     if result.kind != "infrastructure" or result.error is None:
         return None
     return LOST_PARTS.get(result.error.type)
+
+
+def _listed(losses: list[str]) -> str:
+    return "; ".join(losses) or "none"
 
 
 def _deadline_exceeded(request: RolloutRequest, when: str) -> Result:

@@ -86,11 +86,15 @@ class SharedPools:
     async def close(self) -> None:
         if self._releases:
             await asyncio.wait(self._releases, timeout=RELEASE_TIMEOUT_S)
-        for future in self._env_pools.values():
-            if not future.done():
-                future.cancel()
+        starting = [f for f in self._env_pools.values() if not f.done()]
+        for future in starting:
+            future.cancel()  # a start still under way kills its pool actor as it unwinds
+        if starting:
+            await asyncio.wait(starting, timeout=POOL_SHUTDOWN_TIMEOUT_S)
         handles = [
-            f.result() for f in self._env_pools.values() if not f.cancelled() and f.exception() is None
+            f.result()
+            for f in self._env_pools.values()
+            if f.done() and not f.cancelled() and f.exception() is None
         ]
         await asyncio.gather(*(stop_env_pool(handle) for handle in handles))
         if self._renderer_pool is not None:

@@ -32,6 +32,7 @@ from rollout_actors.worker import remote_worker_class
 log = logging.getLogger(__name__)
 
 WORKER_READY_TIMEOUT_S = 60.0  # a fresh worker process imports openai, ray and pydantic: seconds, not minutes
+SUSPECT_AFTER_BEATS = 3  # heartbeats missed before a worker gets no new work (while others can take it)
 JUDGE_TICK_S = 0.25  # how often silence is judged: a loss is declared within hang_timeout + this
 DRIVER_STALL_S = 1.0  # a judge tick this late means the plane's own loop stalled: that time is not silence
 
@@ -149,10 +150,15 @@ class WorkerSet:
         await asyncio.gather(*calls, return_exceptions=True)
 
     def pick(self, within_capacity: bool = False) -> WorkerSlot | None:
+        """The least-loaded live worker (with room, if asked), preferring those heard from lately: a worker
+        whose heartbeats are overdue may be frozen or cut off, and what it is given meanwhile is lost with
+        it; it is given work only when no other worker can take it."""
         live = self.live()
         if within_capacity and self._capacity is not None:
             live = [s for s in live if s.in_flight < self._capacity]
-        return min(live, key=lambda s: s.in_flight) if live else None
+        quiet_after = time.monotonic() - SUSPECT_AFTER_BEATS * self._probe_interval_s
+        heard = [s for s in live if s.last_alive >= quiet_after] or live
+        return min(heard, key=lambda s: s.in_flight) if heard else None
 
     async def pick_or_wait(self, timeout: float = WORKER_READY_TIMEOUT_S) -> WorkerSlot | None:
         """The least-loaded live worker with room. When every live one is at capacity (or none is live)
@@ -256,12 +262,17 @@ class WorkerSet:
         """Counted in `_replacing` from the moment the loss is declared, so a re-dispatch issued in the
         same tick waits for this replacement instead of failing for want of a live worker."""
         try:
-            slot = self._spawn()
-            try:
-                await self._wait_ready(slot)
-            except Exception as exc:
-                log.error("replacement rollout worker %s failed to start: %s", slot.name, exc)
-                return
+            while True:
+                slot = self._spawn()
+                try:
+                    await self._wait_ready(slot)
+                    break
+                except Exception as exc:
+                    log.error("replacement rollout worker %s failed to start: %s", slot.name, exc)
+                    # E.g. Ray placed it on a node being lost and not yet declared dead: try again, on the
+                    # budget (a worker that cannot start at all spends it and stops).
+                    if self._closed or not self._budget.try_spend():
+                        return
             if self._closed:
                 ray.kill(slot.handle, no_restart=True)
                 return

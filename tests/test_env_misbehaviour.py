@@ -100,3 +100,34 @@ def test_a_misbehaving_environment_ends_in_one_result_of_its_documented_kind(out
         assert result.attempts == MAX_DISPATCHES
     else:
         assert result.attempts == 1  # the environment's own bug is not re-dispatched
+
+
+def test_a_requests_deadline_holds_while_its_env_pool_starts(ray_session, standin):
+    """An environment whose constructor never returns: its pool would wait out `env_ready_timeout_s`, but a
+    request with a 3 s deadline is answered at its deadline, `infrastructure` (`DeadlineExceeded`)."""
+
+    async def scenario():
+        config = PlaneConfig(
+            lanes={"train": 2, "eval": 1},
+            workers=1,
+            worker_num_cpus=0.25,
+            env_ready_timeout_s=60,
+            allowed_ref_prefixes=TEST_REF_PREFIXES,
+            env_pool={"num_cpus": 0.1},
+        )
+        async with RolloutPlane(config) as plane:
+            request = RolloutRequest(
+                env=Ref(target=f"{FAULTS}:HangsInConstructorEnv"),
+                task_index=0,
+                client=ClientConfig(base_url=standin.base_url, model=BUNDLED_MODEL),
+                deadline_s=3.0,
+            )
+            started = asyncio.get_running_loop().time()
+            await plane.submit(request)
+            result = await plane.next_result(timeout=DEADLINE_S)
+            return result, asyncio.get_running_loop().time() - started
+
+    result, took_s = asyncio.run(asyncio.wait_for(scenario(), DEADLINE_S))
+    assert (result.kind, result.error.type) == ("infrastructure", "DeadlineExceeded"), result.error
+    assert "env pool" in result.error.message
+    assert took_s < 3.0 + 5.0, took_s  # was: the pool's whole readiness wait (14.6 s for a 3 s deadline)

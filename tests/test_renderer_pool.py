@@ -280,3 +280,34 @@ def test_a_killed_renderer_is_not_replaced_once_its_keys_restart_budget_is_spent
         assert stats["keys"][session.key.to_json()]["restarts_left"] == 0
 
     run(scenario())
+
+
+def test_a_renderer_killed_while_it_starts_is_replaced_not_held_as_a_startup_failure(make_pool):
+    """A renderer whose process dies during its warm-up (killed, its node lost) is a death: replaced under
+    the key's restart budget. Only a load that fails holds every lease off for `failure_hold_s`."""
+    pool = make_pool(failure_hold_s=600.0)  # were it held, the next session would fail for ten minutes
+
+    async def scenario():
+        key = key_json()
+        lease = await pool.lease.remote(key)
+        ray.kill(lease["renderer"], no_restart=True)  # the tokenizer takes seconds to load: still warming
+        await pool.release.remote(lease["lease_id"])
+
+        async def replaced():
+            stats = await pool.stats.remote()
+            return stats["replaced"] == 1
+
+        deadline = time.monotonic() + 30
+        while not await replaced():
+            assert time.monotonic() < deadline, await pool.stats.remote()
+            await asyncio.sleep(0.1)
+        session = await RendererSession.open(pool, BUNDLED_MODEL, RendererConfig(), timeout=40)
+        try:
+            prompt = await session.start([{"role": "user", "content": "hi"}], None, timeout=10)
+        finally:
+            await session.close()
+        return prompt, await pool.stats.remote()
+
+    prompt, stats = run(scenario())
+    assert prompt
+    assert stats["startup_failures"] == 0 and stats["replaced"] == 1
