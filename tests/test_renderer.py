@@ -13,7 +13,7 @@ from renderer_actors.key import RendererKey
 from renderer_actors.renderer import Renderer
 from renderer_actors.tokenizer import BUNDLED_MODEL
 from rollout_actors.kernel import CallerError, Ref
-from tests.family_tokenizers import template_variant
+from family_tokenizers import template_variant
 
 IM_END = 151645
 TOOLS = [{"type": "function", "function": {"name": "search", "parameters": {"type": "object"}}}]

@@ -26,7 +26,7 @@ from renderer_actors.calls import BridgeRequest, History
 from renderer_actors.config import RendererConfig
 from renderer_actors.key import RendererKey
 from renderer_actors.renderer import Renderer
-from tests.family_tokenizers import tokenizer_dir
+from family_tokenizers import tokenizer_dir
 
 GPT_OSS_TOKENIZER = os.environ.get("RAY_ROLLOUTS_GPT_OSS_TOKENIZER")
 """A local gpt-oss tokenizer directory; with TIKTOKEN_ENCODINGS_BASE holding o200k_base, harmony loads."""
