@@ -82,9 +82,8 @@ async def call_server(
     A caller that gives up stops waiting; the call itself ends with its session (`close`)."""
     call = (method, session_id, args, timeout, kwargs)
     try:
-        response: EnvResponse = await asyncio.wait_for(
-            _state().call(server, call), timeout + DIRECT_CALL_SLACK_S
-        )
+        async with asyncio.timeout(timeout + DIRECT_CALL_SLACK_S):  # a scope: no task per call
+            response: EnvResponse = await _state().call(server, call)
     except TimeoutError:
         message = f"env worker {worker} gave no answer to {method} within {timeout + DIRECT_CALL_SLACK_S:g} s"
         raise EnvCallFailed(Failure(type=DEADLINE_FAILURE, message=message)) from None

@@ -69,7 +69,9 @@ class BatchedCalls:
         batch[1].append((method, args))
         batch[2].append(waiter)
         self._call_deadline[renderer_id] = max(self._call_deadline[renderer_id], loop.time() + timeout)
-        return await asyncio.wait_for(waiter, timeout)
+        # A timeout cancels the waiter, which tells the flush to drop its answer.
+        async with asyncio.timeout(timeout):
+            return await waiter
 
     async def _flush_calls(self, renderer_id: str) -> None:
         await asyncio.sleep(0)  # every call asked of this renderer in this tick joins the batch
@@ -100,7 +102,8 @@ class BatchedCalls:
         waiter = asyncio.get_running_loop().create_future()
         batch[1].append(waiter)
         # Not shielded: a timeout cancels the waiter, which tells the flush to hand its lease back.
-        return await asyncio.wait_for(waiter, timeout)
+        async with asyncio.timeout(timeout):
+            return await waiter
 
     async def _flush_leases(self, batch_key: tuple[Any, str, int]) -> None:
         await asyncio.sleep(0)  # every lease asked for in this tick joins the batch

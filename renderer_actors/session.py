@@ -26,10 +26,10 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import ray
-from pydantic import BaseModel
 from ray.exceptions import RayActorError, RayTaskError
 
 from renderer_actors.batching import RenderCallFailed, batched_calls
@@ -63,12 +63,16 @@ class RendererCallerError(CallerError):
         self.failure = Failure(type="RendererCallerError", message=message, traceback=traceback)
 
 
-class BridgeStep(BaseModel):
-    prompt_ids: list[int]
-    """The full next prompt. Starts with exactly the previous prompt + previous completion, unless forked."""
+@dataclass(frozen=True)
+class BridgeStep:
+    """What one `bridge` did to the trajectory (an in-process answer: it never crosses a process)."""
+
+    added_ids: list[int]
+    """What this step added after the sampled completion: the (synthetic close and) rendered new messages
+    and generation prompt; when forked, the whole new prompt. Costs what the turn added."""
     branch: int = 0
     forked: bool = False
-    """This step started a new branch: `prompt_ids` is a full re-render, not an extension."""
+    """This step started a new branch: the prompt is a full re-render, not an extension."""
     synthetic_close: bool = False
     """The completion had no stop token (cut by `length`): the ids after it begin with the close the
     family defines, appended by the renderer (prompt, never sampled; never trained on)."""
@@ -76,6 +80,15 @@ class BridgeStep(BaseModel):
     """How many ids that close took: the first `synthetic_ids` ids after the completion."""
     fork_reason: str | None = None
     """Why this step forked: where the template's full render departed from the trajectory."""
+    _prompt: list[int] = field(default_factory=list, repr=False)
+    """The session's prompt list (not a copy): the session only ever appends to it or replaces it."""
+    _prompt_len: int = field(default=0, repr=False)
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        """The full next prompt: previous prompt + completion + `added_ids`, unless forked. A copy, made
+        here (linear in the context); the prefix this step saw never changes."""
+        return self._prompt[: self._prompt_len]
 
 
 class RendererSession:
@@ -98,6 +111,8 @@ class RendererSession:
         self._parsed: tuple[list[int], dict[str, Any]] | None = None
         """The last `parse` answer, handed to the next `bridge` of the same completion."""
         self.branch = 0
+        self._history_roles: set[str] = set()
+        """Roles of new messages whose bridge needed the history: sent up front for them from now on."""
 
     @classmethod
     async def open(cls, pool: Any, model: str, config: RendererConfig, timeout: float) -> RendererSession:
@@ -171,19 +186,27 @@ class RendererSession:
         except ValueError as exc:
             raise RendererCallerError(str(exc)) from exc
         deadline = time.monotonic() + timeout
-        request = BridgeRequest(
+        # model_construct: every field is ours (ids from the server, already checked; messages the env
+        # answered, checked above); validating them again per turn is waste.
+        request = BridgeRequest.model_construct(
             completion_ids=list(completion_ids),
             finish_reason=finish_reason,
             new_messages=list(new_messages),
             tools=tools,
             prompt_tail=self._tail,
+            history=None,
+            assistant_message=None,
         )
         if self._parsed is not None and self._parsed[0] == request.completion_ids:
             request.assistant_message = self._parsed[1]
-        if self._info is not None and self._info.always_needs_history:
+        if self._sends_history(new_messages):
             request.history = self._history()
         reply: BridgeReply = await self._call("bridge", deadline - time.monotonic(), request)
         if reply.needs_history:
+            # Remembered: this session sends the history up front for such turns from now on, rather than
+            # paying a second round trip every time (a template that drops past reasoning at a new user
+            # turn cannot be bridged at any user turn).
+            self._history_roles.update(_roles(new_messages))
             request.history = self._history()
             reply = await self._call("bridge", deadline - time.monotonic(), request)
             if reply.needs_history:
@@ -192,21 +215,24 @@ class RendererSession:
             assert reply.prompt_ids is not None
             self._prompt = list(reply.prompt_ids)
             self._tail = list(reply.prompt_ids)
+            added = self._prompt
             self.branch += 1
         else:
+            added = reply.appended_ids
             self._prompt.extend(completion_ids)
-            self._prompt.extend(reply.appended_ids)
-            self._tail = list(reply.appended_ids)
+            self._prompt.extend(added)
+            self._tail = list(added)
         self._messages.append(reply.assistant_message)
         self._messages.extend(new_messages)
-        # model_construct: the ids are ours and already ints; validating 100k of them per turn is waste.
-        return BridgeStep.model_construct(
-            prompt_ids=list(self._prompt),
+        return BridgeStep(
+            added_ids=list(added),
             branch=self.branch,
             forked=reply.forked,
             synthetic_close=reply.synthetic_close,
             synthetic_ids=reply.synthetic_ids,
             fork_reason=reply.fork_reason,
+            _prompt=self._prompt,
+            _prompt_len=len(self._prompt),
         )
 
     async def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
@@ -223,7 +249,13 @@ class RendererSession:
     # ------------------------------------------------------------------------------- internals
 
     def _history(self) -> History:
-        return History(messages=self._messages, prompt_ids=self._prompt or [])
+        # Not copied or validated: it is serialised for the call right away, and all of it is ours.
+        return History.model_construct(messages=self._messages, prompt_ids=self._prompt or [])
+
+    def _sends_history(self, new_messages: list[dict[str, Any]]) -> bool:
+        if self._info is not None and self._info.always_needs_history:
+            return True
+        return bool(self._history_roles) and not self._history_roles.isdisjoint(_roles(new_messages))
 
     async def _acquire(self, deadline: float, dead_renderer_id: str | None = None) -> None:
         calls = batched_calls()
@@ -294,7 +326,8 @@ class RendererSession:
         try:
             if left <= 0:
                 raise TimeoutError
-            return await asyncio.wait_for(call, left)
+            async with asyncio.timeout(left):  # a scope, not `wait_for`: no task per call
+                return await call
         except TimeoutError as exc:
             _cancel(call)
             raise RendererUnavailable(f"{what} did not answer within its deadline") from exc
@@ -314,6 +347,10 @@ class RendererSession:
             raise RendererUnavailable(
                 f"{what} failed: {type(cause).__name__}: {cause}", traceback=str(exc)
             ) from None
+
+
+def _roles(messages: list[dict[str, Any]]) -> set[str]:
+    return {message.get("role", "") for message in messages}
 
 
 def _cancel(call: Any) -> None:

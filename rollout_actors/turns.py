@@ -125,7 +125,7 @@ class TokenTurns:
             self._pools.renderer_pool(), request.client.model, request.renderer, timeout=self._budget()
         )
         self._prompt = await self._renderer.start(messages, tools, timeout=self._budget())
-        self._added = self._prompt
+        self._added = list(self._prompt)  # `_prompt` grows in place from here on
 
     async def sample(self, messages: list[dict[str, Any]]) -> tuple[Turn, dict[str, Any]]:
         assert self._renderer is not None
@@ -157,16 +157,16 @@ class TokenTurns:
         for resume in range(MAX_RESUMES + 1):
             epoch = getattr(self._pools, "pause_epoch", lambda: 0)()
             done = head.completion_ids if head is not None else []
-            sampling = request.sampling.model_copy(
-                update={"max_tokens": request.sampling.max_tokens - len(done)}
-            )
+            sampling = request.sampling
+            if done:  # a resumed turn samples the rest of its `max_tokens` after what it has
+                sampling = sampling.model_copy(update={"max_tokens": sampling.max_tokens - len(done)})
             await self._calls.unpaused(self._budget())
             tags, sent_under = self._calls.next(resume)
             try:
                 part = await complete_tokens(
                     self._client,
                     request.client.model,
-                    self._prompt + done,
+                    self._prompt + done if done else self._prompt,
                     sampling,
                     deadline_s=request.client.call_deadline,
                     vocab_size=self._renderer.vocab_size,
@@ -205,13 +205,17 @@ class TokenTurns:
         step = await self._renderer.bridge(
             completion, self._last.finish_reason, new_messages, self._tools, timeout=self._budget()
         )
+        # What the turn added, never the whole prompt: a long trajectory costs the same per turn at turn
+        # 64 as at turn 1, apart from the prompt the server is sent.
+        self._added = step.added_ids
         if step.forked:  # a new branch starts from a full re-render: nothing synthetic in it
-            self._added, self._synthetic = step.prompt_ids, 0
+            self._prompt, self._synthetic = list(step.added_ids), 0
             self.forked = True
         else:  # the next prompt is this prompt + completion + what the bridge appended
-            self._added = step.prompt_ids[len(self._prompt) + len(completion) :]
+            self._prompt.extend(completion)
+            self._prompt.extend(step.added_ids)
             self._synthetic = step.synthetic_ids
-        self._prompt, self._branch = step.prompt_ids, step.branch
+        self._branch = step.branch
 
     async def close(self) -> None:
         if self._renderer is not None:

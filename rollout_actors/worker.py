@@ -123,6 +123,8 @@ class RolloutWorker:
     async def unpaused(self, timeout: float) -> None:
         """Return at once, or (while the plane pauses the servers in abort mode, which refuses new
         requests with 503) when it resumed them; at most `timeout`."""
+        if self._unpaused.is_set():  # every turn asks: no task or timer for the common case
+            return
         await asyncio.wait_for(self._unpaused.wait(), timeout)
 
     async def planned_resume(self, since_epoch: int, timeout: float) -> bool:

@@ -96,6 +96,7 @@ async def _rollout(workload: SingleProcessWorkload, order: int, shared: Any) -> 
         start = renderer.start(messages, tools)
         prompt = list(start.prompt_ids)
         tail = list(prompt)
+        history_roles: set[str | None] = set()
         for _ in range(workload.max_turns):
             sampled = await complete_tokens(
                 client,
@@ -118,14 +119,20 @@ async def _rollout(workload: SingleProcessWorkload, order: int, shared: Any) -> 
                 prompt_tail=tail,
                 assistant_message=parsed.message,
             )
+            roles = {m.get("role") for m in step.messages}
+            if history_roles & roles:  # as the plane's session: sent up front where a bridge needed it
+                request.history = History(messages=messages, prompt_ids=prompt)
             reply = renderer.bridge(request)
             if reply.needs_history:
+                history_roles.update(roles)
                 request.history = History(messages=messages, prompt_ids=prompt)
                 reply = renderer.bridge(request)
             if reply.forked:
-                prompt = tail = list(reply.prompt_ids or [])
-            else:
-                prompt = prompt + sampled.completion_ids + reply.appended_ids
+                prompt = list(reply.prompt_ids or [])
+                tail = list(prompt)
+            else:  # extended in place, as the rollout worker's session does: a turn costs what it adds
+                prompt.extend(sampled.completion_ids)
+                prompt.extend(reply.appended_ids)
                 tail = list(reply.appended_ids)
             messages.append(reply.assistant_message)
             messages.extend(step.messages)

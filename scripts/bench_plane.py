@@ -375,7 +375,7 @@ def main() -> None:
     args = parse_args()
     logging.basicConfig(level=logging.WARNING)
     _raise_open_files_limit()
-    ray.init(num_cpus=8, include_dashboard=False)
+    ray.init(address="local", num_cpus=8, include_dashboard=False)
     try:
         asyncio.run(main_async(args))
     finally:

@@ -12,7 +12,7 @@ import ray
 
 from renderer_actors.key import RendererKey
 from renderer_actors.pool import get_or_create_renderer_pool
-from renderer_actors.session import RendererCallerError, RendererSession, RendererUnavailable
+from renderer_actors.session import BridgeStep, RendererCallerError, RendererSession, RendererUnavailable
 from renderer_actors.tokenizer import BUNDLED_MODEL
 from rollout_actors.wire import RendererConfig
 
@@ -193,6 +193,38 @@ def test_rewriting_template_forks_through_the_session(make_pool):
             assert step.forked and step.branch == 1 and "<think>" in step.fork_reason
             assert step.prompt_ids[: len(prompt)] == prompt and completion[0] not in step.prompt_ids
             assert [m["role"] for m in session.messages] == ["user", "assistant", "user"]
+        finally:
+            await session.close()
+
+    run(scenario())
+
+
+def test_a_session_sends_the_history_up_front_once_a_bridge_of_that_kind_needed_it(make_pool):
+    pool = make_pool()
+
+    async def scenario():
+        session = await RendererSession.open(pool, BUNDLED_MODEL, RendererConfig(), timeout=30)
+
+        async def bridge(messages: list[dict]) -> tuple[BridgeStep, int]:
+            """The step and how many calls the renderer served for it."""
+            before = (await session._renderer.health.remote())["calls"]
+            step = await session.bridge(completion, "stop", messages, None, 10)
+            return step, (await session._renderer.health.remote())["calls"] - before
+
+        try:
+            prompt = await session.start([{"role": "user", "content": "hi"}], None, timeout=10)
+            completion = await encode(session, "hello") + [IM_END]
+            # Qwen3's template cannot be bridged at a new user turn: the first one asks for the history.
+            step, calls = await bridge([{"role": "user", "content": "again"}])
+            assert calls == 2 and not step.forked
+            assert step.prompt_ids == prompt + completion + step.added_ids
+            first = step.prompt_ids
+            step2, calls = await bridge([{"role": "user", "content": "more"}])
+            assert calls == 1 and not step2.forked  # sent with the history: one round trip
+            assert step2.prompt_ids == first + completion + step2.added_ids
+            assert step.prompt_ids == first  # an earlier step's prompt does not grow with the session's
+            step3, calls = await bridge([{"role": "tool", "content": "found"}])
+            assert calls == 1 and step3.prompt_ids == step2.prompt_ids + completion + step3.added_ids
         finally:
             await session.close()
 
