@@ -128,10 +128,13 @@ async def complete_tokens(
     # with the body encoded once by orjson and the response read as raw JSON: `completions.create` walks
     # every prompt id through the SDK's TypedDict transform and json module, and parsing the answer into
     # SDK models (`cast_to=Completion`) cost more than the rest of a turn; only a few fields are read.
+    #
+    # The sampled ids come back as the logprobs' tokens (`return_tokens_as_token_ids`: "token_id:<id>"),
+    # not through `return_token_ids`, which also echoes the whole prompt (`prompt_token_ids`): on a long
+    # trajectory that is the context again in every answer, for the server to encode and us to parse.
     body: dict[str, Any] = {"model": model, "prompt": prompt_ids, **_sampling_kwargs(sampling)}
-    if sampling.logprobs:
-        body["logprobs"] = 1
-    body.update({**sampling.extra_body, **_protocol_fields(tags)})
+    body["logprobs"] = 1 if sampling.logprobs else 0  # 0: the sampled tokens alone, for their ids
+    body.update({**sampling.extra_body, **_protocol_fields(tags, token_mode=True)})
     call = client.post(
         "/completions",
         cast_to=httpx.Response,
@@ -144,14 +147,17 @@ async def complete_tokens(
     if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
         raise MalformedResponse("completion response has no choices")
     choice = choices[0]
-    completion_ids = _ids(choice.get("token_ids"), "choices[0].token_ids", vocab_size)
+    token_logprobs = choice.get("logprobs")
+    if not isinstance(token_logprobs, dict):
+        raise MalformedResponse("completion response has no logprobs (asked for the sampled token ids)")
+    completion_ids = _ids(_token_ids(token_logprobs.get("tokens")), "choices[0].logprobs.tokens", vocab_size)
     logprobs: list[float] = []
     if sampling.logprobs:
-        token_logprobs = (choice.get("logprobs") or {}).get("token_logprobs")
-        if not isinstance(token_logprobs, list) or len(token_logprobs) != len(completion_ids):
-            raise MalformedResponse("completion logprobs missing or not aligned with token_ids")
+        values = token_logprobs.get("token_logprobs")
+        if not isinstance(values, list) or len(values) != len(completion_ids):
+            raise MalformedResponse("completion logprobs missing or not aligned with the sampled tokens")
         try:
-            logprobs = [float(x) for x in token_logprobs]
+            logprobs = [float(x) for x in values]
         except (TypeError, ValueError) as exc:
             raise MalformedResponse(f"completion logprobs are not numbers: {exc}") from exc
     finish_reason = choice.get("finish_reason")
@@ -160,6 +166,20 @@ async def complete_tokens(
     return _finished(
         Sampled(completion_ids, logprobs, finish_reason, prompt_ids, weight_versions=_spans(choice))
     )
+
+
+TOKEN_ID_PREFIX = "token_id:"  # vLLM's `return_tokens_as_token_ids` spelling of a sampled token
+
+
+def _token_ids(tokens: Any) -> Any:
+    """The ids of `["token_id:<id>", ...]`, or what was there when it is not that shape (`_ids` rejects it)."""
+    if not isinstance(tokens, list):
+        return tokens
+    prefix, skip = TOKEN_ID_PREFIX, len(TOKEN_ID_PREFIX)
+    try:
+        return [int(token[skip:]) if token.startswith(prefix) else token for token in tokens]
+    except (AttributeError, ValueError):
+        return tokens
 
 
 def _json_object(response: Any) -> dict[str, Any]:
@@ -220,8 +240,9 @@ async def complete_chat(
     )
 
 
-def _protocol_fields(tags: CallTags | None) -> dict[str, Any]:
-    fields: dict[str, Any] = {"return_token_ids": True, "return_weight_versions": True}
+def _protocol_fields(tags: CallTags | None, token_mode: bool = False) -> dict[str, Any]:
+    ids = {"return_tokens_as_token_ids": True} if token_mode else {"return_token_ids": True}
+    fields: dict[str, Any] = {**ids, "return_weight_versions": True}
     if tags is not None and tags.cache_salt is not None:
         fields["cache_salt"] = tags.cache_salt
     return fields

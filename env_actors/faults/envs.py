@@ -71,6 +71,34 @@ class EchoEnv(Environment):
         )
 
 
+_TOOL_WORDS = (
+    "alpha beta gamma delta epsilon zeta theta kappa lambda sigma omega table index value column "
+    "result error warning status file line path module function return object record field entry"
+).split()
+
+
+class ToolOutputEnv(EchoEnv):
+    """Healthy, agentic-shaped: every step is answered with one tool message of `tool_words` words (about
+    1.03 tokens a word with Qwen3), so the context grows by a long tool output each turn, as with a coding agent
+    reading files. `bench_trajectory.py` runs it to see that a turn costs what it adds."""
+
+    def __init__(self, num_tasks: int = 16, turns: int = 64, tool_words: int = 1450):
+        super().__init__(num_tasks=num_tasks, turns=turns)
+        self.tool_words = tool_words
+
+    async def step(self, state: _Episode, assistant_message: Message) -> StepOut:
+        if state.turns >= self.turns:
+            raise CallerError("the episode is already over")
+        state.turns += 1
+        self.steps_answered += 1
+        if state.turns >= self.turns:
+            return StepOut(messages=[], done=True)
+        words = len(_TOOL_WORDS)
+        text = " ".join(_TOOL_WORDS[(state.turns * 7 + i) % words] for i in range(self.tool_words))
+        output = {"role": "tool", "tool_call_id": f"call-{state.turns}", "content": text}
+        return StepOut(messages=[output], done=False)
+
+
 def _record(directory: str | None, prefix: str) -> int:
     """Claim the next `prefix-N` file in `directory` (atomic across processes); return N, or -1."""
     if directory is None:

@@ -261,6 +261,9 @@ def _with_oov_id(send: Any, headers: dict[bytes, bytes], vocab_size: int, stats:
             for choice in answer.get("choices", []):
                 if choice.get("token_ids"):
                     choice["token_ids"][0] = oov_id
+                tokens = (choice.get("logprobs") or {}).get("tokens")
+                if tokens and str(tokens[0]).startswith("token_id:"):  # `return_tokens_as_token_ids`
+                    tokens[0] = f"token_id:{oov_id}"
             payload = json.dumps(answer).encode()
         await _send_raw(send, start.get("status", 200), payload, stats)
 
