@@ -233,11 +233,13 @@ class EnvServer:
         return await self._guard("close", timeout, self._close(session_id))
 
     async def _guard(self, method: str, timeout: float, work: Awaitable[Any]) -> EnvResponse:
-        started = time.monotonic()
+        scope = asyncio.timeout(timeout)  # a scope, not `wait_for`: no second task per call
         try:
-            return EnvResponse.ok(await asyncio.wait_for(work, timeout), self._worker)
+            async with scope:
+                value = await work
+            return EnvResponse.ok(value, self._worker)
         except TimeoutError as exc:
-            if time.monotonic() - started < timeout:  # the environment's own TimeoutError, not our deadline
+            if not scope.expired():  # the environment's own TimeoutError, not our deadline
                 return EnvResponse.from_exception(exc, self._worker)
             message = f"{method} exceeded its {timeout:g} s deadline on env worker {self._worker}"
             return EnvResponse.failed(Failure(type=DEADLINE_FAILURE, message=message), worker=self._worker)

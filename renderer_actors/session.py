@@ -320,12 +320,15 @@ class RendererSession:
         raise AssertionError("unreachable")
 
     async def _remote(self, call: Any, deadline: float, what: str, caller_errors: bool = True) -> Any:
-        """Await one remote call (an ObjectRef, or a batched call's coroutine) within the deadline and
-        classify what went wrong. RayActorError (the actor died) propagates for the caller to recover."""
+        """Await one remote call (an ObjectRef, or a batched call's coroutine, which was given the same
+        deadline and keeps it) within the deadline and classify what went wrong. RayActorError (the actor
+        died) propagates for the caller to recover."""
         left = deadline - time.monotonic()
         try:
             if left <= 0:
                 raise TimeoutError
+            if asyncio.iscoroutine(call):  # a batched call: bounded by the deadline it was given
+                return await call
             async with asyncio.timeout(left):  # a scope, not `wait_for`: no task per call
                 return await call
         except TimeoutError as exc:
