@@ -246,7 +246,7 @@ def test_env_worker_killed_mid_rollout_is_redispatched_and_others_finish(ray_ses
 
     from rollout_actors.naming import PoolNames
 
-    slow = ClientConfig(base_url=standin.base_url, model=BUNDLED_MODEL, headers={"X-Standin-Latency": "2.0"})
+    slow = ClientConfig(base_url=standin.base_url, model=BUNDLED_MODEL, headers={"X-Standin-Latency": "5.0"})
 
     async def scenario():
         async with small_plane(env_pool={"num_cpus": 0.25, "min_workers": 2}) as plane:
@@ -254,11 +254,11 @@ def test_env_worker_killed_mid_rollout_is_redispatched_and_others_finish(ray_ses
                 await plane.submit(request(standin, env=CALC, task_index=i, client=slow))
             await plane._pools.ensure_env_pool(CALC)  # started by the first dispatch; wait for it
             pool = ray.get_actor(PoolNames(plane.names.prefix).env_pool(CALC))
-            deadline = asyncio.get_running_loop().time() + 30
-            while True:
+            deadline = asyncio.get_running_loop().time() + 60
+            while True:  # every session open at once (a model call takes 5 s); placement may pick one worker
                 stats = await pool.stats.remote()
                 busy = [w for w in stats.workers if w.sessions > 0]
-                if stats.sessions == 4 and len(busy) == 2:
+                if stats.sessions == 4 and busy:
                     break
                 assert asyncio.get_running_loop().time() < deadline, stats
                 await asyncio.sleep(0.1)
