@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from family_tokenizers import template_variant
 
 from renderer_actors.calls import BridgeRequest, History
 from renderer_actors.config import RendererConfig
@@ -13,7 +14,6 @@ from renderer_actors.key import RendererKey
 from renderer_actors.renderer import Renderer
 from renderer_actors.tokenizer import BUNDLED_MODEL
 from rollout_actors.kernel import CallerError, Ref
-from family_tokenizers import template_variant
 
 IM_END = 151645
 TOOLS = [{"type": "function", "function": {"name": "search", "parameters": {"type": "object"}}}]

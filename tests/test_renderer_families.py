@@ -19,6 +19,7 @@ import os
 from typing import Any
 
 import pytest
+from family_tokenizers import tokenizer_dir
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -26,7 +27,6 @@ from renderer_actors.calls import BridgeRequest, History
 from renderer_actors.config import RendererConfig
 from renderer_actors.key import RendererKey
 from renderer_actors.renderer import Renderer
-from family_tokenizers import tokenizer_dir
 
 GPT_OSS_TOKENIZER = os.environ.get("RAY_ROLLOUTS_GPT_OSS_TOKENIZER")
 """A local gpt-oss tokenizer directory; with TIKTOKEN_ENCODINGS_BASE holding o200k_base, harmony loads."""
