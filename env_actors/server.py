@@ -122,12 +122,14 @@ class EnvServer:
 
     @ray.method(concurrency_group=PROBE_GROUP)
     async def health(self) -> dict[str, Any]:
-        """Liveness, answered from the probe loop even while env code blocks the default loop."""
+        """Liveness, answered from the probe loop even while env code blocks the default loop. `calls`: env
+        calls running now (an operator, or a test, sees a call start without guessing)."""
         stall = time.monotonic() - self._last_tick - HEARTBEAT_S
         return {
             "phase": self._phase,
             "loop_stall_s": max(0.0, stall) if self._heartbeat is not None else 0.0,
             "sessions": len(self._sessions),
+            "calls": sum(self._busy.values()),
             "pid": os.getpid(),
         }
 

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
+
+import ray
 
 from env_actors.pool import EnvPoolConfig, start_env_pool, stop_env_pool
 from rollout_actors.wire import Ref
@@ -35,3 +39,13 @@ async def env_pool(target: str, config: EnvPoolConfig | None = None, **env_confi
         yield pool
     finally:
         await stop_env_pool(pool)
+
+
+async def call_started(worker: str, timeout: float = 20.0) -> None:
+    """Wait until env worker `worker` reports a call running (its `health()["calls"]`), so a fault injected
+    next lands on a call in flight, not on one still on its way."""
+    handle = ray.get_actor(worker)
+    deadline = time.monotonic() + timeout
+    while (await handle.health.remote())["calls"] < 1:
+        assert time.monotonic() < deadline, f"no call started on {worker} within {timeout:g} s"
+        await asyncio.sleep(0.02)

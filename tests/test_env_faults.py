@@ -11,7 +11,7 @@ from contextlib import suppress
 
 import pytest
 import ray
-from env_pools import env_pool, pool_name, widened
+from env_pools import call_started, env_pool, pool_name, widened
 from waiting import eventually
 
 from env_actors.pool import EnvPoolConfig, EnvStartupError, start_env_pool
@@ -143,7 +143,7 @@ def test_worker_killed_with_a_call_in_flight_fails_that_call_and_is_replaced():
         async with env_pool(ECHO, EnvPoolConfig(**PROBES), step_delay=30.0) as pool:
             session = await EnvSession.open(pool, task_index=0, timeout=10)
             step = asyncio.ensure_future(session.step(assistant(), timeout=60))
-            await asyncio.sleep(0.3)
+            await call_started(session.worker)
             os.kill(await worker_pid(pool, session.worker), signal.SIGKILL)
             with pytest.raises(EnvCallFailed) as failed:
                 await step
@@ -167,7 +167,7 @@ def test_frozen_worker_is_detected_as_wedged_its_calls_fail_and_it_is_replaced()
             session = await EnvSession.open(pool, task_index=0, timeout=10)
             pid = await worker_pid(pool, session.worker)
             step = asyncio.ensure_future(session.step(assistant(), timeout=60))
-            await asyncio.sleep(0.3)
+            await call_started(session.worker)
             os.kill(pid, signal.SIGSTOP)
             try:
                 with pytest.raises(EnvCallFailed) as failed:

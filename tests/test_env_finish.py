@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import ray
-from env_pools import env_pool
+from env_pools import call_started, env_pool
 from waiting import eventually
 
 from env_actors.pool import EnvPoolConfig
@@ -183,7 +183,7 @@ def test_worker_killed_during_the_finishing_step_fails_it_as_infrastructure():
             session = await EnvSession.open(pool, task_index=0, timeout=10)
             pid = next(w.pid for w in (await pool.stats.remote()).workers if w.worker == session.worker)
             step = asyncio.ensure_future(session.step(assistant(), timeout=60, score_if_done=True))
-            await asyncio.sleep(0.3)
+            await call_started(session.worker)
             os.kill(pid, signal.SIGKILL)
             with pytest.raises(EnvCallFailed) as failed:
                 await step

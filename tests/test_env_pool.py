@@ -8,7 +8,7 @@ import json
 
 import pytest
 import ray
-from env_pools import env_pool
+from env_pools import call_started, env_pool
 from waiting import eventually
 
 from env_actors.pool import EnvPoolConfig, get_env_pool
@@ -142,7 +142,7 @@ def test_closing_or_cancelling_a_session_ends_it_on_its_worker():
                     await session.close()
 
             task = asyncio.ensure_future(rollout())
-            await asyncio.sleep(0.5)
+            await call_started(session.worker)  # cancelled mid-step, not before the step left
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task

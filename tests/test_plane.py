@@ -58,7 +58,6 @@ def test_killed_worker_rollouts_are_redispatched_and_answered_once(ray_session, 
             victim = p._workers.live()[0]
             ray.kill(victim.handle, no_restart=True)
             results = [await p.next_result(timeout=60) for _ in ids]
-            await asyncio.sleep(0.5)
             return ids, results, p.stats()
 
     ids, results, stats = run(scenario())
@@ -66,6 +65,26 @@ def test_killed_worker_rollouts_are_redispatched_and_answered_once(ray_session, 
     assert all(r.kind == "ok" for r in results), [(r.kind, r.error) for r in results]
     assert stats["redispatched"] > 0
     assert any(r.attempts == 2 for r in results)
+    assert stats["duplicates_dropped"] == 0  # a killed worker answers nothing late
+
+
+def test_a_late_answer_for_an_answered_lease_is_dropped_and_counted(ray_session, standin):
+    """The plane gives up at the request's deadline (no grace); the worker's own answer comes after."""
+
+    async def scenario():
+        async with plane(answer_grace_s=0.0) as p:
+            await p.submit(slow_request(standin, 0.0))  # warm: the env pool and renderer are up
+            assert (await p.next_result(timeout=60)).kind == "ok"
+            await p.submit(slow_request(standin, 10.0, 1, deadline_s=2.0))
+            result = await p.next_result(timeout=30)
+            await wait_until(lambda: p.stats()["duplicates_dropped"] == 1, 30)
+            return result, p.stats()
+
+    result, stats = run(scenario())
+    assert result.kind == "infrastructure" and result.error.type == "DeadlineExceeded", result.error
+    assert "deadline_s + answer_grace_s" in result.error.message  # the plane's answer, not the worker's
+    assert stats["duplicates_dropped"] == 1 and stats["redispatched"] == 0
+    assert stats["counters"].get("kind.infrastructure") == 1  # the late answer was not delivered
 
 
 def test_wedged_worker_is_detected_within_hang_timeout(ray_session, standin):

@@ -101,7 +101,14 @@ def test_chat_mode_relays_and_records_token_ids(ray_session, standin):
     assert result.kind == "ok", result.error
     assert len(result.turns) >= 2
     assert all(t.completion_ids and t.new_prompt_ids for t in result.turns)
-    assert result.messages[-1]["role"] == "assistant" or result.messages[-1]["role"] == "tool"
+    # The stand-in calls the calculator, reads its answer, then answers without a tool call: the episode
+    # is exactly that, and the messages say so in order.
+    assert [m["role"] for m in result.messages] == ["system", "user", "assistant", "tool", "assistant"]
+    call, answer = result.messages[2], result.messages[4]
+    assert [c["function"]["name"] for c in call["tool_calls"]] == ["calculator"]
+    assert result.messages[3]["tool_call_id"] == call["tool_calls"][0]["id"]
+    assert not answer.get("tool_calls") and "\\boxed{" in answer["content"]
+    assert len(result.turns) == 2
 
 
 def test_bad_refs_and_malformed_tasks_come_back_as_caller_results(ray_session, standin):
