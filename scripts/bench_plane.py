@@ -30,7 +30,9 @@ Measured (per way):
                completion; the plane's `Turn` carries no timing, so it cannot be measured there
   slow         b/c: calls > 5x latency; plane: rollouts whose wall/turns > 5x latency
 
-The last line is `plane/single-process at C=2048: <wall (a) / wall (b)>`.
+The last three lines: `plane CPU per turn / single-process at C=2048` (CPU of every plane process but the
+stand-in per turn, over the single process's own CPU per turn), `plane/ideal at C=1024`, and
+`plane/single-process at C=2048: <wall (a) / wall (b)>`.
 """
 
 from __future__ import annotations
@@ -88,6 +90,18 @@ class WayResult:
     cpu: dict[str, float] = field(default_factory=dict)
     """CPU seconds the wave cost, by role (`cpu_by_role`, after minus before)."""
     notes: dict[str, Any] = field(default_factory=dict)
+
+
+def cpu_per_turn(r: WayResult) -> float:
+    """CPU seconds per turn of the processes doing the way's own work: for the plane every process of its
+    cluster but the stand-in (workers, renderers, env servers, pools, Ray's daemons, the driver); for a
+    single process, that process (the idle Ray cluster beside it is not its cost)."""
+    if r.way == "a":
+        own = sum(sec for role, sec in r.cpu.items() if role != "stand-in")
+    else:
+        own = r.cpu.get("driver", 0.0)
+    turns = sum(r.turns)
+    return own / turns if turns else math.nan
 
 
 def _quartiles(values: list[float]) -> list[float]:
@@ -329,6 +343,12 @@ def print_table(args: argparse.Namespace, c: int, results: dict[str, WayResult])
         total = sum(r.cpu.values())
         shown = ", ".join(f"{role} {sec:.1f}" for role, sec in parts if sec >= 0.05)
         print(f"({key}) total {total:.1f} s [{total / c * 1e3:.1f} ms]: {shown}")
+        print(
+            f"({key}) own CPU per turn (all but the stand-in{'' if key == 'a' else ': the process'}): "
+            f"{cpu_per_turn(r) * 1e3:.2f} ms"
+        )
+    if by("a") and by("b") and by("a").cpu and by("b").cpu:
+        print(f"plane CPU per turn / single-process: {cpu_per_turn(by('a')) / cpu_per_turn(by('b')):.2f}")
     for key in "abc":
         r = by(key)
         if r is not None and any(r.notes.values()):
@@ -337,15 +357,27 @@ def print_table(args: argparse.Namespace, c: int, results: dict[str, WayResult])
 
 async def main_async(args: argparse.Namespace) -> None:
     ratio_2048: float | None = None
+    cpu_2048: float | None = None
+    ideal_1024: float | None = None
     for c in args.concurrency:
         results: dict[str, WayResult] = {}
         for way in args.ways:
             results[way] = await run_way(args, c, way)
         print_table(args, c, results)
-        if c == 2048 and "a" in results and "b" in results:
-            ratio_2048 = results["a"].wall_s / results["b"].wall_s
+        plane, single = results.get("a"), results.get("b")
+        if c == 2048 and plane and single:
+            ratio_2048 = plane.wall_s / single.wall_s
+            cpu_2048 = cpu_per_turn(plane) / cpu_per_turn(single)
+        if c == 1024 and plane and plane.turns:
+            ideal_1024 = plane.wall_s / (statistics.fmean(plane.turns) * args.latency)
     print()
-    print(f"plane/single-process at C=2048: {f'{ratio_2048:.2f}' if ratio_2048 is not None else 'n/a'}")
+    print(f"plane CPU per turn / single-process at C=2048: {_fmt(cpu_2048)}")
+    print(f"plane/ideal at C=1024: {_fmt(ideal_1024)}")
+    print(f"plane/single-process at C=2048: {_fmt(ratio_2048)}")
+
+
+def _fmt(ratio: float | None) -> str:
+    return f"{ratio:.2f}" if ratio is not None else "n/a"
 
 
 def parse_args() -> argparse.Namespace:
