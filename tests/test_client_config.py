@@ -61,6 +61,7 @@ def test_the_total_call_deadline_defaults_to_the_per_attempt_budget():
     assert ClientConfig(**BASE, call_timeout=5).call_deadline == 5.0
 
 
+@pytest.mark.slow
 def test_the_plane_answers_each_absurd_config_with_one_caller_result_naming_the_field(ray_session):
     cases = [("client", fields, name) for fields, name in BAD_CLIENT]
     cases += [("sampling", fields, name) for fields, name in BAD_SAMPLING]

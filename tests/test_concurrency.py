@@ -165,6 +165,7 @@ def test_thresholds_must_be_ordered():
         ConcurrencyConfig(grow_below=0.95, aim=0.95, shrink_above=0.9)
 
 
+@pytest.mark.slow
 def test_the_controller_lowers_the_limit_when_a_real_servers_kv_cache_fills(ray_session):
     """A stand-in whose KV cache holds about three model calls, a train lane of 24 full of slow
     rollouts: the controller reads the stand-in's /metrics, and the lane limit comes down."""

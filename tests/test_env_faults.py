@@ -19,7 +19,8 @@ from env_actors.session import EnvCallFailed, EnvSession
 from rollout_actors.kernel import RestartIntensity
 from rollout_actors.wire import Ref
 
-pytestmark = pytest.mark.usefixtures("ray_session")
+# every test here starts real actors or servers (a plane, a pool, a server process): seconds each
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_session")]
 
 ECHO = "env_actors.faults.envs:EchoEnv"
 PROBES = dict(probe_interval=0.2)

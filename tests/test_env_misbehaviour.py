@@ -102,6 +102,7 @@ def test_a_misbehaving_environment_ends_in_one_result_of_its_documented_kind(out
         assert result.attempts == 1  # the environment's own bug is not re-dispatched
 
 
+@pytest.mark.slow
 def test_a_requests_deadline_holds_while_its_env_pool_starts(ray_session, standin):
     """An environment whose constructor never returns: its pool would wait out `env_ready_timeout_s`, but a
     request with a 3 s deadline is answered at its deadline, `infrastructure` (`DeadlineExceeded`)."""

@@ -153,6 +153,7 @@ def test_closing_or_cancelling_a_session_ends_it_on_its_worker():
     run(body(), 50)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_pool_grows_with_open_sessions_and_shrinks_back_when_idle():
     async def body():
@@ -181,6 +182,7 @@ def test_a_session_its_owner_abandoned_is_closed_after_the_idle_timeout():
     run(body(), 50)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_a_session_stepping_directly_on_its_worker_is_not_idle_to_the_pool():
     """Steps bypass the pool; its reaper must ask the worker before calling a session abandoned."""

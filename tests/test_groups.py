@@ -19,6 +19,9 @@ from rollout_actors.groups import Stragglers
 from rollout_actors.plane import PlaneConfig, RolloutPlane
 from rollout_actors.wire import ClientConfig, Ref, RolloutRequest, SamplingConfig
 
+# every test here starts real actors or servers (a plane, a pool, a server process): seconds each
+pytestmark = pytest.mark.slow
+
 MATH = Ref(target="env_actors.examples.math_env:MathEnv")
 ECHO = Ref(target="env_actors.faults.envs:EchoEnv", config={"num_tasks": 8, "turns": 3})
 DEADLINE_S = 120

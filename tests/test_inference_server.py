@@ -30,6 +30,9 @@ from rollout_actors.inference.server_actor import (
 from rollout_actors.inference.server_set import InferenceServerSet
 from rollout_actors.kernel import RestartIntensity
 
+# every test here starts real actors or servers (a plane, a pool, a server process): seconds each
+pytestmark = pytest.mark.slow
+
 try:
     import httpx2 as httpx
 except ImportError:  # pragma: no cover

@@ -122,6 +122,7 @@ def test_an_error_body_that_echoes_the_key_never_carries_it(standin, monkeypatch
     assert secret not in failure.model_dump_json()  # ...and the key did not survive it
 
 
+@pytest.mark.slow
 def test_an_echoed_key_reaches_no_result_log_line_or_file_through_the_plane(ray_session, standin, tmp_path):
     """End to end: the planted key is sent as the API key, the server echoes it in a 400, and it appears
     in no Result, no JSON line, no Ray log file and no stand-in log."""
@@ -177,6 +178,7 @@ def _holds(path: str, secret: str) -> bool:
         return False
 
 
+@pytest.mark.slow
 def test_a_rollout_whose_server_samples_an_id_past_the_vocabulary_ends_model_without_recording_it(
     ray_session, standin
 ):

@@ -17,6 +17,9 @@ from renderer_actors.tokenizer import BUNDLED_MODEL
 from rollout_actors.plane import PlaneConfig, RolloutPlane
 from rollout_actors.wire import ClientConfig, Ref, RolloutRequest, SamplingConfig
 
+# every test here starts real actors or servers (a plane, a pool, a server process): seconds each
+pytestmark = pytest.mark.slow
+
 CALC = Ref(target="env_actors.examples.calculator_env:CalculatorEnv")
 DEADLINE_S = 180
 

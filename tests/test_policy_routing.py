@@ -9,6 +9,7 @@ import signal
 
 import numpy as np
 import openai
+import pytest
 from adapters import served_models, unload_adapters
 from env_pools import TEST_REF_PREFIXES
 from waiting import wait_until
@@ -20,6 +21,9 @@ from rollout_actors.kernel import RestartIntensity
 from rollout_actors.lora import LoraAdapter, lora_config
 from rollout_actors.plane import PlaneConfig, RolloutPlane
 from rollout_actors.wire import ClientConfig, Ref, RolloutRequest, SamplingConfig
+
+# every test here starts real actors or servers (a plane, a pool, a server process): seconds each
+pytestmark = pytest.mark.slow
 
 MATH = Ref(target="env_actors.examples.math_env:MathEnv")
 DEADLINE_S = 150

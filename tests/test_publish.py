@@ -303,6 +303,7 @@ def test_a_checked_out_version_outlives_retention_until_checked_in(servers, tmp_
     assert sorted(p.name.split("-")[1] for p in tmp_path.iterdir()) == ["v3", "v4"]
 
 
+@pytest.mark.slow
 def test_replacement_server_gets_the_active_adapter_before_traffic(servers, tmp_path):
     async def scenario():
         publisher = PolicyPublisher(servers[:1], tmp_path, load_timeout=10, retries=1)

@@ -49,6 +49,7 @@ def _substitute(code: str, base_url: str) -> str:
     )
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(PYTHON_BLOCK_DEADLINE_S + 30)
 @pytest.mark.parametrize("snippet", blocks("python"), ids=lambda b: b.name)
 def test_python_block_runs(snippet, ray_session, standin):

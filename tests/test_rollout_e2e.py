@@ -15,6 +15,9 @@ from rollout_actors.plane import PlaneConfig, RolloutPlane
 from rollout_actors.samples import turn_prompts
 from rollout_actors.wire import ClientConfig, Ref, RendererConfig, Result, RolloutRequest, SamplingConfig
 
+# every test here starts real actors or servers (a plane, a pool, a server process): seconds each
+pytestmark = pytest.mark.slow
+
 MATH = Ref(target="env_actors.examples.math_env:MathEnv")
 CALC = Ref(target="env_actors.examples.calculator_env:CalculatorEnv")
 DEADLINE_S = 90  # every test here answers well inside this, or fails instead of hanging

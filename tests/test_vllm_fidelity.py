@@ -101,6 +101,7 @@ def test_the_launched_command_carries_tool_and_reasoning_parsers_for_qwen3():
     assert "--tool-call-parser" not in off and "--enable-auto-tool-choice" not in off
 
 
+@pytest.mark.slow
 def test_a_chat_rollout_with_environment_tools_runs_on_a_server_started_as_spec_builds_it(
     standin, ray_session
 ):
@@ -293,6 +294,7 @@ def test_a_server_with_an_api_key_refuses_every_v1_route_without_it(bare):
         assert http.get("/v1/models", headers=key).status_code == 200
 
 
+@pytest.mark.slow
 def test_readiness_and_publication_send_the_key_which_never_reaches_a_command_line(ray_session, tmp_path):
     spec = ServerSpec(
         kind="standin",

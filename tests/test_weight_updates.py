@@ -18,6 +18,9 @@ from rollout_actors.plane import PlaneConfig, RolloutPlane
 from rollout_actors.samples import trainer_samples, turn_prompts
 from rollout_actors.wire import ClientConfig, Ref, RolloutRequest, SamplingConfig
 
+# every test here starts real actors or servers (a plane, a pool, a server process): seconds each
+pytestmark = pytest.mark.slow
+
 try:
     import httpx2 as httpx
 except ImportError:  # pragma: no cover
