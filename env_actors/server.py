@@ -4,8 +4,8 @@ It is "let it crash" code: it classifies every failure of environment code into 
 traceback is formatted here, before Ray strips it at the actor boundary) and otherwise makes no decisions.
 Deciding what a death or a stall means belongs to the supervisor (`supervisor.py`).
 
-Two event loops, by design: env calls run on the default concurrency group; `health` and `pid` run on the
-`probe` group, whose loop is its own thread. A probe therefore answers while environment code blocks the
+Two event loops, by design: env calls run on the default concurrency group; `health` runs on the `probe`
+group, whose loop is its own thread. A probe therefore answers while environment code blocks the
 default loop, and reports how long that loop has been stalled (`loop_stall_s`): the supervisor treats a
 stall past `hang_timeout` like a frozen process. A frozen (SIGSTOPped) or lost process answers nothing.
 """
@@ -30,7 +30,7 @@ from env_actors.interface import EnvResponse, ResetOut, ScoreOut, StepOut, check
 from rollout_actors.kernel import DEFAULT_ALLOWED_PREFIXES, CallerError, Failure, Ref, RefResolver
 
 PROBE_GROUP = "probe"
-PROBE_GROUP_SIZE = 4  # a probe, a pid query and slack for a probe that outlived its caller's timeout
+PROBE_GROUP_SIZE = 4  # a probe and slack for probes that outlived their caller's timeout
 HEARTBEAT_S = 0.1  # resolution of `loop_stall_s`; far below any sane hang_timeout
 MIN_SERVER_CONCURRENCY = 64
 BATCH_LINGER_S = 0.02
@@ -132,10 +132,6 @@ class EnvServer:
             "calls": sum(self._busy.values()),
             "pid": os.getpid(),
         }
-
-    @ray.method(concurrency_group=PROBE_GROUP)
-    def pid(self) -> int:
-        return os.getpid()
 
     # ------------------------------------------------------------------------------ session calls
 

@@ -6,7 +6,6 @@ Ray strips exception causes at actor boundaries, so the worker turns every excep
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from typing import Any
 
@@ -47,15 +46,14 @@ MODEL_FAILURES = (
 )
 
 
-def classify(exc: BaseException) -> tuple[ResultKind, Failure]:
-    """Map an exception raised while running a rollout to (result kind, failure)."""
+def classify(exc: Exception) -> tuple[ResultKind, Failure]:
+    """Map an exception raised while running a rollout to (result kind, failure). Cancellation is not an
+    exception here: the rollout answers `cancelled` itself (`rollout.py`)."""
     kind_attr = getattr(exc, "kind", None)
     failure_attr = getattr(exc, "failure", None)
     if isinstance(failure_attr, Failure) and kind_attr in ("infrastructure", "caller", "model"):
         # Already classified on the side that failed (env pool, renderer pool).
         return kind_attr, failure_attr
-    if isinstance(exc, asyncio.CancelledError):
-        return "cancelled", Failure(type="Cancelled", message="rollout was cancelled")
     if isinstance(exc, openai.APIStatusError):
         return "model", Failure.from_exception(exc, status_code=exc.status_code)
     if isinstance(exc, openai.APITimeoutError):

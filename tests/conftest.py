@@ -6,7 +6,6 @@ import os
 
 import pytest
 
-os.environ.setdefault("RAY_ROLLOUTS_TEST", "1")
 # A planted API key: set before Ray starts so every worker inherits it; tests assert it never leaks.
 os.environ.setdefault("RAY_ROLLOUTS_TEST_SECRET", "sk-planted-" + os.urandom(12).hex())
 
