@@ -300,7 +300,7 @@ def test_readiness_and_publication_send_the_key_which_never_reaches_a_command_li
         kind="standin",
         model=BUNDLED_MODEL,
         host="127.0.0.1",
-        startup_timeout=60,
+        startup_timeout_s=60,
         num_cpus=0,
         api_key_var=KEY_VAR,
     )

@@ -53,7 +53,7 @@ ServerState = Literal["created", "starting", "ready", "dead", "stopped"]
 class ServerSpec(BaseModel):
     """What to run. Defaults are production ones (vLLM); tests choose `kind="standin"`."""
 
-    model_config = ConfigDict(frozen=True)
+    model_config = ConfigDict(frozen=True, extra="forbid")
 
     kind: Literal["vllm", "standin"] = "vllm"
     model: str
@@ -100,11 +100,11 @@ class ServerSpec(BaseModel):
     """Stand-in only: `StandinOptions` fields (latency_s, seed, fault_rate, ...)."""
     env: dict[str, str] = Field(default_factory=dict)
     """Extra environment for the subprocess (no secrets: name them in the server's own config)."""
-    startup_timeout: float = 900.0
+    startup_timeout_s: float = 900.0
     """Seconds from launch to ready: downloading and loading a large model takes minutes."""
-    health_interval: float = 10.0
+    health_interval_s: float = 10.0
     """After startup, seconds between /health checks."""
-    health_timeout: float = 10.0
+    health_timeout_s: float = 10.0
     unhealthy_after: int = 3
     """Consecutive failed /health checks before the server counts as wedged and is killed."""
     num_cpus: float = 1.0
@@ -325,7 +325,7 @@ class InferenceServer:
         self._watcher: asyncio.Task[None] | None = None
 
     async def start(self) -> ServerStatus:
-        """Launch and wait until ready or `startup_timeout`; a failure stops the process and is reported."""
+        """Launch and wait until ready or `startup_timeout_s`; a failure stops the process and is reported."""
         if self._status.state != "created":
             return self._status
         spec = self.spec
@@ -405,12 +405,12 @@ class InferenceServer:
     # ------------------------------------------------------------------------------------ internal
 
     async def _wait_ready(self) -> None:
-        deadline = time.monotonic() + self.spec.startup_timeout
+        deadline = time.monotonic() + self.spec.startup_timeout_s
         headers = auth_headers(self.spec.api_key_var)  # /v1/models is guarded when the server has a key
         async with httpx.AsyncClient(timeout=httpx.Timeout(2.0), trust_env=False, headers=headers) as client:
             while not self._exited.is_set():
                 if time.monotonic() > deadline:
-                    self._fail(f"not ready within startup_timeout={self.spec.startup_timeout:g}s")
+                    self._fail(f"not ready within startup_timeout_s={self.spec.startup_timeout_s:g}s")
                     self._signal_group(signal.SIGKILL)
                     with contextlib.suppress(TimeoutError):  # let the watcher record the exit code
                         await asyncio.wait_for(self._exited.wait(), STOP_GRACE)
@@ -433,9 +433,9 @@ class InferenceServer:
     async def _watch_process(self) -> None:
         """Owned by the actor: sees the exit within POLL_INTERVAL, and kills a wedged server."""
         assert self._process is not None
-        failures, next_check = 0, time.monotonic() + self.spec.health_interval
+        failures, next_check = 0, time.monotonic() + self.spec.health_interval_s
         async with httpx.AsyncClient(
-            timeout=httpx.Timeout(self.spec.health_timeout),
+            timeout=httpx.Timeout(self.spec.health_timeout_s),
             trust_env=False,
             headers=auth_headers(self.spec.api_key_var),  # /health is unguarded on vLLM; a proxy may not be
         ) as client:
@@ -445,7 +445,7 @@ class InferenceServer:
                     continue
                 root = (self._status.url or "").removesuffix("/v1")
                 failures = 0 if await _answers(client, f"{root}/health") else failures + 1
-                next_check = time.monotonic() + self.spec.health_interval
+                next_check = time.monotonic() + self.spec.health_interval_s
                 if failures >= self.spec.unhealthy_after:
                     self._fail(f"wedged: /health failed {failures} times in a row; killed")
                     self._signal_group(signal.SIGKILL)

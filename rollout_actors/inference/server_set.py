@@ -121,7 +121,7 @@ class InferenceServerSet:
         slot.actor = actor
         slot.status = ServerStatus(state="starting")
         try:
-            status = await asyncio.wait_for(actor.start.remote(), self.spec.startup_timeout + WATCH_GRACE)
+            status = await asyncio.wait_for(actor.start.remote(), self.spec.startup_timeout_s + WATCH_GRACE)
         except (ray.exceptions.RayError, TimeoutError) as exc:
             status = ServerStatus(state="dead", reason=f"actor failed during startup: {exc!r}")
         if status.state == "ready" and self.before_routing is not None:
