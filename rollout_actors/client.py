@@ -8,10 +8,10 @@ while connection pool, retries and state stay per rollout.
 
 from __future__ import annotations
 
+import gc
 import os
 import ssl
 import threading
-import weakref
 
 import openai
 
@@ -95,26 +95,17 @@ def build_client(config: ClientConfig, session_id: str | None = None) -> openai.
     if session_id is not None:
         # Lets a router (vLLM's, or any prefix-cache-aware one) keep this rollout on one replica.
         headers["X-Session-ID"] = session_id
-    return track(
-        openai.AsyncOpenAI(
-            base_url=config.base_url,
-            api_key=api_key_from_env(config),
-            timeout=timeout,
-            max_retries=config.max_retries,
-            default_headers=headers,
-            http_client=http_client,
-        )
+    return openai.AsyncOpenAI(
+        base_url=config.base_url,
+        api_key=api_key_from_env(config),
+        timeout=timeout,
+        max_retries=config.max_retries,
+        default_headers=headers,
+        http_client=http_client,
     )
 
 
-_live_clients: weakref.WeakSet[openai.AsyncOpenAI] = weakref.WeakSet()
-
-
-def track(client: openai.AsyncOpenAI) -> openai.AsyncOpenAI:
-    _live_clients.add(client)
-    return client
-
-
 def open_client_count() -> int:
-    """Clients built in this process and not yet closed (tests assert it returns to zero)."""
-    return sum(1 for client in list(_live_clients) if not client.is_closed())
+    """Debug: OpenAI clients in this process not yet closed, found by walking the heap when asked (leak
+    checks: `RolloutWorker.debug_resources`). Nothing is recorded as clients are built."""
+    return sum(1 for obj in gc.get_objects() if isinstance(obj, openai.AsyncOpenAI) and not obj.is_closed())

@@ -162,8 +162,10 @@ class RolloutWorker:
                 yield stall
             await asyncio.sleep(HEARTBEAT_S)
 
-    async def resources(self, port: int | None = None) -> dict[str, Any]:
-        """What this process holds: open clients, TCP connections (optionally to one port), threads."""
+    async def debug_resources(self, port: int | None = None) -> dict[str, Any]:
+        """Debug endpoint, not used by the plane: what this process holds (open clients, established TCP
+        connections, optionally to one port, threads, RSS, rollouts running), for leak checks in tests
+        and `bench_plane.py`, and for an operator chasing a leak. It walks the heap: call it rarely."""
         import psutil
 
         proc = psutil.Process()

@@ -201,7 +201,7 @@ async def run_plane(args: argparse.Namespace, c: int, server: StandinServer) -> 
         workers = [
             ray.get_actor(w["name"], namespace=plane.names.namespace) for w in plane.stats()["workers"]
         ]
-        before = await asyncio.gather(*(w.resources.remote(server.port) for w in workers))
+        before = await asyncio.gather(*(w.debug_resources.remote(server.port) for w in workers))
         time_wait_before = time_wait_count(server.port)
         probe = Probe(server.pid, server.port, [r["pid"] for r in before]).start()
         await asyncio.sleep(0.6)
@@ -223,7 +223,7 @@ async def run_plane(args: argparse.Namespace, c: int, server: StandinServer) -> 
         sample = probe.stop()
         if profiler is not None:
             profiler.stop()
-        after = await asyncio.gather(*(w.resources.remote(server.port) for w in workers))
+        after = await asyncio.gather(*(w.debug_resources.remote(server.port) for w in workers))
         time_wait = time_wait_count(server.port) - time_wait_before
         stats = plane.stats()
     finally:

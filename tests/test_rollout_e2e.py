@@ -241,7 +241,7 @@ def test_no_client_or_connection_left_open_after_ok_failed_and_cancelled(ray_ses
                 assert await plane.cancel(request_id)
             results += await collect(plane, 3)
             worker = plane._workers.live()[0].handle
-            held = await worker.resources.remote(port=standin.port)
+            held = await worker.debug_resources.remote(port=standin.port)
             return results, held
 
     results, held = run(scenario())
