@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -57,6 +59,20 @@ class EnvPoolConfig(BaseModel):
         if self.max_workers < self.min_workers:
             raise ValueError(f"max_workers ({self.max_workers}) < min_workers ({self.min_workers})")
         return self
+
+
+@dataclass(frozen=True, slots=True)
+class EnvCallLimits:
+    """The pool's per-call ceilings, handed to each EnvServer: sessions call it directly, so it caps their
+    deadlines itself."""
+
+    reset_s: float = math.inf
+    step_s: float = math.inf
+    score_s: float = math.inf
+
+    @classmethod
+    def of(cls, config: EnvPoolConfig) -> EnvCallLimits:
+        return cls(reset_s=config.reset_timeout, step_s=config.step_timeout, score_s=config.score_timeout)
 
 
 class WorkerInfo(BaseModel):

@@ -29,7 +29,7 @@ from typing import Any, Literal
 
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayError
 
-from env_actors.interface import EnvResponse
+from env_actors.interface import EnvCall, EnvResponse, SessionMethod
 from env_actors.server import DEADLINE_FAILURE
 from env_actors.supervisor import exit_detail, resolve
 from rollout_actors.kernel import Failure, process_owner
@@ -71,16 +71,16 @@ async def call_server(
     pool: Any,
     server: Any,
     worker: str,
-    method: str,
+    method: SessionMethod,
     session_id: str,
     args: tuple,
     timeout: float,
-    **kwargs: Any,
+    score_if_done: bool = False,
 ) -> Any:
-    """`server.<method>(session_id, *args, timeout, **kwargs)` straight to the worker, in one `call_many`
-    with every call this loop makes of that worker in the same tick; every failure an `EnvCallFailed`.
-    A caller that gives up stops waiting; the call itself ends with its session (`close`)."""
-    call = (method, session_id, args, timeout, kwargs)
+    """`server.<method>(session_id, *args, timeout)` straight to the worker, in one `call_many` with every
+    call this loop makes of that worker in the same tick; every failure an `EnvCallFailed`. A caller that
+    gives up stops waiting; the call itself ends with its session (`close`)."""
+    call = EnvCall(method, session_id, args, timeout, score_if_done)
     try:
         async with asyncio.timeout(timeout + DIRECT_CALL_SLACK_S):  # a scope: no task per call
             response: EnvResponse = await _state().call(server, call)
@@ -156,10 +156,10 @@ class _LoopState:
     def __init__(self) -> None:
         self._places: dict[Any, tuple[Any, list[str], list[asyncio.Future[Any]], list[float]]] = {}
         self._forgets: dict[Any, tuple[Any, list[str]]] = {}
-        self._calls: dict[Any, tuple[Any, list[tuple], list[asyncio.Future[Any]]]] = {}
+        self._calls: dict[Any, tuple[Any, list[EnvCall], list[asyncio.Future[Any]]]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
 
-    async def call(self, server: Any, call: tuple) -> EnvResponse:
+    async def call(self, server: Any, call: EnvCall) -> EnvResponse:
         """One session call, sent with this tick's other calls to the same worker."""
         key = _actor_key(server)
         batch = self._calls.get(key)
@@ -179,17 +179,17 @@ class _LoopState:
             return
         calls, waiters = [call for call, _ in live], [waiter for _, waiter in live]
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + max(call[3] for call in calls) + DIRECT_CALL_SLACK_S
+        deadline = loop.time() + max(call.timeout_s for call in calls) + DIRECT_CALL_SLACK_S
         try:
             replies = await asyncio.wait_for(server.call_many.remote(calls), deadline - loop.time())
-            by_ticket = {ticket: waiter for (ticket, _), waiter in zip(replies, waiters, strict=True)}
+            by_ticket = {reply.ticket: waiter for reply, waiter in zip(replies, waiters, strict=True)}
             while by_ticket:
-                for ticket, answer in replies:
-                    if answer is None:
+                for reply in replies:
+                    if reply.response is None:
                         continue
-                    waiter = by_ticket.pop(ticket)
+                    waiter = by_ticket.pop(reply.ticket)
                     if not waiter.done():  # else its caller gave up: the answer is dropped
-                        waiter.set_result(answer)
+                        waiter.set_result(reply.response)
                 if not by_ticket:
                     break
                 replies = await asyncio.wait_for(

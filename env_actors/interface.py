@@ -188,6 +188,31 @@ class EnvResponse(BaseModel):
         return cls.failed(Failure.from_exception(exc), kind, worker=worker)
 
 
+SessionMethod = Literal["reset", "step", "score"]
+
+
+@dataclass(frozen=True, slots=True)
+class EnvCall:
+    """One session call in an `EnvServer.call_many` batch (a plain slots dataclass: one per env step, so
+    nothing is validated on the way)."""
+
+    method: SessionMethod
+    session_id: str
+    args: tuple[Any, ...]
+    """`reset`: (task_index, task); `step`: (assistant message,); `score`: ()."""
+    timeout_s: float
+    score_if_done: bool = False
+    """`step` only: a step that ends the episode also scores it and ends the session."""
+
+
+@dataclass(frozen=True, slots=True)
+class EnvAnswer:
+    """A batched call's answer by ticket; `response` is None while the call still runs (ask `collect`)."""
+
+    ticket: int
+    response: EnvResponse | None
+
+
 @ref_target("environment")
 class Environment(abc.ABC):
     """Base class of environments served by `EnvServer`. Subclasses take their config as keyword

@@ -25,8 +25,8 @@ from typing import Any
 
 import ray
 
-from env_actors.config import EnvPoolConfig
-from env_actors.interface import EnvResponse, ResetOut, ScoreOut, StepOut, check_index
+from env_actors.config import EnvCallLimits, EnvPoolConfig
+from env_actors.interface import EnvAnswer, EnvCall, EnvResponse, ResetOut, ScoreOut, StepOut, check_index
 from rollout_actors.kernel import DEFAULT_ALLOWED_PREFIXES, CallerError, Failure, Ref, RefResolver
 
 PROBE_GROUP = "probe"
@@ -58,15 +58,13 @@ class EnvServer:
         env: Ref,
         worker: str,
         allowed_prefixes: tuple[str, ...] = DEFAULT_ALLOWED_PREFIXES,
-        limits: tuple[float, float, float] = (math.inf, math.inf, math.inf),
+        limits: EnvCallLimits = EnvCallLimits(),
     ):
         self._ref = env
         self._worker = worker
         self._resolver = RefResolver(allowed_prefixes)
         """The allowlist is the pool's configuration, fixed here: nothing a request carries reaches it."""
-        self._step_limit, self._score_limit, self._reset_limit = limits
-        """The pool's step, score and reset timeouts: sessions call this server directly, so it caps
-        their deadlines itself."""
+        self._limits = limits
         self._ended: OrderedDict[str, None] = OrderedDict()
         """Sessions closed before their reset arrived (a cancelled open): their late reset is refused, so
         it cannot start a session nobody will close."""
@@ -140,7 +138,7 @@ class EnvServer:
     ) -> EnvResponse:
         with self._using(session_id):
             return await self._guard(
-                "reset", min(timeout, self._reset_limit), self._reset(session_id, task_index, task)
+                "reset", min(timeout, self._limits.reset_s), self._reset(session_id, task_index, task)
             )
 
     async def step(
@@ -149,7 +147,7 @@ class EnvServer:
         """One step. With `score_if_done`, a step that ends the episode also scores it and ends the session
         in the same call (two calls fewer per rollout); `timeout` bounds the whole of it."""
         method = "step (scoring if done)" if score_if_done else "step"
-        limit = self._step_limit + (self._score_limit if score_if_done else 0.0)
+        limit = self._limits.step_s + (self._limits.score_s if score_if_done else 0.0)
         with self._using(session_id):
             return await self._guard(
                 method, min(timeout, limit), self._step(session_id, message, score_if_done)
@@ -157,30 +155,34 @@ class EnvServer:
 
     async def score(self, session_id: str, timeout: float) -> EnvResponse:
         with self._using(session_id):
-            return await self._guard("score", min(timeout, self._score_limit), self._score(session_id))
+            return await self._guard("score", min(timeout, self._limits.score_s), self._score(session_id))
 
-    async def call_many(self, calls: list[tuple[str, str, tuple, float, dict]]) -> list[tuple[int, Any]]:
-        """Several `reset` / `step` / `score` calls, `(method, session_id, args, timeout, kwargs)`, sent by one process
-        in one Ray call (`direct.py` batches a tick's worth). They run concurrently, each under its own
-        deadline; the reply is `(ticket, EnvResponse)` for each call answered by the time the first one
-        is plus `BATCH_LINGER_S`, and `(ticket, None)` for the rest, which `collect` answers later."""
+    async def call_many(self, calls: list[EnvCall]) -> list[EnvAnswer]:
+        """Several `reset` / `step` / `score` calls sent by one process in one Ray call (`direct.py`
+        batches a tick's worth). They run concurrently, each under its own deadline; the reply answers
+        each call that finished by the time the first one did plus `BATCH_LINGER_S`, and carries no
+        response for the rest, which `collect` answers later."""
         loop = asyncio.get_running_loop()
         tickets = []
-        for method, session_id, args, timeout, kwargs in calls:
-            if method not in ("reset", "step", "score"):
-                failure = Failure(type="CallerError", message=f"{method!r} cannot be batched")
-                task = loop.create_task(_answer(EnvResponse.failed(failure, "caller", self._worker)))
-            else:
-                task = loop.create_task(getattr(self, method)(session_id, *args, timeout, **kwargs))
+        for call in calls:
+            task = loop.create_task(self._batched_call(call))
             ticket = next(self._tickets)
-            self._batched[ticket] = (session_id, task)
+            self._batched[ticket] = (call.session_id, task)
             task.add_done_callback(
                 lambda _, t=ticket: loop.call_later(UNCOLLECTED_TTL_S, self._batched.pop, t, None)
             )
             tickets.append(ticket)
         return await self.collect(tickets)
 
-    async def collect(self, tickets: list[int]) -> list[tuple[int, Any]]:
+    def _batched_call(self, call: EnvCall) -> Awaitable[EnvResponse]:
+        if call.method == "step":
+            return self.step(call.session_id, *call.args, call.timeout_s, score_if_done=call.score_if_done)
+        if call.method in ("reset", "score"):
+            return getattr(self, call.method)(call.session_id, *call.args, call.timeout_s)
+        failure = Failure(type="CallerError", message=f"{call.method!r} cannot be batched")
+        return _answer(EnvResponse.failed(failure, "caller", self._worker))
+
+    async def collect(self, tickets: list[int]) -> list[EnvAnswer]:
         """Answers of batched calls: each one finished within `BATCH_LINGER_S` of the first to finish;
         None for those still running (ask again). A ticket nobody holds any more answers a failure."""
         running = [self._batched[t][1] for t in tickets if t in self._batched]
@@ -188,20 +190,20 @@ class EnvServer:
             done, pending = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
             if pending:
                 await asyncio.wait(pending, timeout=BATCH_LINGER_S)
-        answers: list[tuple[int, Any]] = []
+        answers: list[EnvAnswer] = []
         for ticket in tickets:
             entry = self._batched.get(ticket)
             if entry is not None and not entry[1].done():
-                answers.append((ticket, None))
+                answers.append(EnvAnswer(ticket, None))
                 continue
             self._batched.pop(ticket, None)
             if entry is None or entry[1].cancelled():
                 message = f"batched call {ticket} was ended before it answered (its session closed)"
                 answers.append(
-                    (ticket, EnvResponse.failed(Failure(type="EnvSessionClosed", message=message)))
+                    EnvAnswer(ticket, EnvResponse.failed(Failure(type="EnvSessionClosed", message=message)))
                 )
             else:
-                answers.append((ticket, entry[1].result()))
+                answers.append(EnvAnswer(ticket, entry[1].result()))
         return answers
 
     async def idle_sessions(self, session_ids: list[str], idle_s: float) -> list[str]:
@@ -331,8 +333,7 @@ def create_env_server(name: str, env: Ref, config: EnvPoolConfig) -> ray.actor.A
         max_concurrency=max(MIN_SERVER_CONCURRENCY, 2 * config.multiplex),
         scheduling_strategy="SPREAD",  # one node's loss takes a fraction of the pool, not all of it
     )
-    limits = (config.step_timeout, config.score_timeout, config.reset_timeout)
-    return actor.remote(env, name, tuple(prefixes), limits)
+    return actor.remote(env, name, tuple(prefixes), EnvCallLimits.of(config))
 
 
 # Concurrency groups can only be declared here, not in `.options()`. No Ray-level restarts: the

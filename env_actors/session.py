@@ -34,7 +34,7 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ValidationError
 
 from env_actors.direct import EnvCallFailed, call_server, forget_later, place, pool_call
-from env_actors.interface import EnvResponse, ResetOut, ScoreOut, StepOut
+from env_actors.interface import EnvResponse, ResetOut, ScoreOut, SessionMethod, StepOut
 from env_actors.supervisor import resolve
 from rollout_actors.kernel import Failure, new_id
 
@@ -95,7 +95,7 @@ class EnvSession:
     ) -> StepOut:
         """One turn. With `score_if_done`, a done step also scores and ends the session (`out.score`)."""
         self._check_open("step")
-        value = await self._direct("step", (assistant_message,), timeout, score_if_done=score_if_done)
+        value = await self._direct("step", (assistant_message,), timeout, score_if_done)
         out = _answer_of(StepOut, value, "step")
         if out.score is not None:
             self.closed = True  # the worker ended the session with this step; nothing is left to close
@@ -129,10 +129,14 @@ class EnvSession:
     async def num_tasks(pool: Any, timeout: float) -> int:
         return int(await _call(lambda: pool.num_tasks.remote(timeout), timeout, "num_tasks"))
 
-    async def _direct(self, method: str, args: tuple, timeout: float, **kwargs: Any) -> Any:
+    async def _direct(
+        self, method: SessionMethod, args: tuple, timeout: float, score_if_done: bool = False
+    ) -> Any:
         """One call straight to the worker, cancellable by `close` from another task."""
         task = asyncio.ensure_future(
-            call_server(self.pool, self.server, self.worker, method, self.session_id, args, timeout, **kwargs)
+            call_server(
+                self.pool, self.server, self.worker, method, self.session_id, args, timeout, score_if_done
+            )
         )
         self._inflight.add(task)
         try:

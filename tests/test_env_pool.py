@@ -11,6 +11,7 @@ import ray
 from env_pools import call_started, env_pool
 from waiting import eventually
 
+from env_actors.interface import EnvCall
 from env_actors.pool import EnvPoolConfig, get_env_pool
 from env_actors.session import EnvCallFailed, EnvSession
 
@@ -234,7 +235,8 @@ def test_a_reset_that_arrives_after_its_session_was_closed_does_not_start_it():
             assert placed.success and (await pool.stats.remote()).sessions == 1
             await pool.close.remote("envsess-late", 5.0)  # the opener gave up: the pool ends it first
             worker = placed.value["handle"]
-            ((_, answer),) = await worker.call_many.remote([("reset", "envsess-late", (0, None), 5.0, {})])
+            (reply,) = await worker.call_many.remote([EnvCall("reset", "envsess-late", (0, None), 5.0)])
+            answer = reply.response
             assert not answer.success and answer.kind == "caller" and "closed before" in answer.error.message
             assert (await worker.health.remote())["sessions"] == 0
             assert (await pool.stats.remote()).sessions == 0
