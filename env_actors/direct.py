@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import weakref
 from collections.abc import Awaitable
 from typing import Any, Literal
 
@@ -32,7 +31,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayError
 from env_actors.interface import EnvCall, EnvResponse, SessionMethod
 from env_actors.server import DEADLINE_FAILURE
 from env_actors.supervisor import exit_detail, resolve
-from rollout_actors.kernel import Failure, process_owner
+from rollout_actors.kernel import Failure, TickBatch, TickCoalescer, actor_key, per_loop, process_owner
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +82,7 @@ async def call_server(
     call = EnvCall(method, session_id, args, timeout, score_if_done)
     try:
         async with asyncio.timeout(timeout + DIRECT_CALL_SLACK_S):  # a scope: no task per call
-            response: EnvResponse = await _state().call(server, call)
+            response: EnvResponse = await _call(server, call)
     except TimeoutError:
         message = f"env worker {worker} gave no answer to {method} within {timeout + DIRECT_CALL_SLACK_S:g} s"
         raise EnvCallFailed(Failure(type=DEADLINE_FAILURE, message=message)) from None
@@ -107,7 +106,7 @@ async def call_server(
 
 async def place(pool: Any, session_id: str, timeout: float) -> tuple[str, Any]:
     """(worker name, handle) the pool placed the new session on; `EnvCallFailed` if it could not."""
-    value = await pool_call(_state().place(pool, session_id, timeout), timeout, "place")
+    value = await pool_call(_place(pool, session_id, timeout), timeout, "place")
     return value["worker"], value["handle"]
 
 
@@ -128,7 +127,7 @@ async def pool_call(answer: Awaitable[EnvResponse], wait_s: float, method: str) 
 
 def forget_later(pool: Any, session_id: str) -> None:
     """Tell the pool, with every other session this loop ended in this tick, that the session is over."""
-    _state().forget(pool, session_id)
+    _forget(pool, session_id)
 
 
 def _notice_unreachable(pool: Any, worker: str) -> None:
@@ -145,129 +144,67 @@ async def _why_lost(pool: Any, worker: str, detail: str) -> str:
         return f"died: {detail}"
 
 
-def _actor_key(handle: Any) -> Any:
-    to_hex = getattr(getattr(handle, "_actor_id", None), "hex", None)  # stable across handle copies
-    return to_hex() if callable(to_hex) else id(handle)
-
-
-class _LoopState:
-    """Per event loop (futures belong to one loop): cached handles and pending forget notices."""
-
-    def __init__(self) -> None:
-        self._places: dict[Any, tuple[Any, list[str], list[asyncio.Future[Any]], list[float]]] = {}
-        self._forgets: dict[Any, tuple[Any, list[str]]] = {}
-        self._calls: dict[Any, tuple[Any, list[EnvCall], list[asyncio.Future[Any]]]] = {}
-        self._tasks: set[asyncio.Task[Any]] = set()
-
-    async def call(self, server: Any, call: EnvCall) -> EnvResponse:
-        """One session call, sent with this tick's other calls to the same worker."""
-        key = _actor_key(server)
-        batch = self._calls.get(key)
-        if batch is None:
-            batch = self._calls[key] = (server, [], [])
-            self._own(self._flush_calls(key))
-        waiter = asyncio.get_running_loop().create_future()
-        batch[1].append(call)
-        batch[2].append(waiter)
-        return await waiter
-
-    async def _flush_calls(self, key: Any) -> None:
-        await asyncio.sleep(0)  # every call asked of this worker in this tick joins the batch
-        server, calls, waiters = self._calls.pop(key)
-        live = [(call, waiter) for call, waiter in zip(calls, waiters, strict=True) if not waiter.done()]
-        if not live:  # every caller gave up within the tick: nothing to send
-            return
-        calls, waiters = [call for call, _ in live], [waiter for _, waiter in live]
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + max(call.timeout_s for call in calls) + DIRECT_CALL_SLACK_S
-        try:
-            replies = await asyncio.wait_for(server.call_many.remote(calls), deadline - loop.time())
-            by_ticket = {reply.ticket: waiter for reply, waiter in zip(replies, waiters, strict=True)}
-            while by_ticket:
-                for reply in replies:
-                    if reply.response is None:
-                        continue
-                    waiter = by_ticket.pop(reply.ticket)
-                    if not waiter.done():  # else its caller gave up: the answer is dropped
-                        waiter.set_result(reply.response)
-                if not by_ticket:
-                    break
-                replies = await asyncio.wait_for(
-                    server.collect.remote(list(by_ticket)), deadline - loop.time()
-                )
-        except BaseException as exc:  # the worker died, or the batch outlived every call's deadline
-            _fail_all(waiters, exc)
-            if isinstance(exc, asyncio.CancelledError):
-                raise
-
-    def _own(self, coro: Any) -> None:
-        task = asyncio.get_running_loop().create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def place(self, pool: Any, session_id: str, timeout: float) -> EnvResponse:
-        """One placement, asked with every other session this loop opens on the pool in this tick. The
-        pool may wait up to `timeout` for a replacement worker when none is ready."""
-        key = _actor_key(pool)
-        batch = self._places.get(key)
-        if batch is None:
-            batch = self._places[key] = (pool, [], [], [0.0])
-            self._own(self._flush_places(key))
-        waiter = asyncio.get_running_loop().create_future()
-        batch[1].append(session_id)
-        batch[2].append(waiter)
-        batch[3][0] = max(batch[3][0], min(timeout, MAX_PLACE_WAIT_S))
-        return await waiter
-
-    async def _flush_places(self, key: Any) -> None:
-        await asyncio.sleep(0)
-        pool, session_ids, waiters, (wait_s,) = self._places.pop(key)
-        try:
-            answers = await asyncio.wait_for(
-                resolve(pool.place_many.remote(session_ids, process_owner(), wait_s)),
-                wait_s + POOL_NOTICE_TIMEOUT_S,
-            )
-        except BaseException as exc:
-            _fail_all(waiters, exc)
-            if isinstance(exc, asyncio.CancelledError):
-                raise
-            return
-        for session_id, waiter, answer in zip(session_ids, waiters, answers, strict=True):
-            if not waiter.done():
-                waiter.set_result(answer)
-            elif answer.success:  # its opener gave up meanwhile: the placement is ended at once
-                self.forget(pool, session_id)
-
-    def forget(self, pool: Any, session_id: str) -> None:
-        key = _actor_key(pool)
-        batch = self._forgets.get(key)
-        if batch is None:
-            batch = self._forgets[key] = (pool, [])
-            self._own(self._flush(key))
-        batch[1].append(session_id)
-
-    async def _flush(self, key: Any) -> None:
-        await asyncio.sleep(0)  # every session ended in this tick joins the notice
-        pool, session_ids = self._forgets.pop(key)
-        try:
-            await asyncio.wait_for(resolve(pool.forget_many.remote(session_ids)), POOL_NOTICE_TIMEOUT_S)
-        except Exception as exc:
-            logger.debug("env pool did not take %d forget notices: %s", len(session_ids), exc)
-
-
-def _fail_all(waiters: list[asyncio.Future[Any]], exc: BaseException) -> None:
-    """A batch call failed as a whole: every caller still waiting gets that failure."""
-    for waiter in waiters:
-        if not waiter.done():
-            waiter.set_exception(exc)
-
-
-_PER_LOOP: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopState] = weakref.WeakKeyDictionary()
-
-
-def _state() -> _LoopState:
+async def _send_calls(batch: TickBatch) -> None:
+    """One `call_many` for a tick's calls to one worker, then `collect` until every call is answered."""
+    live = [
+        (call, waiter) for call, waiter in zip(batch.items, batch.waiters, strict=True) if not waiter.done()
+    ]
+    if not live:  # every caller gave up within the tick: nothing to send
+        return
+    server, calls, waiters = batch.target, [call for call, _ in live], [waiter for _, waiter in live]
     loop = asyncio.get_running_loop()
-    state = _PER_LOOP.get(loop)
-    if state is None:
-        state = _PER_LOOP[loop] = _LoopState()
-    return state
+    deadline = loop.time() + max(call.timeout_s for call in calls) + DIRECT_CALL_SLACK_S
+    replies = await asyncio.wait_for(server.call_many.remote(calls), deadline - loop.time())
+    by_ticket = {reply.ticket: waiter for reply, waiter in zip(replies, waiters, strict=True)}
+    while by_ticket:
+        for reply in replies:
+            if reply.response is None:
+                continue
+            waiter = by_ticket.pop(reply.ticket)
+            if not waiter.done():  # else its caller gave up: the answer is dropped
+                waiter.set_result(reply.response)
+        if not by_ticket:
+            break
+        replies = await asyncio.wait_for(server.collect.remote(list(by_ticket)), deadline - loop.time())
+
+
+async def _send_places(batch: TickBatch) -> None:
+    """One `place_many` for every session this loop opens on one pool in the tick; `deadline` is the
+    longest the pool may wait for a replacement worker."""
+    pool, session_ids, wait_s = batch.target, batch.items, batch.deadline
+    answers = await asyncio.wait_for(
+        resolve(pool.place_many.remote(session_ids, process_owner(), wait_s)), wait_s + POOL_NOTICE_TIMEOUT_S
+    )
+    for session_id, waiter, answer in zip(session_ids, batch.waiters, answers, strict=True):
+        if not waiter.done():
+            waiter.set_result(answer)
+        elif answer.success:  # its opener gave up meanwhile: the placement is ended at once
+            _forget(pool, session_id)
+
+
+async def _send_forgets(batch: TickBatch) -> None:
+    """One `forget_many` notice for every session this loop ended on one pool in the tick; nobody waits."""
+    try:
+        await asyncio.wait_for(resolve(batch.target.forget_many.remote(batch.items)), POOL_NOTICE_TIMEOUT_S)
+    except Exception as exc:
+        logger.debug("env pool did not take %d forget notices: %s", len(batch.items), exc)
+    for waiter in batch.waiters:
+        waiter.set_result(None)
+
+
+async def _call(server: Any, call: EnvCall) -> EnvResponse:
+    """One session call, sent with this tick's other calls to the same worker."""
+    return await per_loop(TickCoalescer).add(("call", actor_key(server)), server, call, _send_calls)
+
+
+async def _place(pool: Any, session_id: str, timeout: float) -> EnvResponse:
+    """One placement, asked with every other session this loop opens on the pool in this tick. The pool
+    may wait up to `timeout` for a replacement worker when none is ready."""
+    wait_s = min(timeout, MAX_PLACE_WAIT_S)
+    return await per_loop(TickCoalescer).add(
+        ("place", actor_key(pool)), pool, session_id, _send_places, wait_s
+    )
+
+
+def _forget(pool: Any, session_id: str) -> None:
+    per_loop(TickCoalescer).add(("forget", actor_key(pool)), pool, session_id, _send_forgets)

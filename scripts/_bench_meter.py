@@ -118,7 +118,18 @@ def install() -> None:
     wrap_batched(
         batching.BatchedCalls, lambda args: (args[2], args[3])
     )  # (renderer_id, handle, method, args, ..)
-    wrap_batched(direct._LoopState, lambda args: args[1])  # (server, call)
+    send = direct._call
+
+    async def metered_send(server: Any, call: Any):  # the env session's batched call
+        record = rollout_var.get()
+        if record is not None:
+            bucket(record)["ray_out"] += len(cloudpickle.dumps(call))
+        answer = await send(server, call)
+        if record is not None:
+            bucket(record)["ray_in"] += len(cloudpickle.dumps(answer))
+        return answer
+
+    direct._call = metered_send
 
     run_rollout = worker.run_rollout
     out_dir = os.environ[DIR_VAR]
