@@ -17,6 +17,7 @@ Worker lifecycle (readiness, probes, budget, scaling) is the supervisor's job (`
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -173,6 +174,16 @@ class EnvPool:
             return self._no_live_worker()
         return EnvResponse.ok(self._supervisor.num_tasks)
 
+    async def health(self) -> dict[str, Any]:
+        """Liveness for the plane's supervisor: answered on the loop that serves every placement, so an
+        answer means that loop turns (`loop_stall_s` is 0 by construction)."""
+        return {
+            "loop_stall_s": 0.0,
+            "pid": os.getpid(),
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "ready": len(self._supervisor.ready()),
+        }
+
     async def stats(self) -> EnvPoolStats:
         sup = self._supervisor
         return EnvPoolStats(
@@ -309,9 +320,14 @@ _EnvPoolActor = ray.remote(max_restarts=0, max_task_retries=0)(EnvPool)
 
 
 async def start_env_pool(
-    name: str, env: Ref | dict, config: EnvPoolConfig | None = None, ready_timeout: float = 300.0
+    name: str,
+    env: Ref | dict,
+    config: EnvPoolConfig | None = None,
+    ready_timeout: float = 300.0,
+    scheduling_strategy: Any = None,
 ) -> Any:
     """Create the named EnvPool actor and wait until its first worker is ready; return its handle.
+    `scheduling_strategy`: where the pool actor itself goes (Ray's default when None).
 
     Raises `EnvStartupError` (the environment's own traceback in the message) on an import or load
     failure, as soon as it happens, or when nothing is ready within `ready_timeout`.
@@ -319,9 +335,12 @@ async def start_env_pool(
     env = env if isinstance(env, Ref) else Ref.model_validate(env)
     config = config or EnvPoolConfig()
     try:
-        handle = _EnvPoolActor.options(name=name, num_cpus=0, max_concurrency=POOL_MAX_CONCURRENCY).remote(
-            name, env, config
-        )
+        handle = _EnvPoolActor.options(
+            name=name,
+            num_cpus=0,
+            max_concurrency=POOL_MAX_CONCURRENCY,
+            scheduling_strategy=scheduling_strategy,
+        ).remote(name, env, config)
     except ValueError as exc:  # the name is taken
         raise EnvStartupError(f"cannot create env pool {name!r}: {exc}") from exc
     try:

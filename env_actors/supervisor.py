@@ -6,8 +6,9 @@ under the pool's restart budget:
 
 - A worker is *dead* when Ray says so (`ActorDiedError` on a call or a probe), *wedged* when nothing shows
   it alive for `hang_timeout`: no probe answered, or its event loop stalled (probes run on their own loop,
-  see `server.py`). Either way it is retired at once: out of dispatch, its in-flight calls answered with a
-  failure, its sessions lost, the actor killed.
+  see `server.py`): the kernel's `Liveness`, the rule every supervisor of the plane uses. Either way it
+  is retired at once: out of dispatch, its in-flight calls answered with a failure, its sessions lost,
+  the actor killed.
 - Every spawn after the initial `min_workers` (a replacement or growth) spends one restart from the budget.
   No restart left: no spawn; the pool serves with what it has, and the denial is counted and logged.
 - A spawn that never becomes ready is logged and leaves the pool one short. When spawns fail more times in
@@ -30,7 +31,7 @@ from ray.exceptions import ActorDiedError
 
 from env_actors.config import EnvPoolConfig, WorkerInfo
 from env_actors.server import create_env_server
-from rollout_actors.kernel import Failure, Metric, Ref, RestartBudget
+from rollout_actors.kernel import Failure, Liveness, Metric, Ref, RestartBudget
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +83,8 @@ class WorkerSlot:
     inflight: int = 0
     pid: int | None = None
     node_id: str | None = None
-    last_alive: float = 0.0
+    life: Liveness = field(default_factory=lambda: Liveness(hang_timeout_s=0.0))
+    """When the worker last showed life (readiness, then probe answers dated back by its loop stall)."""
     idle_since: float = 0.0
     unreachable_at: float | None = None
     """When a session last found it unreachable; it takes no new session until it shows life after that."""
@@ -149,9 +151,9 @@ class Supervisor:
 
     def _suspect(self, slot: WorkerSlot, now: float) -> bool:
         quiet_s = max(3 * self.config.probe_interval, self.config.probe_timeout + self.config.probe_interval)
-        if slot.unreachable_at is not None and slot.last_alive <= slot.unreachable_at:
+        if slot.unreachable_at is not None and slot.life.last_alive <= slot.unreachable_at:
             return True
-        return now - slot.last_alive > quiet_s
+        return slot.life.silent_s(now) > quiet_s
 
     async def ready_worker(self, wait_s: float) -> WorkerSlot | None:
         """The least-busy ready worker. With none ready but one starting (the replacement of one that
@@ -224,7 +226,13 @@ class Supervisor:
         except Exception as exc:  # e.g. malformed resources: nothing was created
             self._note_spawn_failure(name, f"could not be created: {exc}")
             return self.own(_done(SpawnOutcome("load_error", Failure.from_exception(exc))))
-        slot = WorkerSlot(name, handle, asyncio.get_running_loop().create_future(), idle_since=now)
+        slot = WorkerSlot(
+            name,
+            handle,
+            asyncio.get_running_loop().create_future(),
+            life=Liveness(self.config.hang_timeout),
+            idle_since=now,
+        )
         self.workers[name] = slot
         return self.own(self._bring_up(slot, ready_timeout))
 
@@ -259,7 +267,8 @@ class Supervisor:
         info = response.value or {}
         now = time.monotonic()
         slot.state, slot.pid, slot.node_id = "ready", info.get("pid"), info.get("node_id")
-        slot.last_alive = slot.idle_since = now
+        slot.idle_since = now
+        slot.life.heard(now=now)
         self.num_tasks = info.get("num_tasks", self.num_tasks)
         self._failures_in_a_row = 0
         self.own(self._probe(slot))
@@ -302,7 +311,7 @@ class Supervisor:
                 health = await asyncio.wait_for(
                     resolve(slot.handle.health.remote()), self.config.probe_timeout
                 )
-                slot.last_alive = max(slot.last_alive, time.monotonic() - float(health["loop_stall_s"]))
+                slot.life.heard(float(health["loop_stall_s"]))
             except ActorDiedError as exc:
                 self.retire(slot, f"died: {exit_detail(exc)}", "died")
                 return
@@ -321,10 +330,8 @@ class Supervisor:
     def _tick(self, now: float) -> None:
         self._record()
         for slot in self.ready():
-            silent = now - slot.last_alive
-            if silent > self.config.hang_timeout:
-                reason = f"wedged: no sign of life for {silent:.1f} s (hang_timeout {self.config.hang_timeout:g} s)"
-                self.retire(slot, reason, "wedged")
+            if slot.life.wedged(now):
+                self.retire(slot, f"wedged: {slot.life.verdict(now)}", "wedged")
         self._scale(now)
 
     def _record(self) -> None:

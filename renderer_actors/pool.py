@@ -33,17 +33,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import ray
-from ray.exceptions import RayActorError
+from ray.exceptions import ActorDiedError, RayActorError
 
 from renderer_actors.actor import RendererActor
 from renderer_actors.config import RendererPoolConfig
 from renderer_actors.key import RendererKey
-from rollout_actors.kernel import Metric, RestartBudget, new_id
+from rollout_actors.kernel import Liveness, Metric, RestartBudget, new_id
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +73,8 @@ class _Renderer:
     ready: bool = False
     idle_since: float = 0.0
     warm_task: asyncio.Task[None] | None = None
+    life: Liveness | None = None
+    """Set once ready: when it last answered a health call (the kernel's rule, as for every actor)."""
 
 
 @dataclass
@@ -176,6 +179,16 @@ class RendererPool:
     async def report_dead(self, renderer_id: str) -> None:
         """A caller saw this renderer die: replace it now rather than at the next health check."""
         self._replace(renderer_id, "reported dead")
+
+    async def health(self) -> dict[str, Any]:
+        """Liveness for the plane's supervisor: answered on the loop that serves every lease, so an answer
+        means that loop turns (`loop_stall_s` is 0 by construction). Ready once it answers."""
+        return {
+            "loop_stall_s": 0.0,
+            "pid": os.getpid(),
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "keys": len(self._keys),
+        }
 
     async def stats(self) -> dict[str, Any]:
         now = time.monotonic()
@@ -311,6 +324,7 @@ class RendererPool:
             self._drop(pool, renderer, lost=pool.startup_failure)
             return
         renderer.ready = True
+        renderer.life = Liveness(self._config.health_timeout_s)
         pool.startup_failure = None
 
     def _drop(self, pool: _KeyPool, renderer: _Renderer, lost: str | None = None) -> None:
@@ -401,22 +415,28 @@ class RendererPool:
             # Warming renderers are covered by their warm-up's startup timeout.
             renderers = [r for pool in self._keys.values() for r in pool.renderers.values() if r.ready]
             results = await asyncio.gather(*(self._check(r) for r in renderers), return_exceptions=True)
-            for renderer, alive in zip(renderers, results, strict=True):
-                if alive is not True:
-                    self._replace(renderer.renderer_id, f"failed its health check ({alive!r})")
+            for renderer, lost in zip(renderers, results, strict=True):
+                if lost is not None:
+                    self._replace(renderer.renderer_id, f"failed its health check ({lost!r})")
 
-    async def _check(self, renderer: _Renderer) -> bool | str:
+    async def _check(self, renderer: _Renderer) -> str | None:
+        """None while the renderer is alive; why it is lost: died, or wedged (silent past the timeout)."""
+        assert renderer.life is not None
         try:
             await asyncio.wait_for(renderer.handle.health.remote(), self._config.health_timeout_s)
-        except TimeoutError:
-            return f"no answer in {self._config.health_timeout_s:g} s"
-        except RayActorError as exc:
+            renderer.life.heard()
+        except ActorDiedError as exc:
             return f"died: {type(exc).__name__}"
-        return True
+        except Exception:  # no answer in time, or unreachable for now: silence, judged below
+            pass
+        return f"wedged: {renderer.life.verdict()}" if renderer.life.wedged() else None
 
 
 def get_or_create_renderer_pool(
-    name: str, config: RendererPoolConfig | dict[str, Any] | None = None, namespace: str | None = None
+    name: str,
+    config: RendererPoolConfig | dict[str, Any] | None = None,
+    namespace: str | None = None,
+    scheduling_strategy: Any = None,
 ) -> Any:
     """The named `RendererPool` actor, created on first call (num_cpus=0: it only waits). `config`
     applies only when this call creates it. Created without `lifetime="detached"`, so it fate-shares with
@@ -427,6 +447,7 @@ def get_or_create_renderer_pool(
         get_if_exists=True,
         num_cpus=0,
         max_concurrency=POOL_MAX_CONCURRENCY,
+        scheduling_strategy=scheduling_strategy,
     ).remote(config)
 
 

@@ -11,6 +11,27 @@ from rollout_actors.kernel import DEFAULT_ALLOWED_PREFIXES, RestartIntensity
 
 WORKER_RESTARTS = RestartIntensity(max_restarts=10, window_s=60.0)
 """Rides out a node's worth of rollout workers lost at once; a worker that dies on every start fails loudly."""
+POOL_RESTARTS = RestartIntensity(max_restarts=3, window_s=300.0)
+"""Per pool. A pool restart costs every rollout it served a re-dispatch: three in five minutes rides out a
+lost node plus an OOM, and a pool that dies on every start fails loudly instead of flapping."""
+
+
+class PoolSupervision(BaseModel):
+    """How the plane supervises the pool actors it holds one of (the renderer pool, each env pool)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    restart: RestartIntensity = POOL_RESTARTS
+    """Restarts of one pool actor (its renderers or env servers die with it and restart with it)."""
+    hang_timeout_s: float = Field(default=30.0, gt=0)
+    """A pool that shows no sign of life this long is wedged: killed and restarted like a dead one. Its
+    `health` answers on the loop that serves every lease and placement, so this is generous."""
+    probe_interval_s: float = Field(default=1.0, gt=0)
+    """How often each pool is asked for `health`; a death is seen within about this long."""
+    node_id: str | None = None
+    """The Ray node the pool actors are placed on while it is alive (a restart after its loss goes to the
+    driver's node). `None`: the driver's node, so a pool dies only with the driver's node, a kill, or its
+    own crash; pools need no CPU, so a head node without schedulable CPUs (`cluster.yaml`) hosts them."""
 
 
 class PlaneConfig(BaseModel):
@@ -46,6 +67,8 @@ class PlaneConfig(BaseModel):
     is the plane's."""
     renderer_pool: RendererPoolConfig = Field(default_factory=RendererPoolConfig)
     """The plane's renderer pool: sizing, health checks, startup budget."""
+    pool_supervision: PoolSupervision = Field(default_factory=PoolSupervision)
+    """Placement, liveness and restart budget of the pool actors themselves."""
     env_ready_timeout_s: float = 120.0
     allowed_ref_prefixes: tuple[str, ...] = DEFAULT_ALLOWED_PREFIXES
     """Module prefixes a request's Refs may name. Widening it is explicit."""

@@ -28,7 +28,7 @@ import uuid
 import weakref
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -300,13 +300,14 @@ class RefResolver:
 class RestartIntensity(BaseModel):
     """Restart intensity, as declared data (Erlang/OTP): at most `max_restarts` restarts within any
     `window_s` seconds. Rare deaths over a long run fit inside the window and are tolerated; something that
-    dies on every start spends it in seconds and its supervisor stops restarting it, loudly. Each
-    supervisor declares its own default beside the reason for it."""
+    dies on every start spends it in seconds and its supervisor stops restarting it, loudly. Both fields
+    are required: each supervisor declares its own default beside the reason for it, and a setting never
+    silently takes half of a generic default."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    max_restarts: int = Field(default=3, ge=0)
-    window_s: float = Field(default=60.0, gt=0)
+    max_restarts: int = Field(ge=0)
+    window_s: float = Field(gt=0)
 
     def describe(self) -> str:
         return f"{self.max_restarts} restarts in {self.window_s:g} s"
@@ -353,6 +354,46 @@ class RestartBudget:
     def _expire(self, now: float) -> None:
         while self._spent and now - self._spent[0] >= self.intensity.window_s:
             self._spent.popleft()
+
+
+LossCause = Literal["died", "wedged"]
+"""Why a supervisor lost a child: Ray said it *died* (a call or probe raised `RayActorError`), or nothing
+showed it alive for its hang timeout: it is *wedged* (frozen, its event loop blocked, its node gone)."""
+
+
+@dataclass
+class Liveness:
+    """One rule for every supervisor: a child is alive while something shows it alive, and wedged once
+    nothing has for `hang_timeout_s`. A sign of life is an answer to `health()`, dated back by the
+    `loop_stall_s` the child reports (an answer from a side loop says nothing of a stalled main loop).
+    Time the supervisor itself could not listen (its own loop stalled) is excused, never held against
+    the child: load alone must never look like a wedge.
+
+    >>> life = Liveness(hang_timeout_s=10, last_alive=0.0)
+    >>> life.heard(loop_stall_s=0.0, now=5.0); life.wedged(now=14.0), life.wedged(now=15.5)
+    (False, True)
+    >>> life.excuse(4.0); life.wedged(now=15.5)  # the supervisor was deaf for 4 s of that
+    False
+    """
+
+    hang_timeout_s: float
+    last_alive: float = field(default_factory=time.monotonic)
+
+    def heard(self, loop_stall_s: float = 0.0, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        self.last_alive = max(self.last_alive, now - max(0.0, loop_stall_s))
+
+    def excuse(self, deaf_s: float) -> None:
+        self.last_alive += max(0.0, deaf_s)
+
+    def silent_s(self, now: float | None = None) -> float:
+        return max(0.0, (time.monotonic() if now is None else now) - self.last_alive)
+
+    def wedged(self, now: float | None = None) -> bool:
+        return self.silent_s(now) > self.hang_timeout_s
+
+    def verdict(self, now: float | None = None) -> str:
+        return f"no sign of life for {self.silent_s(now):.1f} s (hang_timeout {self.hang_timeout_s:g} s)"
 
 
 # ------------------------------------------------------------------------------------------ metrics

@@ -39,6 +39,8 @@ from rollout_actors.lanes import Lane, Lanes
 from rollout_actors.lora import AdapterLimits
 from rollout_actors.metrics import PlaneMetrics
 from rollout_actors.naming import PoolNames
+from rollout_actors.pool_lookup import PoolRoute
+from rollout_actors.pool_supervisor import PoolUnavailable
 from rollout_actors.publish import PolicyPublisher, PublishHandle
 from rollout_actors.rollout import LoopLimits
 from rollout_actors.shared_pools import SharedPools
@@ -190,6 +192,7 @@ class RolloutPlane(Submission):
             "workers_lost": self._workers.lost_count,
             "off_policy": self._guard.snapshot(),
             "concurrency": self._controller.snapshot() if self._controller is not None else None,
+            "pools": [status.model_dump() for status in self._pools.statuses()],
         }
 
     # policy ----------------------------------------------------------------------------------------
@@ -406,7 +409,11 @@ class RolloutPlane(Submission):
                 return _deadline_exceeded(
                     request, f"after {attempt - 1} dispatch(es) lost: {_listed(losses)}"
                 )
-            slot = await self._workers.pick_or_wait(timeout=left)
+            try:  # a pool being restarted is waited for; after a loss (attempt > 1) each is checked first
+                route = await self._pools.route(request, left, verify=attempt > 1)
+            except PoolUnavailable as exc:
+                return Result.failed(request, "infrastructure", exc.failure, attempts=attempt - 1)
+            slot = await self._workers.pick_or_wait(timeout=max(0.0, deadline - time.monotonic()))
             if slot is None:
                 return Result.failed(
                     request, "infrastructure", Failure(type="NoLiveWorker", message="no live rollout worker")
@@ -414,7 +421,9 @@ class RolloutPlane(Submission):
             left = deadline - time.monotonic()
             if left <= 0:
                 return _deadline_exceeded(request, "while waiting for a rollout worker")
-            outcome = await self._attempt(request.model_copy(update={"deadline_s": left}), slot, cancelled)
+            outcome = await self._attempt(
+                request.model_copy(update={"deadline_s": left}), slot, cancelled, route
+            )
             if isinstance(outcome, Result):
                 part = lost_part(outcome)
                 if part is None:
@@ -459,11 +468,11 @@ class RolloutPlane(Submission):
         )
 
     async def _attempt(
-        self, request: RolloutRequest, slot: WorkerSlot, cancelled: asyncio.Event
+        self, request: RolloutRequest, slot: WorkerSlot, cancelled: asyncio.Event, route: PoolRoute
     ) -> Result | str:
         """One dispatch. Returns the worker's result, or why the worker was lost."""
         try:
-            ref = slot.handle.run.remote(request)
+            ref = slot.handle.run.remote(request, *route.wire())
         except Exception as exc:  # Ray could not take the request: validation let through what it must not
             log.exception("submitting %s to %s", request.request_id, slot.name)
             return Result.failed(request, "infrastructure", Failure.from_exception(exc))

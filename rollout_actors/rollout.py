@@ -23,11 +23,30 @@ CLEANUP_TIMEOUT_S = 5.0  # releasing a lease or ending a session must not hold a
 
 
 class PoolDirectory(Protocol):
-    """Where a rollout finds the shared actors it talks to (the worker implements this)."""
+    """Where a rollout finds the shared actors it talks to."""
 
     def renderer_pool(self) -> Any: ...
 
     def env_pool(self, request: RolloutRequest) -> Any: ...
+
+
+@dataclass(frozen=True)
+class PoolHandles:
+    """The live pools one dispatch of a rollout talks to: the incarnations the plane named for it (it
+    supervises them), as the worker resolved them (`pool_lookup.PoolLookup`)."""
+
+    renderer: Any
+    """The renderer pool; None for a chat-mode rollout while the renderer pool is being restarted."""
+    env: Any
+    """The request's env pool."""
+
+    def renderer_pool(self) -> Any:
+        if self.renderer is None:
+            raise RuntimeError("the renderer pool was not handed to this dispatch")
+        return self.renderer
+
+    def env_pool(self, request: RolloutRequest) -> Any:
+        return self.env
 
 
 @dataclass(frozen=True)

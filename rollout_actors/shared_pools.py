@@ -1,78 +1,114 @@
-"""The shared actors a plane starts and owns: one renderer pool, one env pool per environment Ref.
+"""The shared actors a plane starts and supervises: one renderer pool, one env pool per environment Ref.
 
-They are created from the driver so they fate-share with the orchestrator, not with a rollout worker that
-may be killed. An env pool starts on the first request that names its Ref; a startup failure (bad import,
-load error) answers every request for that Ref at once, without retrying the start each time.
+    pools = SharedPools(names, config)
+    await pools.start()                              # the renderer pool, ready
+    await pools.ensure_env_pool(request.env)         # first use of an environment: its pool, ready
+    route = await pools.route(request, timeout)      # the serving pools one dispatch talks to
+    ...
+    await pools.close()
+
+They are created from the driver and placed on the driver's node, or on `PoolSupervision.node_id` while
+the GCS says that node is alive (each incarnation looks again), and each is supervised by a `SupervisedPool`: lost
+(died, or wedged past its hang timeout), it is restarted within its restart budget under a new actor name
+(`<name>@<incarnation>`). Each dispatch names the serving incarnations (`PoolRoute`). An env pool starts
+on the first request that names its Ref; a startup failure (bad import, load error) answers every request
+for that Ref at once, without retrying the start each time.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from env_actors.pool import EnvPoolConfig, start_env_pool, stop_env_pool
 from renderer_actors.pool import get_or_create_renderer_pool
 from rollout_actors.config import PlaneConfig
 from rollout_actors.naming import PoolNames, env_key
-from rollout_actors.wire import Ref
+from rollout_actors.pool_lookup import PoolRoute
+from rollout_actors.pool_supervisor import PoolStatus, SupervisedPool
+from rollout_actors.wire import Ref, RolloutRequest
 
 log = logging.getLogger(__name__)
 
 POOL_SHUTDOWN_TIMEOUT_S = 10.0  # a pool that cannot stop in this long is killed regardless
 RELEASE_TIMEOUT_S = 30.0  # telling a pool to release a lost worker's holdings; it ends them in parallel
+POOL_READY_TIMEOUT_S = 60.0  # the renderer pool's own process start (it loads nothing until asked)
 
 
 class SharedPools:
     def __init__(self, names: PoolNames, config: PlaneConfig) -> None:
         self._names = names
         self._config = config
-        self._renderer_pool: Any = None
-        self._env_pools: dict[str, asyncio.Future[Any]] = {}
+        self._driver_node: str | None = None
+        self._renderer: SupervisedPool | None = None
+        self._env: dict[str, tuple[SupervisedPool, asyncio.Future[Any]]] = {}
+        """Env key -> its supervisor and the first start (shared by every request that waits for it)."""
         self._releases: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
-        self._renderer_pool = get_or_create_renderer_pool(
-            self._names.renderer_pool, self._config.renderer_pool
+        self._driver_node = ray.get_runtime_context().get_node_id()
+        self._renderer = SupervisedPool(
+            "renderer pool",
+            self._names.renderer_pool,
+            self._start_renderer_pool,
+            _stop_renderer_pool,
+            self._config.pool_supervision,
         )
+        await self._renderer.start()
 
-    def _env_pool_config(self) -> EnvPoolConfig:
-        config: EnvPoolConfig = self._config.env_pool
-        if config.allowed_ref_prefixes is None:  # the plane's allowlist, unless the pool names its own
-            config = config.model_copy(update={"allowed_ref_prefixes": self._config.allowed_ref_prefixes})
-        return config
-
-    async def ensure_env_pool(self, env: Ref) -> Any:
+    async def ensure_env_pool(self, env: Ref) -> None:
+        """Start the environment's pool on first use and wait until it is ready; raises its startup
+        failure (every later call for the Ref raises the same one at once)."""
         key = env_key(env)
-        future = self._env_pools.get(key)
-        if future is None:
-            future = asyncio.ensure_future(
-                start_env_pool(
-                    self._names.env_pool(env),
-                    env,
-                    self._env_pool_config(),
-                    ready_timeout=self._config.env_ready_timeout_s,
-                )
+        entry = self._env.get(key)
+        if entry is None:
+            pool = SupervisedPool(
+                f"env pool {env.target} ({key})",
+                self._names.env_pool(env),
+                lambda name: self._start_env_pool(env, name),
+                stop_env_pool,
+                self._config.pool_supervision,
             )
-            self._env_pools[key] = future
-        return await asyncio.shield(future)
+            entry = self._env[key] = (pool, asyncio.ensure_future(pool.start()))
+        await asyncio.shield(entry[1])
+
+    async def route(self, request: RolloutRequest, timeout: float, verify: bool = False) -> PoolRoute:
+        """The serving pools `request` talks to, waiting up to `timeout` for any being restarted; raises
+        `PoolUnavailable` when one is not serving. `verify`: a re-dispatch after a part of ours was lost;
+        each pool is checked alive first (see `SupervisedPool.serving`). Needs `ensure_env_pool` first."""
+        assert self._renderer is not None, "call `start` first"
+        deadline = time.monotonic() + timeout
+        env = await self._env[env_key(request.env)][0].serving(timeout, verify)
+        if request.mode == "token":
+            renderer = await self._renderer.serving(max(0.0, deadline - time.monotonic()), verify)
+        else:  # a chat rollout never renders: it neither waits for the renderer pool nor checks it
+            renderer = None
+        return PoolRoute(env_pool=env, renderer_pool=renderer)
+
+    def supervisor(self, env: Ref | None = None) -> SupervisedPool:
+        """The supervisor of the renderer pool, or (given its Ref) of an environment's started pool."""
+        if env is None:
+            assert self._renderer is not None, "call `start` first"
+            return self._renderer
+        return self._env[env_key(env)][0]
 
     def release_owner(self, owner: str | None) -> None:
         """A rollout worker was lost: every pool ends the env sessions and returns the renderer leases its
         rollouts held, now rather than at their idle timeouts, and refuses what it asks for later (a call
-        it sent before dying may still arrive)."""
-        if owner is None:
+        it sent before dying may still arrive). A pool being restarted holds nothing of it any more."""
+        if owner is None or self._renderer is None:
             return
-        calls = [(self._renderer_pool, "release_owned")] if self._renderer_pool is not None else []
-        calls += [
-            (f.result(), "close_owned")
-            for f in self._env_pools.values()
-            if f.done() and not f.cancelled() and f.exception() is None
-        ]
-        for pool, method in calls:
-            task = asyncio.get_running_loop().create_task(self._release(pool, method, owner))
+        calls = [(self._renderer.current(), "release_owned")]
+        calls += [(pool.current(), "close_owned") for pool, _ in self._env.values()]
+        for handle, method in calls:
+            if handle is None:
+                continue
+            task = asyncio.get_running_loop().create_task(self._release(handle, method, owner))
             self._releases.add(task)
             task.add_done_callback(self._releases.discard)
 
@@ -80,26 +116,75 @@ class SharedPools:
         try:
             released = await asyncio.wait_for(getattr(pool, method).remote(owner), RELEASE_TIMEOUT_S)
             log.info("%s of lost worker %s: %s", method, owner, released)
-        except Exception as exc:  # a pool that is gone holds nothing; one that is wedged is not ours to fix
+        except Exception as exc:  # a pool that is gone holds nothing; one that is wedged is its supervisor's
             log.warning("%s of lost worker %s failed: %s", method, owner, exc)
+
+    def statuses(self) -> list[PoolStatus]:
+        pools = [self._renderer] if self._renderer is not None else []
+        pools += [pool for pool, _ in self._env.values()]
+        return [pool.status() for pool in pools]
 
     async def close(self) -> None:
         if self._releases:
             await asyncio.wait(self._releases, timeout=RELEASE_TIMEOUT_S)
-        starting = [f for f in self._env_pools.values() if not f.done()]
-        for future in starting:
-            future.cancel()  # a start still under way kills its pool actor as it unwinds
+        starting = [started for _, started in self._env.values() if not started.done()]
+        for started in starting:
+            started.cancel()  # a start still under way kills its pool actor as it unwinds
         if starting:
             await asyncio.wait(starting, timeout=POOL_SHUTDOWN_TIMEOUT_S)
-        handles = [
-            f.result()
-            for f in self._env_pools.values()
-            if f.done() and not f.cancelled() and f.exception() is None
-        ]
-        await asyncio.gather(*(stop_env_pool(handle) for handle in handles))
-        if self._renderer_pool is not None:
-            try:
-                await asyncio.wait_for(self._renderer_pool.shutdown.remote(), POOL_SHUTDOWN_TIMEOUT_S)
-            except Exception as exc:
-                log.warning("renderer pool shutdown: %s", exc)
-            ray.kill(self._renderer_pool, no_restart=True)
+        pools = [pool for pool, _ in self._env.values()]
+        await asyncio.gather(*(pool.close() for pool in pools))
+        if self._renderer is not None:
+            await self._renderer.close()
+
+    # ------------------------------------------------------------------------------- incarnations
+
+    async def _start_renderer_pool(self, name: str) -> Any:
+        handle = get_or_create_renderer_pool(
+            name, self._config.renderer_pool, scheduling_strategy=await self._placement()
+        )
+        try:
+            await asyncio.wait_for(handle.health.remote(), POOL_READY_TIMEOUT_S)
+        except BaseException:
+            _kill(handle)
+            raise
+        return handle
+
+    async def _start_env_pool(self, env: Ref, name: str) -> Any:
+        config: EnvPoolConfig = self._config.env_pool
+        if config.allowed_ref_prefixes is None:  # the plane's allowlist, unless the pool names its own
+            config = config.model_copy(update={"allowed_ref_prefixes": self._config.allowed_ref_prefixes})
+        return await start_env_pool(
+            name,
+            env,
+            config,
+            ready_timeout=self._config.env_ready_timeout_s,
+            scheduling_strategy=await self._placement(),
+        )
+
+    async def _placement(self) -> NodeAffinitySchedulingStrategy:
+        """Pinned (not soft: Ray's soft affinity moves an actor elsewhere whenever it likes) to the
+        configured node while it is alive, else to the driver's node, which lives as long as the plane."""
+        wanted = self._config.pool_supervision.node_id
+        if wanted is not None and wanted != self._driver_node:
+            nodes = await asyncio.to_thread(ray.nodes)  # a GCS call: kept off the plane's event loop
+            if any(node["NodeID"] == wanted and node["Alive"] for node in nodes):
+                return NodeAffinitySchedulingStrategy(node_id=wanted, soft=False)
+            log.warning("pool node %s is gone: placing the pool on the driver's node", wanted)
+        assert self._driver_node is not None
+        return NodeAffinitySchedulingStrategy(node_id=self._driver_node, soft=False)
+
+
+async def _stop_renderer_pool(handle: Any) -> None:
+    try:
+        await asyncio.wait_for(handle.shutdown.remote(), POOL_SHUTDOWN_TIMEOUT_S)
+    except Exception as exc:
+        log.warning("renderer pool shutdown: %s", exc)
+    _kill(handle)
+
+
+def _kill(handle: Any) -> None:
+    try:
+        ray.kill(handle, no_restart=True)
+    except Exception:  # already gone
+        pass

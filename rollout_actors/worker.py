@@ -26,7 +26,7 @@ from rollout_actors.client import open_client_count
 from rollout_actors.failures import log_failure
 from rollout_actors.loop_watch import HEARTBEAT_S, LoopWatch
 from rollout_actors.metrics import LOOP_STALL
-from rollout_actors.naming import PoolNames
+from rollout_actors.pool_lookup import PoolLookup, PoolLookupFailed, PoolRoute
 from rollout_actors.rollout import LoopLimits, run_rollout
 from rollout_actors.wire import Failure, Result, RolloutRequest
 
@@ -40,12 +40,11 @@ log = logging.getLogger(__name__)
 class RolloutWorker:
     """Runs rollouts. Built by `RolloutPlane`; not meant to be created by hand."""
 
-    def __init__(self, names: PoolNames, limits: LoopLimits | None = None, worker_name: str = "") -> None:
-        self._names = names
+    def __init__(self, limits: LoopLimits | None = None, worker_name: str = "") -> None:
         self._limits = limits or LoopLimits()
+        self._pools = PoolLookup()
         self._name = worker_name
         self._running: dict[str, asyncio.Task[Any]] = {}
-        self._handles: dict[str, Any] = {}
         self._started = time.time()
         self._done = 0
         self._weights_version: int | None = None
@@ -54,27 +53,18 @@ class RolloutWorker:
         self._unpaused.set()
         self._loop_watch = LoopWatch()
 
-    # PoolDirectory -----------------------------------------------------------------------------
-    def renderer_pool(self) -> Any:
-        return self._handle(self._names.renderer_pool)
-
-    def env_pool(self, request: RolloutRequest) -> Any:
-        return self._handle(self._names.env_pool(request.env))
-
-    def _handle(self, name: str) -> Any:
-        handle = self._handles.get(name)
-        if handle is None:
-            handle = ray.get_actor(name, namespace=self._names.namespace)
-            self._handles[name] = handle
-        return handle
-
     # Remote API ----------------------------------------------------------------------------------
-    async def run(self, request: RolloutRequest) -> Result:
+    async def run(self, request: RolloutRequest, env_pool: str, renderer_pool: str | None = None) -> Result:
+        """Run one rollout against the pool incarnations the plane named for this dispatch, by actor name
+        (it supervises the pools and names only serving ones; see `pool_lookup.py`)."""
         task = asyncio.current_task()
         assert task is not None
         self._running[request.request_id] = task
         try:
-            result = await run_rollout(request, self, self._limits)
+            pools = await self._pools.resolve(PoolRoute.from_wire(env_pool, renderer_pool))
+            result = await run_rollout(request, pools, self._limits)
+        except PoolLookupFailed as exc:  # lost after the plane named it: a lost part, re-dispatched
+            result = Result.failed(request, "infrastructure", exc.failure)
         except asyncio.CancelledError:
             result = Result.failed(
                 request, "cancelled", Failure(type="Cancelled", message="rollout was cancelled")

@@ -112,7 +112,7 @@ class WorkerSet:
     def _spawn(self) -> WorkerSlot:
         self._serial += 1
         name = f"{self._names.prefix}/worker-{self._serial}"
-        handle = self._cls.options(name=name).remote(self._names, self._limits, name)
+        handle = self._cls.options(name=name).remote(self._limits, name)
         return WorkerSlot(name=name, handle=handle)
 
     async def _wait_ready(self, slot: WorkerSlot) -> None:

@@ -215,7 +215,11 @@ async def dies_on_every_load() -> list[Row]:
 
 async def budget_spent_under_load() -> list[Row]:
     config = pool_config(
-        max_workers=3, multiplex=2, grow_fraction=0.5, restart=RestartIntensity(max_restarts=1), **PROBES
+        max_workers=3,
+        multiplex=2,
+        grow_fraction=0.5,
+        restart=RestartIntensity(max_restarts=1, window_s=60),
+        **PROBES,
     )
     pool = await start_env_pool(name(), ref(ECHO), config, 60)
     try:
@@ -235,7 +239,9 @@ async def budget_spent_under_load() -> list[Row]:
 
 async def spawn_failure_mid_serve() -> list[Row]:
     with tempfile.TemporaryDirectory() as state:
-        config = pool_config(min_workers=2, max_workers=2, restart=RestartIntensity(max_restarts=1), **PROBES)
+        config = pool_config(
+            min_workers=2, max_workers=2, restart=RestartIntensity(max_restarts=1, window_s=60), **PROBES
+        )
         env = ref("env_actors.faults.envs:FlakyLoadEnv", state_dir=state, good_loads=2)
         pool = await start_env_pool(name(), env, config, 60)
         try:
@@ -291,7 +297,7 @@ async def answered_then_exited() -> list[Row]:
 
 async def no_live_worker() -> list[Row]:
     pool = await start_env_pool(
-        name(), ref(ECHO), pool_config(restart=RestartIntensity(max_restarts=0), **PROBES), 60
+        name(), ref(ECHO), pool_config(restart=RestartIntensity(max_restarts=0, window_s=60), **PROBES), 60
     )
     try:
         worker = (await pool.stats.remote()).workers[0].worker

@@ -250,7 +250,7 @@ async def _deaths(pool, count: int) -> bool:
 @pytest.mark.timeout(60)
 def test_with_no_live_worker_calls_fail_at_once_instead_of_queueing():
     async def body():
-        config = EnvPoolConfig(restart=RestartIntensity(max_restarts=0), **PROBES)
+        config = EnvPoolConfig(restart=RestartIntensity(max_restarts=0, window_s=60), **PROBES)
         async with env_pool(ECHO, config) as pool:
             session = await EnvSession.open(pool, task_index=0, timeout=10)
             ray.kill(ray.get_actor(session.worker))
@@ -271,7 +271,11 @@ async def _budget_denied(pool) -> bool:
 def test_sustained_load_after_the_budget_is_spent_does_not_scale_up():
     async def body():
         config = EnvPoolConfig(
-            max_workers=3, multiplex=2, grow_fraction=0.5, restart=RestartIntensity(max_restarts=1), **PROBES
+            max_workers=3,
+            multiplex=2,
+            grow_fraction=0.5,
+            restart=RestartIntensity(max_restarts=1, window_s=60),
+            **PROBES,
         )
         async with env_pool(ECHO, config) as pool:
             first = (await pool.stats.remote()).workers[0].worker
@@ -293,7 +297,7 @@ def test_sustained_load_after_the_budget_is_spent_does_not_scale_up():
 def test_spawn_failure_mid_serve_leaves_the_pool_one_short_and_the_supervisor_alive(tmp_path):
     async def body():
         config = EnvPoolConfig(
-            min_workers=2, max_workers=2, restart=RestartIntensity(max_restarts=1), **PROBES
+            min_workers=2, max_workers=2, restart=RestartIntensity(max_restarts=1, window_s=60), **PROBES
         )
         env = "env_actors.faults.envs:FlakyLoadEnv"
         async with env_pool(env, config, state_dir=str(tmp_path), good_loads=2) as pool:

@@ -34,15 +34,17 @@ def test_spent_restarts_come_back_as_the_window_slides():
 
 
 def test_zero_restarts_means_no_respawn_at_all():
-    budget = RestartBudget(RestartIntensity(max_restarts=0))
+    budget = RestartBudget(RestartIntensity(max_restarts=0, window_s=60))
     assert not budget.try_spend(now=0)
     assert "0 restarts in 60 s" in budget.spent_message()
 
 
 def test_intensity_is_frozen_data_that_refuses_unknown_or_absurd_settings():
     with pytest.raises(ValidationError):
-        RestartIntensity(max_restart=3)  # a misspelled key is an error, not a silent default
+        RestartIntensity(max_restart=3, window_s=60)  # a misspelled key is an error, not a silent default
     with pytest.raises(ValidationError):
-        RestartIntensity(window_s=0)
+        RestartIntensity(max_restarts=3)  # half a setting is refused, not completed from a generic default
     with pytest.raises(ValidationError):
-        RestartIntensity(max_restarts=3).max_restarts = 4  # type: ignore[misc]
+        RestartIntensity(max_restarts=3, window_s=0)
+    with pytest.raises(ValidationError):
+        RestartIntensity(max_restarts=3, window_s=60).max_restarts = 4  # type: ignore[misc]

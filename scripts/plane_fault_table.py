@@ -1,0 +1,184 @@
+"""Plane fault table: each actor the plane holds one of, lost while rollouts run, and how fast it recovers.
+
+    python scripts/plane_fault_table.py          # starts a local Ray (or joins RAY_ADDRESS) and a stand-in
+
+One plane, two environments (so two env pools), a renderer pool. For each singleton, rollouts are put in
+flight (holding env sessions and renderer leases), then the singleton is killed (`ray.kill`) or frozen
+(SIGSTOP: wedged, found by its hang timeout). Each row says what the rollouts in flight ended as, how
+many were re-dispatched under their lease, how long from the loss until the plane's supervisor had a
+replacement serving (`restart`; a frozen pool is first found by its hang timeout), and how long until a rollout submitted after the loss ended `ok` (`recover`: new
+rollouts are submitted one after another from the moment of the loss until one is `ok`). A row whose
+requests were not each answered exactly once, or whose plane never served again, prints BROKEN and makes
+the script exit 1. Timings are reported, not asserted. The last line is `slowest recovery: <seconds> s`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable
+from contextlib import suppress
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+
+from renderer_actors.tokenizer import BUNDLED_MODEL
+from rollout_actors.inference.standin import StandinOptions, StandinServer
+from rollout_actors.plane import PlaneConfig, RolloutPlane
+from rollout_actors.pool_supervisor import SupervisedPool
+from rollout_actors.wire import ClientConfig, Ref, RolloutRequest, SamplingConfig
+
+MATH = Ref(target="env_actors.examples.math_env:MathEnv")
+ECHO = Ref(target="env_actors.faults.envs:EchoEnv")
+IN_FLIGHT = 8  # rollouts holding sessions and leases when the singleton is lost
+LATENCY_S = 1.5  # per model call: long enough that the loss lands mid-rollout
+HANG_TIMEOUT_S = 3.0  # the pools' hang timeout here (production: 30 s), so a frozen pool is found fast
+CASE_DEADLINE_S = 120.0  # a case that takes longer has a stalled future somewhere: the bug we hunt
+
+
+@dataclass
+class Row:
+    case: str
+    in_flight: str
+    redispatched: int
+    restart_s: float | None
+    recover_s: float | None
+    broken: str = ""
+
+
+def request(base_url: str, env: Ref, latency_s: float, index: int) -> RolloutRequest:
+    headers = {"X-Standin-Latency": str(latency_s)} if latency_s else {}
+    client = ClientConfig(base_url=base_url, model=BUNDLED_MODEL, headers=headers)
+    sampling = SamplingConfig(max_tokens=32, seed=index)
+    return RolloutRequest(env=env, task_index=index % 8, client=client, sampling=sampling)
+
+
+async def holding(plane: RolloutPlane, env: Ref, count: int) -> None:
+    """Until `count` rollouts hold an env session (and, in token mode, a renderer lease)."""
+    env_pool, renderer_pool = plane._pools.supervisor(env).current(), plane._pools.supervisor().current()
+    while (await env_pool.stats.remote()).sessions < count or (await renderer_pool.stats.remote())[
+        "leases"
+    ] < count:
+        await asyncio.sleep(0.05)
+
+
+def kill(handle: Any) -> None:
+    ray.kill(handle, no_restart=True)
+
+
+def freeze(handle: Any) -> None:
+    os.kill(ray.get(handle.health.remote(), timeout=30)["pid"], signal.SIGSTOP)
+
+
+async def case(
+    plane: RolloutPlane, base_url: str, name: str, env: Ref, pool: SupervisedPool, lose: Callable[[Any], None]
+) -> Row:
+    before = plane.stats()["redispatched"]
+    incarnation = pool.incarnation
+    ids = [await plane.submit(request(base_url, env, LATENCY_S, i)) for i in range(IN_FLIGHT)]
+    await holding(plane, env, IN_FLIGHT)
+    lost_at = time.monotonic()
+    lose(pool.current())
+    results: dict[str, Any] = {}
+    recover_s = None
+    while recover_s is None:  # new rollouts, one after another, until one is ok
+        probe = await plane.submit(request(base_url, env, 0.0, len(results)))
+        while probe not in results:
+            result = await plane.next_result(timeout=CASE_DEADLINE_S)
+            if result.request_id in results:
+                return Row(name, "", 0, None, None, broken=f"{result.request_id} answered twice")
+            results[result.request_id] = result
+        if results[probe].kind == "ok":
+            recover_s = time.monotonic() - lost_at
+    while not all(i in results for i in ids):
+        result = await plane.next_result(timeout=CASE_DEADLINE_S)
+        if result.request_id in results:
+            return Row(name, "", 0, None, None, broken=f"{result.request_id} answered twice")
+        results[result.request_id] = result
+    kinds = Counter(results[i].kind for i in ids)
+    restart_s = (
+        pool.serving_since - lost_at if pool.incarnation > incarnation and pool.serving_since else None
+    )
+    return Row(
+        name,
+        ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items())),
+        plane.stats()["redispatched"] - before,
+        restart_s,
+        recover_s,
+        broken="" if pool.incarnation > incarnation else "not restarted",
+    )
+
+
+async def run_cases(base_url: str) -> list[Row]:
+    config = PlaneConfig(
+        lanes={"train": 64},
+        workers=2,
+        worker_num_cpus=0.25,
+        env_pool={"num_cpus": 0.25},
+        allowed_ref_prefixes=("env_actors.examples.", "env_actors.faults."),
+        pool_supervision={"probe_interval_s": 0.2, "hang_timeout_s": HANG_TIMEOUT_S},
+    )
+    rows = []
+    frozen: list[int] = []
+    async with RolloutPlane(config) as plane:
+        for env in (MATH, ECHO):  # both env pools up, the renderer pool warm
+            await plane.submit(request(base_url, env, 0.0, 0))
+            await plane.next_result(timeout=CASE_DEADLINE_S)
+        pools = plane._pools
+        cases = [
+            ("renderer pool killed", MATH, pools.supervisor(), kill),
+            ("env pool (math) killed", MATH, pools.supervisor(MATH), kill),
+            ("env pool (echo) killed", ECHO, pools.supervisor(ECHO), kill),
+            ("renderer pool frozen (SIGSTOP)", MATH, pools.supervisor(), freeze),
+            ("env pool (math) frozen (SIGSTOP)", MATH, pools.supervisor(MATH), freeze),
+        ]
+        for name, env, pool, lose in cases:
+            if lose is freeze:
+                frozen.append(ray.get(pool.current().health.remote(), timeout=30)["pid"])
+            try:
+                rows.append(
+                    await asyncio.wait_for(case(plane, base_url, name, env, pool, lose), CASE_DEADLINE_S)
+                )
+            except TimeoutError:
+                rows.append(Row(name, "", 0, None, None, broken=f"no recovery within {CASE_DEADLINE_S:g} s"))
+                break  # the plane is in an unknown state: later rows would measure the wreck
+    for pid in frozen:  # killed by the supervisor already; a stray one must not stay frozen
+        with suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    return rows
+
+
+def print_table(rows: list[Row]) -> None:
+    width = max(len(r.case) for r in rows)
+    flight = max(len("in flight at the loss ended"), *(len(r.in_flight) for r in rows))
+    header = (
+        f"{'singleton lost':<{width}}  {'in flight at the loss ended':<{flight}}  re-dispatched  "
+        "restart s  recover s"
+    )
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        restart = f"{r.restart_s:9.2f}" if r.restart_s is not None else f"{'-':>9}"
+        recover = f"{r.recover_s:9.2f}" if r.recover_s is not None else f"{'-':>9}"
+        line = f"{r.case:<{width}}  {r.in_flight:<{flight}}  {r.redispatched:>13}  {restart}  {recover}"
+        print(line + (f"  BROKEN: {r.broken}" if r.broken else ""))
+
+
+def main() -> int:
+    if not ray.is_initialized():
+        ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    with StandinServer(StandinOptions()) as standin:
+        rows = asyncio.run(run_cases(standin.base_url))
+    print_table(rows)
+    recovered = [r.recover_s for r in rows if r.recover_s is not None]
+    print(f"slowest recovery: {max(recovered):.2f} s" if recovered else "slowest recovery: n/a s")
+    return 1 if any(r.broken for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
