@@ -162,8 +162,11 @@ class SupervisedPool:
         )
 
     async def close(self) -> None:
-        """Stop supervising, then stop the serving incarnation."""
+        """Stop supervising, then stop the serving incarnation. Whoever waits for it is answered at once."""
         self.state = "closed"
+        if not self._current.done():
+            closed = Failure(type="PoolUnavailable", message=f"{self.what} is shut down (the plane closed)")
+            self._current.set_exception(PoolUnavailable(closed))
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
