@@ -364,7 +364,7 @@ async def start_env_pool(
 
 
 def get_env_pool(name: str) -> Any:
-    """The handle of a running env pool, by name (for rollout workers)."""
+    """The handle of a running env pool, by its actor name."""
     return ray.get_actor(name)
 
 

@@ -372,7 +372,7 @@ class Liveness:
     >>> life = Liveness(hang_timeout_s=10, last_alive=0.0)
     >>> life.heard(loop_stall_s=0.0, now=5.0); life.wedged(now=14.0), life.wedged(now=15.5)
     (False, True)
-    >>> life.excuse(4.0); life.wedged(now=15.5)  # the supervisor was deaf for 4 s of that
+    >>> life.excuse(4.0, now=15.5); life.wedged(now=15.5)  # the supervisor was deaf for 4 s of that
     False
     """
 
@@ -383,8 +383,9 @@ class Liveness:
         now = time.monotonic() if now is None else now
         self.last_alive = max(self.last_alive, now - max(0.0, loop_stall_s))
 
-    def excuse(self, deaf_s: float) -> None:
-        self.last_alive += max(0.0, deaf_s)
+    def excuse(self, deaf_s: float, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        self.last_alive = min(now, self.last_alive + max(0.0, deaf_s))
 
     def silent_s(self, now: float | None = None) -> float:
         return max(0.0, (time.monotonic() if now is None else now) - self.last_alive)

@@ -24,7 +24,7 @@ from typing import Any
 import ray
 
 from rollout_actors.config import WORKER_RESTARTS
-from rollout_actors.kernel import RestartBudget, RestartIntensity
+from rollout_actors.kernel import Liveness, RestartBudget, RestartIntensity
 from rollout_actors.naming import PoolNames
 from rollout_actors.rollout import LoopLimits
 from rollout_actors.worker import remote_worker_class
@@ -47,8 +47,9 @@ class WorkerSlot:
     cause: str = ""
     owner: str | None = None
     """The worker's actor id: the owner tag of the env sessions and renderer leases its rollouts take."""
-    last_alive: float = field(default_factory=time.monotonic)
-    """When the worker last showed life (a heartbeat read, minus the stall its rollout loop reported)."""
+    life: Liveness = field(default_factory=lambda: Liveness(hang_timeout_s=float("inf")))
+    """When the worker last showed life (a heartbeat read, minus the stall its rollout loop reported);
+    its hang timeout is set by the `WorkerSet` that spawns it."""
     peak: int = 0
     """The most rollouts it held at once."""
     last_answer: float = 0.0
@@ -113,7 +114,7 @@ class WorkerSet:
         self._serial += 1
         name = f"{self._names.prefix}/worker-{self._serial}"
         handle = self._cls.options(name=name).remote(self._limits, name)
-        return WorkerSlot(name=name, handle=handle)
+        return WorkerSlot(name=name, handle=handle, life=Liveness(self._hang_timeout_s))
 
     async def _wait_ready(self, slot: WorkerSlot) -> None:
         try:
@@ -124,7 +125,7 @@ class WorkerSet:
         slot.owner = info.get("actor_id")
 
     def _admit(self, slot: WorkerSlot) -> None:
-        slot.last_alive = time.monotonic()
+        slot.life.heard()
         self._own(self._watch(slot))
         self.slots.append(slot)
         self._signal()
@@ -157,7 +158,7 @@ class WorkerSet:
         if within_capacity and self._capacity is not None:
             live = [s for s in live if s.in_flight < self._capacity]
         quiet_after = time.monotonic() - SUSPECT_AFTER_BEATS * self._probe_interval_s
-        heard = [s for s in live if s.last_alive >= quiet_after] or live
+        heard = [s for s in live if s.life.last_alive >= quiet_after] or live
         return min(heard, key=lambda s: s.in_flight) if heard else None
 
     async def pick_or_wait(self, timeout: float = WORKER_READY_TIMEOUT_S) -> WorkerSlot | None:
@@ -191,7 +192,7 @@ class WorkerSet:
                 async for beat in slot.handle.heartbeats.remote(self._probe_interval_s):
                     slot.last_stall_s = float(await beat)
                     slot.last_answer = time.monotonic()
-                    slot.last_alive = max(slot.last_alive, slot.last_answer - slot.last_stall_s)
+                    slot.life.heard(slot.last_stall_s, now=slot.last_answer)
             except ray.exceptions.RayActorError as exc:
                 self.declare_lost(slot, f"actor died: {type(exc).__name__}")
                 return
@@ -212,11 +213,11 @@ class WorkerSet:
                 # The plane's own loop stalled: no heartbeat could be read meanwhile. That time is
                 # not the workers' silence; judge again once their answers have been read.
                 for slot in self.live():
-                    slot.last_alive = min(now, slot.last_alive + stalled)
+                    slot.life.excuse(stalled, now)
                 continue
             for slot in self.live():
-                silent = now - slot.last_alive
-                if silent > self._hang_timeout_s:
+                if slot.life.wedged(now):
+                    silent = slot.life.silent_s(now)
                     heard = (
                         f"last heartbeat {now - slot.last_answer:.1f} s ago, reporting a "
                         f"{slot.last_stall_s:.1f} s rollout-loop stall"
