@@ -1,12 +1,13 @@
-"""The supervision kit: restart intensity is data, one budget spends it, with one edge rule for every
-supervisor (rollout workers, env servers, renderers, inference servers, the plane's pools)."""
+"""The supervision kit: restart intensity is data, one budget spends it, with one edge rule, and one
+liveness rule, for every supervisor (rollout workers, env servers, renderers, inference servers, the
+plane's pools)."""
 
 from __future__ import annotations
 
 import pytest
 from pydantic import ValidationError
 
-from rollout_actors.kernel import RestartBudget, RestartIntensity
+from rollout_actors.kernel import Liveness, RestartBudget, RestartIntensity
 
 
 def test_budget_allows_max_restarts_per_window_then_refuses():
@@ -48,3 +49,27 @@ def test_intensity_is_frozen_data_that_refuses_unknown_or_absurd_settings():
         RestartIntensity(max_restarts=3, window_s=0)
     with pytest.raises(ValidationError):
         RestartIntensity(max_restarts=3, window_s=60).max_restarts = 4  # type: ignore[misc]
+
+
+def test_a_child_is_wedged_only_once_nothing_showed_it_alive_for_its_hang_timeout():
+    life = Liveness(hang_timeout_s=10, last_alive=0.0)
+    assert not life.wedged(now=10.0) and life.wedged(now=10.5)
+    life.heard(now=12.0)
+    assert life.silent_s(now=20.0) == 8.0 and not life.wedged(now=20.0)
+    assert life.verdict(now=23.0) == "no sign of life for 11.0 s (hang_timeout 10 s)"
+
+
+def test_an_answer_from_a_side_loop_is_dated_back_by_the_main_loops_stall():
+    life = Liveness(hang_timeout_s=10, last_alive=0.0)
+    life.heard(loop_stall_s=9.0, now=12.0)  # answered at 12, but its rollout loop last turned at 3
+    assert life.wedged(now=13.5)
+    life.heard(loop_stall_s=0.0, now=1.0)  # an older answer never moves the clock back
+    assert life.last_alive == 3.0
+
+
+def test_time_the_supervisor_could_not_listen_is_excused_not_held_against_the_child():
+    life = Liveness(hang_timeout_s=10, last_alive=0.0)
+    life.excuse(6.0, now=14.0)  # the supervisor's own loop stalled for 6 s
+    assert not life.wedged(now=14.0) and life.wedged(now=16.5)
+    life.excuse(100.0, now=20.0)  # never alive "in the future"
+    assert life.last_alive == 20.0
