@@ -15,7 +15,9 @@ import asyncio
 import json
 import sys
 import time
+from contextlib import suppress
 
+import psutil
 import ray
 from ray.cluster_utils import Cluster
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -127,12 +129,28 @@ def schedulable(node_id: str) -> None:
     ray.kill(here)
 
 
+def start_cluster(attempts: int = 2) -> Cluster:
+    """The head node, retried once: Ray gives a raylet 30 s to register (not configurable), which a
+    machine loaded by other work can miss. What a failed attempt started is killed before the next."""
+    for attempt in range(1, attempts + 1):
+        cluster = Cluster(initialize_head=False)
+        try:
+            cluster.add_node(num_cpus=2, include_dashboard=False, _system_config=FAST_NODE_DEATH)
+            return cluster
+        except Exception as exc:
+            print(f"cluster start {attempt} failed: {exc}", file=sys.stderr, flush=True)
+            cluster.shutdown()
+            for child in psutil.Process().children(recursive=True):  # the failed node's GCS, raylet
+                with suppress(psutil.NoSuchProcess):
+                    child.kill()
+            if attempt == attempts:
+                raise
+    raise AssertionError("unreachable")
+
+
 def main() -> int:
     started = time.monotonic()
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={"num_cpus": 2, "include_dashboard": False, "_system_config": FAST_NODE_DEATH},
-    )
+    cluster = start_cluster()
     try:
         doomed = cluster.add_node(num_cpus=2)
         cluster.wait_for_nodes()

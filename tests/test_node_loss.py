@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+from contextlib import suppress
 from pathlib import Path
 
 import pytest
@@ -37,6 +38,9 @@ def node_loss(standin) -> dict:
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
         pytest.fail(f"node-loss scenario hung; its log ends:\n{err[-4000:]}")
+    finally:
+        with suppress(ProcessLookupError):  # whatever of its cluster outlived it (its own process group)
+            os.killpg(proc.pid, signal.SIGKILL)
     lines = out.strip().splitlines()
     assert lines, f"no report (exit {proc.returncode}); log ends:\n{err[-4000:]}"
     return json.loads(lines[-1])
