@@ -170,8 +170,12 @@ def print_table(rows: list[Row]) -> None:
 
 
 def main() -> int:
-    if not ray.is_initialized():
-        ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False, configure_logging=False)
+    else:  # a private Ray: a plain `ray.init()` joins whatever cluster someone's `ray start` left running
+        ray.init(
+            address="local", num_cpus=8, include_dashboard=False, log_to_driver=False, configure_logging=False
+        )
     with StandinServer(StandinOptions()) as standin:
         rows = asyncio.run(run_cases(standin.base_url))
     print_table(rows)
