@@ -23,7 +23,8 @@ CLEANUP_TIMEOUT_S = 5.0  # releasing a lease or ending a session must not hold a
 
 
 class PoolDirectory(Protocol):
-    """Where a rollout finds the shared actors it talks to."""
+    """Where a rollout finds the shared actors it talks to. A worker's (`worker._Dispatch`) also answers
+    `policy_version`, `pause_epoch`, `unpaused` and `planned_resume`, which the turns read where present."""
 
     def renderer_pool(self) -> Any: ...
 
