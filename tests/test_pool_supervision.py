@@ -25,6 +25,8 @@ from rollout_actors.plane import PlaneConfig, RolloutPlane
 from rollout_actors.pool_supervisor import PoolStatus, SupervisedPool
 from rollout_actors.wire import ClientConfig, Ref, Result, RolloutRequest, SamplingConfig
 
+pytestmark = pytest.mark.slow
+
 MATH = Ref(target="env_actors.examples.math_env:MathEnv")
 ECHO = Ref(target="env_actors.faults.envs:EchoEnv")
 DEADLINE_S = 150
