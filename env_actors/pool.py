@@ -168,8 +168,8 @@ class EnvPool:
         if slot is not None:
             slot.unreachable_at = time.monotonic()
 
-    async def num_tasks(self, timeout: float = 0.0) -> EnvResponse:
-        """How many tasks the environment has (learned at readiness; `timeout` is unused)."""
+    async def num_tasks(self) -> EnvResponse:
+        """How many tasks the environment has (learned at readiness)."""
         if self._supervisor.num_tasks is None:
             return self._no_live_worker()
         return EnvResponse.ok(self._supervisor.num_tasks)

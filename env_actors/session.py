@@ -127,7 +127,7 @@ class EnvSession:
 
     @staticmethod
     async def num_tasks(pool: Any, timeout: float) -> int:
-        return int(await _call(lambda: pool.num_tasks.remote(timeout), timeout, "num_tasks"))
+        return int(await _call(lambda: pool.num_tasks.remote(), timeout, "num_tasks"))
 
     async def _direct(
         self, method: SessionMethod, args: tuple, timeout: float, score_if_done: bool = False

@@ -176,10 +176,6 @@ class RendererPool:
         """Release several leases; returns how many were held."""
         return sum(self._release(lease_id) for lease_id in lease_ids)
 
-    async def report_dead(self, renderer_id: str) -> None:
-        """A caller saw this renderer die: replace it now rather than at the next health check."""
-        self._replace(renderer_id, "reported dead")
-
     async def health(self) -> dict[str, Any]:
         """Liveness for the plane's supervisor: answered on the loop that serves every lease, so an answer
         means that loop turns (`loop_stall_s` is 0 by construction). Ready once it answers."""

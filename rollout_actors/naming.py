@@ -16,7 +16,6 @@ from rollout_actors.wire import Ref
 @dataclass(frozen=True)
 class PoolNames:
     prefix: str
-    namespace: str | None = None
 
     @property
     def renderer_pool(self) -> str:

@@ -198,9 +198,7 @@ async def run_plane(args: argparse.Namespace, c: int, server: StandinServer) -> 
             await plane.submit(request(i))
         warm = [await plane.next_result(timeout=300) for _ in range(WARMUP_ROLLOUTS)]
         await _grow_renderer_pool(plane, _client(server).model, renderer_multiplex, c)
-        workers = [
-            ray.get_actor(w["name"], namespace=plane.names.namespace) for w in plane.stats()["workers"]
-        ]
+        workers = [ray.get_actor(w["name"]) for w in plane.stats()["workers"]]
         before = await asyncio.gather(*(w.debug_resources.remote(server.port) for w in workers))
         time_wait_before = time_wait_count(server.port)
         probe = Probe(server.pid, server.port, [r["pid"] for r in before]).start()
@@ -259,7 +257,7 @@ async def _grow_renderer_pool(plane: RolloutPlane, model: str, multiplex: int, c
     """Bring the renderer pool to the size the wave will use (one renderer per `multiplex` leases) and wait
     until every renderer is loaded, as (b) and (c) load theirs before the wave: a renderer's startup is not
     a cost per turn."""
-    pool = ray.get_actor(plane.names.renderer_pool, namespace=plane.names.namespace)
+    pool = ray.get_actor(plane.names.renderer_pool)
     key_json = RendererKey.from_config(model, RendererConfig(multiplex=multiplex)).to_json()
     leases = await pool.lease_many.remote(key_json, multiplex, c)
     await pool.release_many.remote([lease["lease_id"] for lease in leases])
