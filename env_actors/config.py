@@ -27,29 +27,29 @@ class EnvPoolConfig(BaseModel):
     """Concurrent sessions one worker is meant to hold; the growth threshold is measured in these."""
     grow_fraction: float = Field(default=0.75, gt=0.0, le=1.0)
     """Grow by one worker when open sessions reach this fraction of ready workers x multiplex."""
-    idle_timeout: float = Field(default=300.0, gt=0)
+    idle_timeout_s: float = Field(default=300.0, gt=0)
     """A worker above `min_workers` with no session for this long is retired."""
     num_cpus: float = Field(default=0.25, ge=0)
     """CPU reservation of each EnvServer: environments mostly wait, so a fraction of a core."""
     resources: dict[str, float] = Field(default_factory=dict)
     """Extra Ray resources each EnvServer needs (e.g. `{"sandbox": 1}`)."""
 
-    reset_timeout: float = Field(default=60.0, gt=0)
-    step_timeout: float = Field(default=120.0, gt=0)
-    score_timeout: float = Field(default=60.0, gt=0)
-    close_timeout: float = Field(default=10.0, gt=0)
-    spawn_timeout: float = Field(default=300.0, gt=0)
+    reset_timeout_s: float = Field(default=60.0, gt=0)
+    step_timeout_s: float = Field(default=120.0, gt=0)
+    score_timeout_s: float = Field(default=60.0, gt=0)
+    close_timeout_s: float = Field(default=10.0, gt=0)
+    spawn_timeout_s: float = Field(default=300.0, gt=0)
     """Readiness deadline of a worker spawned while serving (load included); then it is killed."""
 
-    hang_timeout: float = Field(default=30.0, gt=0)
+    hang_timeout_s: float = Field(default=30.0, gt=0)
     """A worker with no sign of life (probe answered, event loop turning) for this long is wedged: it is
     retired, its calls fail and it is killed. Ray alone would wait ~65 s for a hung node, forever for a
     frozen process."""
-    probe_interval: float = Field(default=0.5, gt=0)
-    probe_timeout: float = Field(default=2.0, gt=0)
+    probe_interval_s: float = Field(default=0.5, gt=0)
+    probe_timeout_s: float = Field(default=2.0, gt=0)
     restart: RestartIntensity = ENV_RESTARTS
     """Replacements and growth spawns share it; the initial `min_workers` do not spend it."""
-    session_idle_timeout: float = Field(default=3600.0, gt=0)
+    session_idle_timeout_s: float = Field(default=3600.0, gt=0)
     """A session untouched this long is closed by the pool (its owner is presumed gone)."""
     allowed_ref_prefixes: tuple[str, ...] | None = None
     """Module prefixes the environment Ref may name; None means the project's own packages."""
@@ -72,7 +72,9 @@ class EnvCallLimits:
 
     @classmethod
     def of(cls, config: EnvPoolConfig) -> EnvCallLimits:
-        return cls(reset_s=config.reset_timeout, step_s=config.step_timeout, score_s=config.score_timeout)
+        return cls(
+            reset_s=config.reset_timeout_s, step_s=config.step_timeout_s, score_s=config.score_timeout_s
+        )
 
 
 class WorkerInfo(BaseModel):

@@ -92,7 +92,7 @@ async def call_server(
         raise EnvCallFailed(Failure(type="EnvWorkerLost", message=message), worker_exit=reason) from None
     except ActorUnavailableError as exc:
         # Its node is unreachable (lost, or not yet declared dead, which takes Ray tens of seconds): the
-        # session cannot go on. Whether the worker is dead is the supervisor's call (hang_timeout); for
+        # session cannot go on. Whether the worker is dead is the supervisor's call (hang_timeout_s); for
         # the rollout it is a lost part, re-dispatched like a death, and the pool places nothing more on it.
         _notice_unreachable(pool, worker)
         failure = Failure.from_exception(exc)

@@ -19,7 +19,7 @@ A session is one rollout's episode. It lives on one `EnvServer` for its whole li
 Rules an environment follows:
 
 - `reset`, `step`, `score`, `close` are coroutines and run on the server's event loop; CPU-heavy work
-  belongs in `asyncio.to_thread`, because a loop blocked for `hang_timeout` is treated as wedged and killed.
+  belongs in `asyncio.to_thread`, because a loop blocked for `hang_timeout_s` is treated as wedged and killed.
 - `state` is whatever the environment likes (it never leaves the server); everything returned is JSON.
 - A step adds `system`, `user` or `tool` messages (never `assistant`: the model speaks through its sampled
   token ids), with text content; rewards are finite. The server checks each answer (`StepOut`,

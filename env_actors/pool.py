@@ -103,7 +103,7 @@ class EnvPool:
         slot = self._supervisor.workers.get(session.worker)
         if slot is None or slot.state != "ready":
             return EnvResponse.ok()
-        return await self._call(slot, "close", (session_id,), min(timeout, self._config.close_timeout))
+        return await self._call(slot, "close", (session_id,), min(timeout, self._config.close_timeout_s))
 
     async def place_many(
         self, session_ids: list[str], owner: str | None = None, wait_s: float = 0.0
@@ -143,7 +143,7 @@ class EnvPool:
         while len(self._lost_owners) > LOST_OWNER_MEMORY:
             self._lost_owners.popitem(last=False)
         owned = [sid for sid, session in self._sessions.items() if session.owner == owner]
-        await asyncio.gather(*(self.close(sid, self._config.close_timeout) for sid in owned))
+        await asyncio.gather(*(self.close(sid, self._config.close_timeout_s) for sid in owned))
         return len(owned)
 
     async def forget_many(self, session_ids: list[str]) -> int:
@@ -265,9 +265,9 @@ class EnvPool:
                 slot.idle_since = time.monotonic()
 
     async def _reap_idle_sessions(self) -> None:
-        """Close sessions untouched for `session_idle_timeout`: their owner is gone without closing. Steps
+        """Close sessions untouched for `session_idle_timeout_s`: their owner is gone without closing. Steps
         bypass the pool, so a session idle here is only a candidate: its worker says whether it is."""
-        idle_s = self._config.session_idle_timeout
+        idle_s = self._config.session_idle_timeout_s
         while not self._closed:
             await asyncio.sleep(SESSION_REAP_EVERY_S)
             cutoff = time.monotonic() - idle_s
@@ -282,7 +282,7 @@ class EnvPool:
                 try:
                     idle = await asyncio.wait_for(
                         resolve(slot.handle.idle_sessions.remote(session_ids, idle_s)),
-                        self._config.probe_timeout,
+                        self._config.probe_timeout_s,
                     )
                 except Exception:  # dead or wedged: the supervisor deals with the worker, and its sessions
                     continue
@@ -292,7 +292,7 @@ class EnvPool:
                     if session is None:
                         continue
                     if session_id in idle:
-                        self._supervisor.own(self.close(session_id, self._config.close_timeout))
+                        self._supervisor.own(self.close(session_id, self._config.close_timeout_s))
                     else:
                         session.last_used = now  # busy on its worker: look again a timeout from now
 

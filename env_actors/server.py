@@ -7,7 +7,7 @@ Deciding what a death or a stall means belongs to the supervisor (`supervisor.py
 Two event loops, by design: env calls run on the default concurrency group; `health` runs on the `probe`
 group, whose loop is its own thread. A probe therefore answers while environment code blocks the
 default loop, and reports how long that loop has been stalled (`loop_stall_s`): the supervisor treats a
-stall past `hang_timeout` like a frozen process. A frozen (SIGSTOPped) or lost process answers nothing.
+stall past `hang_timeout_s` like a frozen process. A frozen (SIGSTOPped) or lost process answers nothing.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from rollout_actors.kernel import DEFAULT_ALLOWED_PREFIXES, CallerError, Failure
 
 PROBE_GROUP = "probe"
 PROBE_GROUP_SIZE = 4  # a probe and slack for probes that outlived their caller's timeout
-HEARTBEAT_S = 0.1  # resolution of `loop_stall_s`; far below any sane hang_timeout
+HEARTBEAT_S = 0.1  # resolution of `loop_stall_s`; far below any sane hang_timeout_s
 MIN_SERVER_CONCURRENCY = 64
 BATCH_LINGER_S = 0.02
 """Once one call of a batch has answered, how long the others may take to join its reply. Slower ones are

@@ -5,7 +5,7 @@ It spawns `EnvServer` actors, runs their readiness handshake (`start()` loaded t
 under the pool's restart budget:
 
 - A worker is *dead* when Ray says so (`ActorDiedError` on a call or a probe), *wedged* when nothing shows
-  it alive for `hang_timeout`: no probe answered, or its event loop stalled (probes run on their own loop,
+  it alive for `hang_timeout_s`: no probe answered, or its event loop stalled (probes run on their own loop,
   see `server.py`): the kernel's `Liveness`, the rule every supervisor of the plane uses. Either way it
   is retired at once: out of dispatch, its in-flight calls answered with a failure, its sessions lost,
   the actor killed.
@@ -47,7 +47,7 @@ ENV_RESTARTS_USED = Metric(
     tag_keys=_POOL_TAGS,
 )
 
-TICK_S = 0.1  # supervision resolution: wedge detection lands within hang_timeout + TICK_S
+TICK_S = 0.1  # supervision resolution: wedge detection lands within hang_timeout_s + TICK_S
 DIAGNOSE_TIMEOUT_S = 0.5  # one probe to say why a worker missed its readiness deadline
 RETIRED_HISTORY = 32
 MAX_EXIT_DETAIL_CHARS = 500
@@ -150,7 +150,9 @@ class Supervisor:
         return min(trusted, key=lambda w: (len(w.sessions), w.inflight))
 
     def _suspect(self, slot: WorkerSlot, now: float) -> bool:
-        quiet_s = max(3 * self.config.probe_interval, self.config.probe_timeout + self.config.probe_interval)
+        quiet_s = max(
+            3 * self.config.probe_interval_s, self.config.probe_timeout_s + self.config.probe_interval_s
+        )
         if slot.unreachable_at is not None and slot.life.last_alive <= slot.unreachable_at:
             return True
         return slot.life.silent_s(now) > quiet_s
@@ -230,7 +232,7 @@ class Supervisor:
             name,
             handle,
             asyncio.get_running_loop().create_future(),
-            life=Liveness(self.config.hang_timeout),
+            life=Liveness(self.config.hang_timeout_s),
             idle_since=now,
         )
         self.workers[name] = slot
@@ -241,7 +243,7 @@ class Supervisor:
         try:
             response = await asyncio.wait_for(resolve(slot.handle.start.remote()), ready_timeout)
             if response.success:
-                remaining = max(self.config.probe_timeout, ready_timeout - (time.monotonic() - started))
+                remaining = max(self.config.probe_timeout_s, ready_timeout - (time.monotonic() - started))
                 await asyncio.wait_for(resolve(slot.handle.health.remote()), remaining)
         except TimeoutError:
             reason = f"not ready within {ready_timeout:.1f} s: {await self._diagnose(slot)}"
@@ -309,15 +311,15 @@ class Supervisor:
             sent = time.monotonic()
             try:
                 health = await asyncio.wait_for(
-                    resolve(slot.handle.health.remote()), self.config.probe_timeout
+                    resolve(slot.handle.health.remote()), self.config.probe_timeout_s
                 )
                 slot.life.heard(float(health["loop_stall_s"]))
             except ActorDiedError as exc:
                 self.retire(slot, f"died: {exit_detail(exc)}", "died")
                 return
-            except Exception:  # timeout or unavailable: silence is judged against hang_timeout
+            except Exception:  # timeout or unavailable: silence is judged against hang_timeout_s
                 pass
-            await asyncio.sleep(max(0.0, self.config.probe_interval - (time.monotonic() - sent)))
+            await asyncio.sleep(max(0.0, self.config.probe_interval_s - (time.monotonic() - sent)))
 
     async def _supervise(self) -> None:
         while not self._closed:
@@ -360,7 +362,7 @@ class Supervisor:
             if self.budget.try_spend(now):
                 self._denied = False
                 logger.info("env pool %s: spawning a worker (%s)", self.name, want)
-                self._spawn(cfg.spawn_timeout)
+                self._spawn(cfg.spawn_timeout_s)
             elif not self._denied:
                 self._denied = True
                 self.budget_denials += 1
@@ -370,7 +372,7 @@ class Supervisor:
             idle = [
                 w
                 for w in ready
-                if not w.sessions and not w.inflight and now - w.idle_since >= cfg.idle_timeout
+                if not w.sessions and not w.inflight and now - w.idle_since >= cfg.idle_timeout_s
             ]
             if idle:
                 self.retire(min(idle, key=lambda w: w.idle_since), "idle: shrinking the pool", "shrunk")

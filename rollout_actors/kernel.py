@@ -394,7 +394,7 @@ class Liveness:
         return self.silent_s(now) > self.hang_timeout_s
 
     def verdict(self, now: float | None = None) -> str:
-        return f"no sign of life for {self.silent_s(now):.1f} s (hang_timeout {self.hang_timeout_s:g} s)"
+        return f"no sign of life for {self.silent_s(now):.1f} s (hang_timeout_s {self.hang_timeout_s:g} s)"
 
 
 # ------------------------------------------------------------------------------------------ metrics

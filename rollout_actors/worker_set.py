@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 
 WORKER_READY_TIMEOUT_S = 60.0  # a fresh worker process imports openai, ray and pydantic: seconds, not minutes
 SUSPECT_AFTER_BEATS = 3  # heartbeats missed before a worker gets no new work (while others can take it)
-JUDGE_TICK_S = 0.25  # how often silence is judged: a loss is declared within hang_timeout + this
+JUDGE_TICK_S = 0.25  # how often silence is judged: a loss is declared within hang_timeout_s + this
 DRIVER_STALL_S = 1.0  # a judge tick this late means the plane's own loop stalled: that time is not silence
 
 
@@ -226,7 +226,7 @@ class WorkerSet:
                     )
                     self.declare_lost(
                         slot,
-                        f"no sign of life for {silent:.1f} s (hang_timeout={self._hang_timeout_s:g} s; "
+                        f"no sign of life for {silent:.1f} s (hang_timeout_s={self._hang_timeout_s:g}; "
                         f"{heard}): frozen, its rollout loop blocked, or its node gone",
                     )
 

@@ -12,7 +12,7 @@ workers (SPREAD), env servers and renderers. The workload is the bundled multi-t
 The same workload runs twice on the same cluster, each time on a fresh plane: once without kills (the
 baseline) and once under a kill schedule drawn from `--seed` over the middle of the baseline's length:
 SIGKILL of 2 rollout workers, 2 env servers and 2 renderers; SIGSTOP of a rollout worker for
-hang_timeout + 5 s; SIGKILL of one stand-in (its server set replaces it); and a whole worker node
+hang_timeout_s + 5 s; SIGKILL of one stand-in (its server set replaces it); and a whole worker node
 removed (`cluster.remove_node`), chosen among those that hold a rollout worker and none of the plane's
 pool actors (losing those is issue 17's business, not this run's).
 
@@ -152,7 +152,7 @@ def plane_config(args: argparse.Namespace) -> PlaneConfig:
             min_workers=3,
             max_workers=6,
             num_cpus=0.25,
-            hang_timeout=args.hang_timeout,
+            hang_timeout_s=args.hang_timeout,
             restart=ENV_RESTARTS,
         ),
     )

@@ -31,8 +31,8 @@ from rollout_actors.wire import Ref
 
 ECHO = "env_actors.faults.envs:EchoEnv"
 HANG_TIMEOUT_S = 2.0
-FAST = dict(hang_timeout=HANG_TIMEOUT_S, probe_interval=0.2, probe_timeout=0.5)  # the wedge cases
-PROBES = dict(probe_interval=0.2)  # every other case: deaths noticed fast, no false wedges on a busy box
+FAST = dict(hang_timeout_s=HANG_TIMEOUT_S, probe_interval_s=0.2, probe_timeout_s=0.5)  # the wedge cases
+PROBES = dict(probe_interval_s=0.2)  # every other case: deaths noticed fast, no false wedges on a busy box
 CASE_DEADLINE_S = 60.0  # a case that takes longer has a stalled future somewhere: that is the bug we hunt
 ASSISTANT = {"role": "assistant", "content": "ok"}
 
@@ -168,7 +168,7 @@ async def wedged_worker() -> list[Row]:
             saw = f"EnvCallFailed({exc.kind}, {(exc.worker_exit or '')[:40]})"
         replaced = await replacement_serving(pool, session.worker, frozen)
         return [
-            Row(f"worker SIGSTOPped (hang_timeout {HANG_TIMEOUT_S:g} s)", saw, failed, HANG_TIMEOUT_S + 1),
+            Row(f"worker SIGSTOPped (hang_timeout_s {HANG_TIMEOUT_S:g} s)", saw, failed, HANG_TIMEOUT_S + 1),
             Row("  ... replacement", "new session served by a new worker", replaced, HANG_TIMEOUT_S + 3),
         ]
     finally:

@@ -23,9 +23,9 @@ from rollout_actors.wire import Ref
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_session")]
 
 ECHO = "env_actors.faults.envs:EchoEnv"
-PROBES = dict(probe_interval=0.2)
+PROBES = dict(probe_interval_s=0.2)
 """Frequent probes, so deaths without a call in flight are noticed quickly."""
-WEDGE = dict(hang_timeout=2.0, probe_interval=0.2, probe_timeout=0.5)
+WEDGE = dict(hang_timeout_s=2.0, probe_interval_s=0.2, probe_timeout_s=0.5)
 """Wedge detection in seconds (production waits longer); only for the tests that need it, so a worker
 starved of CPU on a busy test machine is not mistaken for a wedged one elsewhere."""
 

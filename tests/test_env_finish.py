@@ -158,7 +158,7 @@ def test_a_raising_score_fails_the_finishing_step_as_infrastructure_and_close_st
 def test_the_finishing_step_gets_the_step_plus_the_score_deadline():
     async def body():
         # A 1 s step misses a 0.5 s step deadline alone, and fits in 0.5 s + 5 s when it also scores.
-        config = EnvPoolConfig(step_timeout=0.5, score_timeout=5.0)
+        config = EnvPoolConfig(step_timeout_s=0.5, score_timeout_s=5.0)
         async with env_pool(RECORDS_CLOSES, config, turns=1, step_delay=1.0) as pool:
             plain = await EnvSession.open(pool, task_index=0, timeout=10)
             with pytest.raises(EnvCallFailed) as late:
@@ -178,7 +178,7 @@ def test_the_finishing_step_gets_the_step_plus_the_score_deadline():
 def test_worker_killed_during_the_finishing_step_fails_it_as_infrastructure():
     async def body():
         async with env_pool(
-            RECORDS_CLOSES, EnvPoolConfig(probe_interval=0.2), turns=1, step_delay=30.0
+            RECORDS_CLOSES, EnvPoolConfig(probe_interval_s=0.2), turns=1, step_delay=30.0
         ) as pool:
             session = await EnvSession.open(pool, task_index=0, timeout=10)
             pid = next(w.pid for w in (await pool.stats.remote()).workers if w.worker == session.worker)

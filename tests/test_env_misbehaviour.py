@@ -61,11 +61,11 @@ def outcomes(ray_session, standin) -> dict[str, tuple[Result, float]]:
             allowed_ref_prefixes=TEST_REF_PREFIXES,
             env_pool={
                 "num_cpus": 0.1,
-                "step_timeout": STEP_TIMEOUT_S,
-                "score_timeout": SCORE_TIMEOUT_S,
-                "hang_timeout": HANG_TIMEOUT_S,
-                "probe_interval": 0.2,
-                "probe_timeout": 1.0,
+                "step_timeout_s": STEP_TIMEOUT_S,
+                "score_timeout_s": SCORE_TIMEOUT_S,
+                "hang_timeout_s": HANG_TIMEOUT_S,
+                "probe_interval_s": 0.2,
+                "probe_timeout_s": 1.0,
                 "restart": {"max_restarts": 5, "window_s": 60},
             },
         )

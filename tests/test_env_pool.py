@@ -99,7 +99,7 @@ def test_caller_mistakes_fail_as_caller_and_env_bugs_as_infrastructure():
 @pytest.mark.timeout(60)
 def test_a_call_past_its_deadline_fails_naming_it_and_the_worker_keeps_serving():
     async def body():
-        config = EnvPoolConfig(step_timeout=0.5)
+        config = EnvPoolConfig(step_timeout_s=0.5)
         async with env_pool(ECHO, config, step_delay=5.0) as pool:
             session = await EnvSession.open(pool, task_index=0, timeout=10)
             with pytest.raises(EnvCallFailed) as late:
@@ -158,7 +158,9 @@ def test_closing_or_cancelling_a_session_ends_it_on_its_worker():
 @pytest.mark.timeout(60)
 def test_pool_grows_with_open_sessions_and_shrinks_back_when_idle():
     async def body():
-        config = EnvPoolConfig(min_workers=1, max_workers=2, multiplex=2, grow_fraction=0.5, idle_timeout=0.5)
+        config = EnvPoolConfig(
+            min_workers=1, max_workers=2, multiplex=2, grow_fraction=0.5, idle_timeout_s=0.5
+        )
         async with env_pool(ECHO, config) as pool:
             session = await EnvSession.open(pool, task_index=0, timeout=10)
             await eventually(lambda: _ready(pool, 2), 20)  # 1 session >= 0.5 x 1 worker x 2
@@ -174,7 +176,7 @@ def test_pool_grows_with_open_sessions_and_shrinks_back_when_idle():
 @pytest.mark.timeout(60)
 def test_a_session_its_owner_abandoned_is_closed_after_the_idle_timeout():
     async def body():
-        async with env_pool(ECHO, EnvPoolConfig(session_idle_timeout=0.5)) as pool:
+        async with env_pool(ECHO, EnvPoolConfig(session_idle_timeout_s=0.5)) as pool:
             session = await EnvSession.open(pool, task_index=0, timeout=10)
             worker = ray.get_actor(session.worker)
             assert await eventually(lambda: _worker_sessions(worker, 0), 10)
@@ -189,7 +191,7 @@ def test_a_session_stepping_directly_on_its_worker_is_not_idle_to_the_pool():
     """Steps bypass the pool; its reaper must ask the worker before calling a session abandoned."""
 
     async def body():
-        async with env_pool(ECHO, EnvPoolConfig(session_idle_timeout=1.0), turns=100) as pool:
+        async with env_pool(ECHO, EnvPoolConfig(session_idle_timeout_s=1.0), turns=100) as pool:
             session = await EnvSession.open(pool, task_index=0, timeout=10)
             assert session.server is not None  # steps go straight to the worker
             for _ in range(12):  # 3.6 s of steps, more than three idle timeouts by the pool's own clock

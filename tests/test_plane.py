@@ -106,7 +106,7 @@ def test_wedged_worker_is_detected_within_hang_timeout(ray_session, standin):
             return victim.cause, results, p.stats()
 
     cause, results, stats = run(scenario())
-    assert "hang_timeout" in cause  # found by the plane's liveness probe, not by Ray
+    assert "hang_timeout_s" in cause  # found by the plane's liveness probe, not by Ray
     assert all(r.kind == "ok" for r in results), [(r.kind, r.error) for r in results]
     assert stats["workers_lost"] >= 1
 

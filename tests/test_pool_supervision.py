@@ -189,7 +189,7 @@ def test_wedged_env_pool_is_killed_and_restarted_after_its_hang_timeout(env_pool
     check_served_again(loss)
     assert (
         loss.status.last_loss.startswith("wedged: no sign of life")
-        and "hang_timeout 3 s" in loss.status.last_loss
+        and "hang_timeout_s 3 s" in loss.status.last_loss
     )
     assert frozen and not any(psutil.pid_exists(pid) for pid in frozen)
     # In flight, each rollout ended exactly once, whichever way (its env servers outlived the frozen pool

@@ -56,7 +56,7 @@ def test_a_child_is_wedged_only_once_nothing_showed_it_alive_for_its_hang_timeou
     assert not life.wedged(now=10.0) and life.wedged(now=10.5)
     life.heard(now=12.0)
     assert life.silent_s(now=20.0) == 8.0 and not life.wedged(now=20.0)
-    assert life.verdict(now=23.0) == "no sign of life for 11.0 s (hang_timeout 10 s)"
+    assert life.verdict(now=23.0) == "no sign of life for 11.0 s (hang_timeout_s 10 s)"
 
 
 def test_an_answer_from_a_side_loop_is_dated_back_by_the_main_loops_stall():
