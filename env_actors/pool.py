@@ -41,7 +41,8 @@ DEAD_WORKER_GRACE_S = 1.0
 """Ray fails a dead actor's in-flight calls itself within ~10-60 ms, and its answer is authoritative (a
 value the worker returned before dying is kept), so a call whose worker died waits this long for it."""
 POOL_MAX_CONCURRENCY = 10_000  # every in-flight env call of every rollout waits inside this actor
-POOL_STARTUP_SLACK_S = 10.0  # the pool actor's own process start, on top of the environment's deadline
+POOL_ACTOR_START_TIMEOUT_S = 60.0  # the pool actor's process start and first answer
+POOL_STARTUP_SLACK_S = 10.0  # the pool's own answer, on top of the environment's readiness deadline
 RETIRED_WORKER_MEMORY = 1_000  # retired workers remembered with the reason (a session asks why its died)
 LOST_OWNER_MEMORY = 1_000  # lost owners remembered, so a placement one sent before dying is refused
 SESSION_REAP_EVERY_S = 1.0
@@ -344,6 +345,9 @@ async def start_env_pool(
     except ValueError as exc:  # the name is taken
         raise EnvStartupError(f"cannot create env pool {name!r}: {exc}") from exc
     try:
+        # The pool actor's own process start (slow on a loaded node) is bounded apart from the
+        # environment's readiness deadline, which starts once the pool runs.
+        await asyncio.wait_for(resolve(handle.health.remote()), POOL_ACTOR_START_TIMEOUT_S)
         response = await asyncio.wait_for(
             resolve(handle.start.remote(ready_timeout)), ready_timeout + POOL_STARTUP_SLACK_S
         )
@@ -352,7 +356,8 @@ async def start_env_pool(
         raise
     except Exception as exc:
         _kill(handle)
-        raise EnvStartupError(f"env pool {name!r} ({env.target}) did not start: {exc!r}") from exc
+        message = f"env pool {name!r} ({env.target}) did not start: {exc!r}"
+        raise EnvStartupError(message, Failure.from_exception(exc)) from exc
     if not response.success:
         _kill(handle)
         failure = response.error or Failure(type="EnvStartupError", message="unknown")
