@@ -6,7 +6,7 @@
     await stop_env_pool(pool)
 
 The pool is an async actor that only waits (num_cpus=0). It places each new session on the least-busy ready
-worker (`place_many`) and ends sessions (`close`), answering each call with an `EnvResponse` within the
+worker (`place_many`) and ends sessions (`end_session`), answering each call with an `EnvResponse` within the
 call's deadline, whatever happens to the worker meanwhile. A session's reset, steps and score go straight
 to its worker (`direct.py`): a relay would double every call's Ray round trips. The pool still hears of
 everything it must know: a session that ended with its scored step (`forget_many`), a worker a session
@@ -20,7 +20,6 @@ import asyncio
 import os
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -29,6 +28,7 @@ from ray.exceptions import ActorDiedError
 from env_actors.config import EnvPoolConfig, EnvPoolStats
 from env_actors.interface import EnvResponse
 from env_actors.server import DEADLINE_FAILURE
+from env_actors.sessions import OpenSessions
 from env_actors.supervisor import Supervisor, WorkerSlot, exit_detail, resolve
 from rollout_actors.kernel import Failure, Ref
 
@@ -57,25 +57,17 @@ class EnvStartupError(RuntimeError):
         self.failure = failure
 
 
-@dataclass
-class _Session:
-    worker: str
-    last_used: float
-    """When the pool last heard of it (placement, or its worker saying it is busy)."""
-    owner: str | None = None
-    """The actor that opened it (a rollout worker); `close_owned` ends it when that actor is lost."""
-
-
 class EnvPool:
     """The supervisor actor of one environment. Use it through `start_env_pool` and `EnvSession`."""
 
     def __init__(self, name: str, env: Ref, config: EnvPoolConfig):
         self._name, self._config = name, config
-        self._sessions: dict[str, _Session] = {}
+        self._sessions = OpenSessions()
+        """The one pool-side record of open sessions; the supervisor reads its per-worker counts."""
         self._retired: OrderedDict[str, str] = OrderedDict()
         """Worker name -> why it was retired, for sessions whose direct call found it dead."""
         self._lost_owners: OrderedDict[str, None] = OrderedDict()
-        self._supervisor = Supervisor(name, env, config, self._on_retire)
+        self._supervisor = Supervisor(name, env, config, self._sessions, self._on_retire)
         self._started = False
         self._closed = False
 
@@ -94,7 +86,7 @@ class EnvPool:
 
     # ----------------------------------------------------------------------------- session calls
 
-    async def close(self, session_id: str, timeout: float) -> EnvResponse:
+    async def end_session(self, session_id: str, timeout: float) -> EnvResponse:
         """End the session on its worker (which also stops a call of it still running there). Idempotent;
         a lost or unknown session is already ended."""
         session = self._sessions.get(session_id)
@@ -104,14 +96,16 @@ class EnvPool:
         slot = self._supervisor.workers.get(session.worker)
         if slot is None or slot.state != "ready":
             return EnvResponse.ok()
-        return await self._call(slot, "close", (session_id,), min(timeout, self._config.close_timeout_s))
+        return await self._call(
+            slot, "end_session", (session_id,), min(timeout, self._config.close_timeout_s)
+        )
 
     async def place_many(
         self, session_ids: list[str], owner: str | None = None, wait_s: float = 0.0
     ) -> list[EnvResponse]:
         """Place new sessions on the least-busy ready workers without starting them; each value is
         `{"worker": name, "handle": handle}`. The opener then sends `reset` to the worker itself (batched
-        with that worker's other calls, see `direct.py`), and ends the session with `close` if the reset
+        with that worker's other calls, see `direct.py`), and ends the session with `end_session` if the reset
         fails. A placed session counts toward placement at once. With no ready worker but a replacement
         starting, placement waits for it up to `wait_s`; with none coming it fails at once. `owner`: the
         opening actor (see `close_owned`); one already lost gets nothing."""
@@ -131,8 +125,7 @@ class EnvPool:
             if slot is None:
                 answers.append(self._no_live_worker())
                 continue
-            self._sessions[session_id] = _Session(slot.name, time.monotonic(), owner)
-            slot.sessions.add(session_id)
+            self._sessions.add(session_id, slot.name, time.monotonic(), owner)
             answers.append(EnvResponse.ok({"worker": slot.name, "handle": slot.handle}, slot.name))
         return answers
 
@@ -143,8 +136,8 @@ class EnvPool:
         self._lost_owners[owner] = None
         while len(self._lost_owners) > LOST_OWNER_MEMORY:
             self._lost_owners.popitem(last=False)
-        owned = [sid for sid, session in self._sessions.items() if session.owner == owner]
-        await asyncio.gather(*(self.close(sid, self._config.close_timeout_s) for sid in owned))
+        owned = self._sessions.owned_by(owner)
+        await asyncio.gather(*(self.end_session(sid, self._config.close_timeout_s) for sid in owned))
         return len(owned)
 
     async def forget_many(self, session_ids: list[str]) -> int:
@@ -189,7 +182,7 @@ class EnvPool:
         sup = self._supervisor
         return EnvPoolStats(
             name=self._name,
-            workers=[w.info() for w in sup.workers.values()],
+            workers=[w.info(self._sessions.on(w.name)) for w in sup.workers.values()],
             ready=len(sup.ready()),
             starting=len(sup.starting()),
             sessions=len(self._sessions),
@@ -253,17 +246,14 @@ class EnvPool:
         self._retired[slot.name] = reason
         while len(self._retired) > RETIRED_WORKER_MEMORY:
             self._retired.popitem(last=False)
-        for session_id in slot.sessions:  # their calls fail on the dead worker; `close` finds them gone
-            self._sessions.pop(session_id, None)
-        slot.sessions.clear()
+        # Their calls fail on the dead worker; `end_session` finds them gone.
+        self._sessions.drop_worker(slot.name)
 
     def _forget(self, session_id: str) -> None:
-        session = self._sessions.pop(session_id, None)
+        session = self._sessions.pop(session_id)
         slot = self._supervisor.workers.get(session.worker) if session else None
-        if slot is not None:
-            slot.sessions.discard(session_id)
-            if not slot.sessions:
-                slot.idle_since = time.monotonic()
+        if slot is not None and not self._sessions.on(slot.name):
+            slot.idle_since = time.monotonic()
 
     async def _reap_idle_sessions(self) -> None:
         """Close sessions untouched for `session_idle_timeout_s`: their owner is gone without closing. Steps
@@ -293,7 +283,7 @@ class EnvPool:
                     if session is None:
                         continue
                     if session_id in idle:
-                        self._supervisor.own(self.close(session_id, self._config.close_timeout_s))
+                        self._supervisor.own(self.end_session(session_id, self._config.close_timeout_s))
                     else:
                         session.last_used = now  # busy on its worker: look again a timeout from now
 

@@ -226,7 +226,7 @@ class EnvServer:
             if session_id in self._sessions:
                 self._last_used[session_id] = time.monotonic()
 
-    async def close(self, session_id: str, timeout: float) -> EnvResponse:
+    async def end_session(self, session_id: str, timeout: float) -> EnvResponse:
         for owner, task in list(self._batched.values()):  # its step or score still running stops here
             if owner == session_id:
                 task.cancel()

@@ -115,7 +115,9 @@ class EnvSession:
         for task in list(self._inflight):  # a step still running on the worker stops there too
             task.cancel()
         try:
-            await _call(lambda: self.pool.close.remote(self.session_id, timeout), timeout, "close")
+            await _call(
+                lambda: self.pool.end_session.remote(self.session_id, timeout), timeout, "end_session"
+            )
         except EnvCallFailed as exc:
             logger.debug("closing env session %s failed: %s", self.session_id, exc)
 
@@ -174,6 +176,6 @@ def _answer_of(model: type[Answer], value: Any, method: str) -> Answer:
 
 def _submit_close(pool: Any, session_id: str) -> None:
     try:
-        pool.close.remote(session_id, 5.0)
+        pool.end_session.remote(session_id, 5.0)
     except Exception:  # a dead pool has no sessions to end
         pass

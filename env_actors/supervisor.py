@@ -31,6 +31,7 @@ from ray.exceptions import ActorDiedError
 
 from env_actors.config import EnvPoolConfig, WorkerInfo
 from env_actors.server import create_env_server
+from env_actors.sessions import OpenSessions
 from rollout_actors.kernel import Failure, Liveness, Metric, Ref, RestartBudget
 
 logger = logging.getLogger(__name__)
@@ -72,14 +73,13 @@ def exit_detail(exc: BaseException) -> str:
 
 @dataclass(eq=False)
 class WorkerSlot:
-    """One EnvServer as the supervisor sees it. `sessions` is maintained by the pool."""
+    """One EnvServer as the supervisor sees it. Its sessions are counted in the pool's `OpenSessions`."""
 
     name: str
     handle: Any
     gone: asyncio.Future
     """Resolved with `(reason, cause)` at retirement; in-flight calls wait on it next to their answer."""
     state: Literal["starting", "ready", "retired"] = "starting"
-    sessions: set[str] = field(default_factory=set)
     inflight: int = 0
     pid: int | None = None
     node_id: str | None = None
@@ -89,12 +89,12 @@ class WorkerSlot:
     unreachable_at: float | None = None
     """When a session last found it unreachable; it takes no new session until it shows life after that."""
 
-    def info(self) -> WorkerInfo:
+    def info(self, sessions: int) -> WorkerInfo:
         state = "ready" if self.state == "ready" else "starting"
         return WorkerInfo(
             worker=self.name,
             state=state,
-            sessions=len(self.sessions),
+            sessions=sessions,
             inflight=self.inflight,
             pid=self.pid,
             node_id=self.node_id,
@@ -111,9 +111,16 @@ class Supervisor:
     """Owns the worker set of one pool and every background task that keeps it healthy."""
 
     def __init__(
-        self, name: str, env: Ref, config: EnvPoolConfig, on_retire: Callable[[WorkerSlot, str], None]
+        self,
+        name: str,
+        env: Ref,
+        config: EnvPoolConfig,
+        sessions: OpenSessions,
+        on_retire: Callable[[WorkerSlot, str], None],
     ):
         self.name, self.env, self.config = name, env, config
+        self.sessions = sessions
+        """The pool's record of open sessions, read here (placement, scaling), written by the pool."""
         self.workers: dict[str, WorkerSlot] = {}
         self.budget = RestartBudget(config.restart)
         self.num_tasks: int | None = None
@@ -147,7 +154,7 @@ class Supervisor:
             return None
         now = time.monotonic()
         trusted = [w for w in ready if not self._suspect(w, now)] or ready
-        return min(trusted, key=lambda w: (len(w.sessions), w.inflight))
+        return min(trusted, key=lambda w: (self.sessions.on(w.name), w.inflight))
 
     def _suspect(self, slot: WorkerSlot, now: float) -> bool:
         quiet_s = max(
@@ -341,14 +348,14 @@ class Supervisor:
         ready = self.ready()
         ENV_WORKERS.record(len(ready), {**tags, "state": "ready"})
         ENV_WORKERS.record(len(self.starting()), {**tags, "state": "starting"})
-        ENV_SESSIONS.record(sum(len(w.sessions) for w in ready), tags)
+        ENV_SESSIONS.record(sum(self.sessions.on(w.name) for w in ready), tags)
         ENV_RESTARTS_USED.record(self.budget.used(), tags)
 
     def _scale(self, now: float) -> None:
         cfg = self.config
         ready, starting = self.ready(), self.starting()
         live = len(ready) + len(starting)
-        sessions = sum(len(w.sessions) for w in ready)
+        sessions = sum(self.sessions.on(w.name) for w in ready)
         want = None
         if live < cfg.min_workers:
             want = "replace"
@@ -372,7 +379,9 @@ class Supervisor:
             idle = [
                 w
                 for w in ready
-                if not w.sessions and not w.inflight and now - w.idle_since >= cfg.idle_timeout_s
+                if not self.sessions.on(w.name)
+                and not w.inflight
+                and now - w.idle_since >= cfg.idle_timeout_s
             ]
             if idle:
                 self.retire(min(idle, key=lambda w: w.idle_since), "idle: shrinking the pool", "shrunk")

@@ -232,7 +232,7 @@ class OneEnvPool:
         (
             1,
             0.0,
-            Counter(place_many=1, close=1),
+            Counter(place_many=1, end_session=1),
         ),  # out of turns: scored directly, closed as before
     ],
     ids=["done", "out-of-turns"],

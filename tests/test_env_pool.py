@@ -235,7 +235,7 @@ def test_a_reset_that_arrives_after_its_session_was_closed_does_not_start_it():
         async with env_pool(ECHO) as pool:
             (placed,) = await pool.place_many.remote(["envsess-late"])
             assert placed.success and (await pool.stats.remote()).sessions == 1
-            await pool.close.remote("envsess-late", 5.0)  # the opener gave up: the pool ends it first
+            await pool.end_session.remote("envsess-late", 5.0)  # the opener gave up: the pool ends it first
             worker = placed.value["handle"]
             (reply,) = await worker.call_many.remote([EnvCall("reset", "envsess-late", (0, None), 5.0)])
             answer = reply.response

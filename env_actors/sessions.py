@@ -1,0 +1,69 @@
+"""`OpenSessions`: the pool's one record of the sessions it placed and has not seen end.
+
+Every pool-side question about sessions reads it: placement and growth (how many a worker holds), idle
+shrinking (a worker holding none), the reaper (which have been quiet), a lost owner's sessions, a retired
+worker's. The `EnvServer` keeps each session's state, which only it can hold; what the pool knows of
+sessions lives here and nowhere else, so no two records can disagree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class OpenSession:
+    worker: str
+    last_used: float
+    """When the pool last heard of it (placement, or its worker saying it is busy)."""
+    owner: str | None = None
+    """The actor that opened it (a rollout worker); the pool ends it when that actor is lost."""
+
+
+class OpenSessions:
+    """Session id -> where it lives and who opened it, with a per-worker index kept in step."""
+
+    def __init__(self) -> None:
+        self._by_id: dict[str, OpenSession] = {}
+        self._by_worker: dict[str, set[str]] = {}
+
+    def add(self, session_id: str, worker: str, now: float, owner: str | None = None) -> None:
+        self._by_id[session_id] = OpenSession(worker, now, owner)
+        self._by_worker.setdefault(worker, set()).add(session_id)
+
+    def pop(self, session_id: str) -> OpenSession | None:
+        """Forget a session; None if it was not open."""
+        session = self._by_id.pop(session_id, None)
+        if session is not None:
+            on_worker = self._by_worker[session.worker]
+            on_worker.discard(session_id)
+            if not on_worker:
+                del self._by_worker[session.worker]
+        return session
+
+    def drop_worker(self, worker: str) -> list[str]:
+        """Forget every session on a worker that is gone; returns their ids."""
+        session_ids = list(self._by_worker.pop(worker, ()))
+        for session_id in session_ids:
+            del self._by_id[session_id]
+        return session_ids
+
+    def get(self, session_id: str) -> OpenSession | None:
+        return self._by_id.get(session_id)
+
+    def on(self, worker: str) -> int:
+        """How many open sessions `worker` holds."""
+        return len(self._by_worker.get(worker, ()))
+
+    def owned_by(self, owner: str) -> list[str]:
+        return [sid for sid, session in self._by_id.items() if session.owner == owner]
+
+    def items(self) -> Iterator[tuple[str, OpenSession]]:
+        return iter(list(self._by_id.items()))
+
+    def __contains__(self, session_id: object) -> bool:
+        return session_id in self._by_id
+
+    def __len__(self) -> int:
+        return len(self._by_id)
