@@ -21,6 +21,7 @@ import asyncio
 import functools
 from typing import Any
 
+from renderer_actors.calls import RendererLease
 from rollout_actors.kernel import Failure, TickBatch, TickCoalescer, actor_key, per_loop, process_owner
 
 BATCH_CALL_TIMEOUT_S = 60.0  # one pool call for many waiters: each waiter's own deadline is usually shorter
@@ -58,7 +59,7 @@ class BatchedCalls:
         async with asyncio.timeout(timeout):
             return await waiter
 
-    async def lease(self, pool: Any, key_json: str, multiplex: int, timeout: float) -> dict[str, Any]:
+    async def lease(self, pool: Any, key_json: str, multiplex: int, timeout: float) -> RendererLease:
         """One lease, from a `lease_many` shared with every other lease asked for in this tick."""
         key = ("lease", actor_key(pool), key_json, multiplex)
         waiter = self._ticks.add(key, pool, None, functools.partial(_send_leases, key_json, multiplex))
@@ -109,7 +110,7 @@ async def _send_leases(key_json: str, multiplex: int, batch: TickBatch) -> None:
     unclaimed = []
     for waiter, lease in zip(waiters, leases, strict=True):
         if waiter.done():  # its owner gave up (timeout, cancellation) meanwhile
-            unclaimed.append(lease["lease_id"])
+            unclaimed.append(lease.lease_id)
         else:
             waiter.set_result(lease)
     if unclaimed:

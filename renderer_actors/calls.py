@@ -16,6 +16,19 @@ from pydantic import BaseModel, Field
 
 from rollout_actors.kernel import Failure
 
+
+@dataclass(frozen=True, slots=True)
+class RendererLease:
+    """A slot on one renderer, handed out by the `RendererPool` and given back with `release(lease_id)`."""
+
+    lease_id: str
+    renderer: Any
+    """The renderer's actor handle: calls go to it directly."""
+    renderer_id: str
+    ready: bool
+    """It had answered its readiness call when the lease was placed (callers still await `ready`)."""
+
+
 SCAFFOLD = -1
 """`Rendered.message_index` of a token no message owns: the tools preamble, the generation prompt."""
 

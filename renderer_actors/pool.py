@@ -4,8 +4,8 @@ Usage (the session does this for a rollout; see `renderer_actors.session`)::
 
     pool = get_or_create_renderer_pool("plane-1/renderer-pool")
     lease = await pool.lease.remote(key.to_json(), multiplex=256)
-    ids = await lease["renderer"].start.remote(messages, tools)
-    await pool.release.remote(lease["lease_id"])
+    ids = await lease.renderer.start.remote(messages, tools)
+    await pool.release.remote(lease.lease_id)
 
 Policy, per `RendererKey` (model, library renderer config + template kwargs, history policy):
 
@@ -42,6 +42,7 @@ import ray
 from ray.exceptions import ActorDiedError, RayActorError
 
 from renderer_actors.actor import RendererActor
+from renderer_actors.calls import RendererLease
 from renderer_actors.config import RendererPoolConfig
 from renderer_actors.key import RendererKey
 from rollout_actors.kernel import Liveness, Metric, RestartBudget, new_id
@@ -131,8 +132,8 @@ class RendererPool:
         dead_renderer_id: str | None = None,
         release_lease_id: str | None = None,
         owner: str | None = None,
-    ) -> dict[str, Any]:
-        """A slot on a renderer for `key_json`: `{lease_id, renderer, renderer_id, ready}`. Never waits.
+    ) -> RendererLease:
+        """A slot on a renderer for `key_json`. Never waits.
 
         `dead_renderer_id`: the caller saw this renderer die (it is replaced before the lease is placed);
         `release_lease_id`: the caller's previous lease, released in the same call; `owner`: the actor
@@ -146,7 +147,7 @@ class RendererPool:
 
     async def lease_many(
         self, key_json: str, multiplex: int, count: int, owner: str | None = None
-    ) -> list[dict[str, Any]]:
+    ) -> list[RendererLease]:
         """`count` leases placed one after another, exactly as `count` calls to `lease` would be (a
         process's concurrent sessions ask in one call: see `renderer_actors.batching`)."""
         self._check_owner(owner)
@@ -261,12 +262,7 @@ class RendererPool:
         self._leases[lease_id] = _Lease(
             pool.key_json, renderer.renderer_id, now + self._config.max_lease_s, owner
         )
-        return {
-            "lease_id": lease_id,
-            "renderer": renderer.handle,
-            "renderer_id": renderer.renderer_id,
-            "ready": renderer.ready,
-        }
+        return RendererLease(lease_id, renderer.handle, renderer.renderer_id, renderer.ready)
 
     # -------------------------------------------------------------------------------- renderers
 

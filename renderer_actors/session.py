@@ -279,12 +279,12 @@ class RendererSession:
                 lease = await self._remote(ref, deadline, "lease from the renderer pool")
         except RayActorError as exc:
             raise RendererUnavailable(f"the renderer pool is unavailable: {exc}") from exc
-        self._lease_id = lease["lease_id"]
-        self._renderer = lease["renderer"]
-        self.renderer_id = lease["renderer_id"]
+        self._lease_id = lease.lease_id
+        self._renderer = lease.renderer
+        self.renderer_id = lease.renderer_id
         # A startup failure is infrastructure (or a model name nobody can load), never a bad request.
         self._info = await self._remote(
-            calls.ready(lease["renderer_id"], lease["renderer"], deadline - time.monotonic()),
+            calls.ready(lease.renderer_id, lease.renderer, deadline - time.monotonic()),
             deadline,
             f"renderer {self.renderer_id} startup",
             caller_errors=False,

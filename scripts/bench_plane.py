@@ -260,7 +260,7 @@ async def _grow_renderer_pool(plane: RolloutPlane, model: str, multiplex: int, c
     pool = ray.get_actor(plane.names.renderer_pool)
     key_json = RendererKey.from_config(model, RendererConfig(multiplex=multiplex)).to_json()
     leases = await pool.lease_many.remote(key_json, multiplex, c)
-    await pool.release_many.remote([lease["lease_id"] for lease in leases])
+    await pool.release_many.remote([lease.lease_id for lease in leases])
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         renderers = (await pool.stats.remote())["keys"][key_json]["renderers"]

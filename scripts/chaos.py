@@ -314,11 +314,11 @@ class Chaos:
         key_json = next(iter(keys))
         lease = await pool.lease.remote(key_json)
         try:
-            pid = (await asyncio.wait_for(lease["renderer"].health.remote(), 10))["pid"]
+            pid = (await asyncio.wait_for(lease.renderer.health.remote(), 10))["pid"]
         finally:
-            await pool.release.remote(lease["lease_id"])
+            await pool.release.remote(lease.lease_id)
         os.kill(pid, signal.SIGKILL)
-        return f"{lease['renderer_id']} (pid {pid})"
+        return f"{lease.renderer_id} (pid {pid})"
 
     async def kill_standin(self, plane: RolloutPlane) -> str:
         status = self.rng.choice([s for s in self.servers.status() if s.state == "ready" and s.pid])

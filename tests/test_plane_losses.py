@@ -185,9 +185,9 @@ async def _only_renderer_pid(pool) -> int:
     (key_json,) = (await pool.stats.remote())["keys"]
     lease = await pool.lease.remote(key_json)
     try:
-        return (await lease["renderer"].health.remote())["pid"]
+        return (await lease.renderer.health.remote())["pid"]
     finally:
-        await pool.release.remote(lease["lease_id"])
+        await pool.release.remote(lease.lease_id)
 
 
 def _lose_three_of_four(standin, n: int, **config):

@@ -7,6 +7,7 @@ import asyncio
 import itertools
 
 from renderer_actors.batching import batched_calls
+from renderer_actors.calls import RendererLease
 
 
 class _Method:
@@ -28,9 +29,7 @@ class FakePool:
     async def _lease_many(self, key_json, multiplex, count, owner=None):
         self.calls.append(("lease_many", key_json, multiplex, count))
         await asyncio.sleep(self.delay)
-        return [
-            {"lease_id": f"l{next(self._ids)}", "renderer": None, "renderer_id": "r"} for _ in range(count)
-        ]
+        return [RendererLease(f"l{next(self._ids)}", None, "r", True) for _ in range(count)]
 
     async def _release_many(self, lease_ids):
         self.calls.append(("release_many", list(lease_ids)))
@@ -47,11 +46,11 @@ def test_concurrent_leases_in_one_tick_become_one_pool_call_per_key():
             *(calls.lease(pool, "k1", 4, timeout=5) for _ in range(5)),
             *(calls.lease(pool, "k2", 4, timeout=5) for _ in range(2)),
         )
-        assert len({lease["lease_id"] for lease in leases}) == 7
+        assert len({lease.lease_id for lease in leases}) == 7
         assert sorted(c for c in pool.calls) == [("lease_many", "k1", 4, 5), ("lease_many", "k2", 4, 2)]
-        await asyncio.gather(*(calls.release(pool, lease["lease_id"], timeout=5) for lease in leases))
+        await asyncio.gather(*(calls.release(pool, lease.lease_id, timeout=5) for lease in leases))
         assert pool.calls[-1][0] == "release_many" and sorted(pool.released) == sorted(
-            lease["lease_id"] for lease in leases
+            lease.lease_id for lease in leases
         )
 
     asyncio.run(asyncio.wait_for(scenario(), 10))
@@ -74,7 +73,7 @@ def test_a_lease_whose_waiter_gave_up_is_handed_back():
             if pool.released:
                 break
             await asyncio.sleep(0.02)
-        assert len(pool.released) == 1 and pool.released[0] != lease["lease_id"]
+        assert len(pool.released) == 1 and pool.released[0] != lease.lease_id
 
     asyncio.run(asyncio.wait_for(scenario(), 10))
 

@@ -65,15 +65,15 @@ def test_pool_grows_one_renderer_per_multiplex_leases_and_reuses_released_slots(
         leases = await asyncio.gather(*(pool.lease.remote(key, 4) for _ in range(10)))
         stats = await key_stats(pool, key)
         assert stats["loads"] == [4, 4, 2]
-        assert len({lease["renderer_id"] for lease in leases}) == 3
-        released = await asyncio.gather(*(pool.release.remote(lease["lease_id"]) for lease in leases))
+        assert len({lease.renderer_id for lease in leases}) == 3
+        released = await asyncio.gather(*(pool.release.remote(lease.lease_id) for lease in leases))
         assert all(released)
         assert (await key_stats(pool, key))["loads"] == [0, 0, 0]
-        assert await pool.release.remote(leases[0]["lease_id"]) is False  # idempotent
+        assert await pool.release.remote(leases[0].lease_id) is False  # idempotent
         await wait_until_ready(pool, key)  # a lease prefers ready renderers; compare like with like
         again = await asyncio.gather(*(pool.lease.remote(key, 4) for _ in range(10)))
         assert (await key_stats(pool, key))["loads"] == [4, 3, 3]  # least-loaded first: spread
-        assert {lease["renderer_id"] for lease in again} <= {lease["renderer_id"] for lease in leases}
+        assert {lease.renderer_id for lease in again} <= {lease.renderer_id for lease in leases}
         assert (await pool.stats.remote())["spawned"] == 3
 
     run(scenario())
@@ -111,7 +111,7 @@ def test_configs_differing_only_in_multiplex_share_one_pool_and_the_first_policy
         first = await pool.lease.remote(key_json(multiplex=2), 2)
         second = await pool.lease.remote(key_json(multiplex=64), 64)
         third = await pool.lease.remote(key_json(multiplex=64), 64)
-        assert first["renderer_id"] == second["renderer_id"] != third["renderer_id"]
+        assert first.renderer_id == second.renderer_id != third.renderer_id
         stats = await key_stats(pool, key_json())
         assert stats["multiplex"] == 2 and stats["loads"] == [2, 1]
 
@@ -125,7 +125,7 @@ def test_idle_renderers_beyond_one_are_retired(make_pool):
     async def scenario():
         leases = await asyncio.gather(*(pool.lease.remote(key, 2) for _ in range(6)))
         assert (await key_stats(pool, key))["loads"] == [2, 2, 2]
-        await asyncio.gather(*(pool.release.remote(lease["lease_id"]) for lease in leases))
+        await asyncio.gather(*(pool.release.remote(lease.lease_id) for lease in leases))
         deadline = time.monotonic() + 15
         while len((await key_stats(pool, key))["loads"]) > 1:
             assert time.monotonic() < deadline, "idle renderers were not retired"
@@ -322,8 +322,8 @@ def test_a_renderer_killed_while_it_starts_is_replaced_not_held_as_a_startup_fai
     async def scenario():
         key = key_json()
         lease = await pool.lease.remote(key)
-        ray.kill(lease["renderer"], no_restart=True)  # the tokenizer takes seconds to load: still warming
-        await pool.release.remote(lease["lease_id"])
+        ray.kill(lease.renderer, no_restart=True)  # the tokenizer takes seconds to load: still warming
+        await pool.release.remote(lease.lease_id)
 
         async def replaced():
             stats = await pool.stats.remote()
