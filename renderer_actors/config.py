@@ -83,3 +83,44 @@ class RendererPoolConfig(BaseModel):
     allowed_ref_prefixes: tuple[str, ...] = DEFAULT_RENDERER_PREFIXES
     """Modules a custom renderer Ref may name (the renderer side's allowlist, fixed for the pool's life;
     requests cannot widen it)."""
+
+
+class RendererStats(BaseModel):
+    """One renderer of a key, as `RendererPool.stats` shows it."""
+
+    renderer_id: str
+    load: int
+    """Leases it holds."""
+    ready: bool
+    idle_s: float
+    """Seconds without a lease (0 while it holds one)."""
+
+
+class RendererKeyStats(BaseModel):
+    """The renderers of one `RendererKey`."""
+
+    multiplex: int
+    """The multiplex in force for the key (the first lease's)."""
+    loads: list[int]
+    """Leases per renderer, oldest renderer first."""
+    renderers: list[RendererStats]
+    startup_failure: str | None
+    restarts_left: int
+
+
+class RendererPoolStats(BaseModel):
+    """A snapshot of a `RendererPool`: per key, then the pool's counters since it started."""
+
+    keys: dict[str, RendererKeyStats]
+    """Key JSON -> its renderers."""
+    leases: int
+    """Leases held now."""
+    spawned: int = 0
+    retired: int = 0
+    """Idle renderers retired."""
+    replaced: int = 0
+    """Dead, wedged or failed renderers replaced."""
+    startup_failures: int = 0
+    expired_leases: int = 0
+    """Leases dropped at `max_lease_s` (their holder never released them)."""
+    budget_denials: int = 0

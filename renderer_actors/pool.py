@@ -43,7 +43,7 @@ from ray.exceptions import ActorDiedError, RayActorError
 
 from renderer_actors.actor import RendererActor
 from renderer_actors.calls import RendererLease
-from renderer_actors.config import RendererPoolConfig
+from renderer_actors.config import RendererKeyStats, RendererPoolConfig, RendererPoolStats, RendererStats
 from renderer_actors.key import RendererKey
 from rollout_actors.kernel import Liveness, Metric, RestartBudget, new_id
 
@@ -187,27 +187,27 @@ class RendererPool:
             "keys": len(self._keys),
         }
 
-    async def stats(self) -> dict[str, Any]:
+    async def stats(self) -> RendererPoolStats:
         now = time.monotonic()
         keys = {}
         for key_json, pool in self._keys.items():
             renderers = sorted(pool.renderers.values(), key=lambda r: r.created)
-            keys[key_json] = {
-                "multiplex": pool.multiplex,
-                "loads": [len(r.leases) for r in renderers],
-                "renderers": [
-                    {
-                        "renderer_id": r.renderer_id,
-                        "load": len(r.leases),
-                        "ready": r.ready,
-                        "idle_s": (now - r.idle_since) if not r.leases else 0.0,
-                    }
+            keys[key_json] = RendererKeyStats(
+                multiplex=pool.multiplex,
+                loads=[len(r.leases) for r in renderers],
+                renderers=[
+                    RendererStats(
+                        renderer_id=r.renderer_id,
+                        load=len(r.leases),
+                        ready=r.ready,
+                        idle_s=(now - r.idle_since) if not r.leases else 0.0,
+                    )
                     for r in renderers
                 ],
-                "startup_failure": pool.startup_failure,
-                "restarts_left": pool.budget.remaining(),
-            }
-        return {"keys": keys, "leases": len(self._leases), **self._counters}
+                startup_failure=pool.startup_failure,
+                restarts_left=pool.budget.remaining(),
+            )
+        return RendererPoolStats(keys=keys, leases=len(self._leases), **self._counters)
 
     async def shutdown(self) -> None:
         """Stop the background loops and warm-ups, kill every renderer. Idempotent."""

@@ -263,8 +263,8 @@ async def _grow_renderer_pool(plane: RolloutPlane, model: str, multiplex: int, c
     await pool.release_many.remote([lease.lease_id for lease in leases])
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
-        renderers = (await pool.stats.remote())["keys"][key_json]["renderers"]
-        if all(r["ready"] for r in renderers):
+        renderers = (await pool.stats.remote()).keys[key_json].renderers
+        if all(r.ready for r in renderers):
             return
         await asyncio.sleep(0.5)
     raise TimeoutError("the renderer pool did not load its renderers within 300 s")

@@ -150,7 +150,7 @@ async def cold_start(pool: Any, rollouts: int, multiplex: int) -> dict[str, Any]
     await asyncio.gather(*(rollout(i) for i in range(rollouts)))
     wall = time.perf_counter() - started
     stats = await pool.stats.remote()
-    renderers = sum(len(k["renderers"]) for k in stats["keys"].values())
+    renderers = sum(len(k.renderers) for k in stats.keys.values())
     await asyncio.gather(*(s.close() for s in sessions if s is not None))
     quarter = rollouts // 4
     quartiles = [statistics.mean(latencies[q * quarter : (q + 1) * quarter]) for q in range(4)]

@@ -45,6 +45,7 @@ import ray._private.utils as ray_utils
 from ray.cluster_utils import Cluster
 
 from env_actors.config import EnvPoolConfig
+from renderer_actors.config import RendererPoolStats
 from renderer_actors.tokenizer import BUNDLED_MODEL
 from rollout_actors.inference.server_actor import ServerSpec
 from rollout_actors.inference.server_set import InferenceServerSet
@@ -88,7 +89,7 @@ class RunOutcome:
     """request id -> every result that reached the caller for it (exactly one, if all is well)."""
     stats: dict[str, Any]
     env_pool: Any
-    renderer_pool: dict[str, Any]
+    renderer_pool: RendererPoolStats | None
     held: dict[str, int] = field(default_factory=dict)
     kills: list[tuple[float, str, str]] = field(default_factory=list)
     """(seconds into the run, kind, what exactly)."""
@@ -195,7 +196,7 @@ async def run(args: argparse.Namespace, servers: InferenceServerSet, chaos: Chao
             results=results,
             stats={},
             env_pool=None,
-            renderer_pool={},
+            renderer_pool=None,
         )
         if schedule is not None and chaos is not None:
             await schedule
@@ -220,7 +221,7 @@ async def held(plane: RolloutPlane) -> dict[str, int]:
     return {
         "env sessions (pool)": stats.sessions,
         "env sessions (servers)": on_servers,
-        "renderer leases": renderer["leases"],
+        "renderer leases": renderer.leases,
     }
 
 
@@ -305,7 +306,7 @@ class Chaos:
     async def kill_renderer(self, plane: RolloutPlane) -> str:
         pool = ray.get_actor(plane.names.renderer_pool)
         for _ in range(50):  # the first renderer starts with the first token-mode rollout
-            keys = (await pool.stats.remote())["keys"]
+            keys = (await pool.stats.remote()).keys
             if keys:
                 break
             await asyncio.sleep(0.2)
@@ -401,7 +402,8 @@ def report(
         f"{pool.budget_denials} denials"
     )
     rp = chaos.renderer_pool
-    print(f"  renderers              {rp.get('replaced', 0)} replaced, {rp.get('spawned', 0)} spawned")
+    replaced, spawned = (rp.replaced, rp.spawned) if rp is not None else (0, 0)
+    print(f"  renderers              {replaced} replaced, {spawned} spawned")
     print(
         f"  inference servers      {servers.restarts} restarted (budget {servers.budget.intensity.max_restarts} in {servers.budget.intensity.window_s:g} s)"
     )

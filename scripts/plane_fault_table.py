@@ -61,9 +61,9 @@ def request(base_url: str, env: Ref, latency_s: float, index: int) -> RolloutReq
 async def holding(plane: RolloutPlane, env: Ref, count: int) -> None:
     """Until `count` rollouts hold an env session (and, in token mode, a renderer lease)."""
     env_pool, renderer_pool = plane._pools.supervisor(env).current(), plane._pools.supervisor().current()
-    while (await env_pool.stats.remote()).sessions < count or (await renderer_pool.stats.remote())[
-        "leases"
-    ] < count:
+    while (await env_pool.stats.remote()).sessions < count or (
+        await renderer_pool.stats.remote()
+    ).leases < count:
         await asyncio.sleep(0.05)
 
 

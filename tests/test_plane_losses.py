@@ -60,7 +60,7 @@ async def held(p: RolloutPlane, env: Ref) -> dict[str, int]:
     for worker in stats.workers:
         server_sessions += (await ray.get_actor(worker.worker).health.remote())["sessions"]
     renderer = await ray.get_actor(p.names.renderer_pool).stats.remote()
-    return {"pool_sessions": stats.sessions, "server_sessions": server_sessions, "leases": renderer["leases"]}
+    return {"pool_sessions": stats.sessions, "server_sessions": server_sessions, "leases": renderer.leases}
 
 
 async def named(name: str):
@@ -182,7 +182,7 @@ def test_a_rollout_whose_renderer_stays_unavailable_is_redispatched(ray_session,
 
 
 async def _only_renderer_pid(pool) -> int:
-    (key_json,) = (await pool.stats.remote())["keys"]
+    (key_json,) = (await pool.stats.remote()).keys
     lease = await pool.lease.remote(key_json)
     try:
         return (await lease.renderer.health.remote())["pid"]

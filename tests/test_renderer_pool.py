@@ -10,6 +10,7 @@ import uuid
 import pytest
 import ray
 
+from renderer_actors.config import RendererKeyStats
 from renderer_actors.key import RendererKey
 from renderer_actors.pool import get_or_create_renderer_pool
 from renderer_actors.session import BridgeStep, RendererCallerError, RendererSession, RendererUnavailable
@@ -46,13 +47,13 @@ def key_json(**config) -> str:
     return RendererKey.from_config(BUNDLED_MODEL, RendererConfig(**config)).to_json()
 
 
-async def key_stats(pool, key: str) -> dict:
-    return (await pool.stats.remote())["keys"][key]
+async def key_stats(pool, key: str) -> RendererKeyStats:
+    return (await pool.stats.remote()).keys[key]
 
 
 async def wait_until_ready(pool, key: str, within: float = 30.0) -> None:
     deadline = time.monotonic() + within
-    while not all(r["ready"] for r in (await key_stats(pool, key))["renderers"]):
+    while not all(r.ready for r in (await key_stats(pool, key)).renderers):
         assert time.monotonic() < deadline, "renderers did not become ready"
         await asyncio.sleep(0.1)
 
@@ -64,17 +65,17 @@ def test_pool_grows_one_renderer_per_multiplex_leases_and_reuses_released_slots(
     async def scenario():
         leases = await asyncio.gather(*(pool.lease.remote(key, 4) for _ in range(10)))
         stats = await key_stats(pool, key)
-        assert stats["loads"] == [4, 4, 2]
+        assert stats.loads == [4, 4, 2]
         assert len({lease.renderer_id for lease in leases}) == 3
         released = await asyncio.gather(*(pool.release.remote(lease.lease_id) for lease in leases))
         assert all(released)
-        assert (await key_stats(pool, key))["loads"] == [0, 0, 0]
+        assert (await key_stats(pool, key)).loads == [0, 0, 0]
         assert await pool.release.remote(leases[0].lease_id) is False  # idempotent
         await wait_until_ready(pool, key)  # a lease prefers ready renderers; compare like with like
         again = await asyncio.gather(*(pool.lease.remote(key, 4) for _ in range(10)))
-        assert (await key_stats(pool, key))["loads"] == [4, 3, 3]  # least-loaded first: spread
+        assert (await key_stats(pool, key)).loads == [4, 3, 3]  # least-loaded first: spread
         assert {lease.renderer_id for lease in again} <= {lease.renderer_id for lease in leases}
-        assert (await pool.stats.remote())["spawned"] == 3
+        assert (await pool.stats.remote()).spawned == 3
 
     run(scenario())
 
@@ -89,7 +90,7 @@ def test_ten_concurrent_sessions_at_multiplex_four_grow_the_pool_to_four_four_tw
             *(RendererSession.open(pool, BUNDLED_MODEL, config, timeout=40) for _ in range(10))
         )
         try:
-            assert (await key_stats(pool, key_json()))["loads"] == [4, 4, 2]
+            assert (await key_stats(pool, key_json())).loads == [4, 4, 2]
             prompts = await asyncio.gather(
                 *(
                     s.start([{"role": "user", "content": f"hi {i}"}], None, timeout=10)
@@ -99,7 +100,7 @@ def test_ten_concurrent_sessions_at_multiplex_four_grow_the_pool_to_four_four_tw
             assert len({tuple(p) for p in prompts}) == 10
         finally:
             await asyncio.gather(*(s.close() for s in sessions))
-        assert (await key_stats(pool, key_json()))["loads"] == [0, 0, 0]
+        assert (await key_stats(pool, key_json())).loads == [0, 0, 0]
 
     run(scenario())
 
@@ -113,7 +114,7 @@ def test_configs_differing_only_in_multiplex_share_one_pool_and_the_first_policy
         third = await pool.lease.remote(key_json(multiplex=64), 64)
         assert first.renderer_id == second.renderer_id != third.renderer_id
         stats = await key_stats(pool, key_json())
-        assert stats["multiplex"] == 2 and stats["loads"] == [2, 1]
+        assert stats.multiplex == 2 and stats.loads == [2, 1]
 
     run(scenario())
 
@@ -124,13 +125,13 @@ def test_idle_renderers_beyond_one_are_retired(make_pool):
 
     async def scenario():
         leases = await asyncio.gather(*(pool.lease.remote(key, 2) for _ in range(6)))
-        assert (await key_stats(pool, key))["loads"] == [2, 2, 2]
+        assert (await key_stats(pool, key)).loads == [2, 2, 2]
         await asyncio.gather(*(pool.release.remote(lease.lease_id) for lease in leases))
         deadline = time.monotonic() + 15
-        while len((await key_stats(pool, key))["loads"]) > 1:
+        while len((await key_stats(pool, key)).loads) > 1:
             assert time.monotonic() < deadline, "idle renderers were not retired"
             await asyncio.sleep(0.2)
-        assert (await pool.stats.remote())["retired"] == 2
+        assert (await pool.stats.remote()).retired == 2
 
     run(scenario())
 
@@ -167,7 +168,7 @@ def test_session_runs_a_token_exact_multi_turn_trajectory(make_pool):
         finally:
             await session.close()
             await session.close()  # idempotent
-        assert (await pool.stats.remote())["leases"] == 0
+        assert (await pool.stats.remote()).leases == 0
 
     run(scenario())
 
@@ -245,8 +246,8 @@ def test_killed_renderer_is_replaced_and_the_rollout_using_it_finishes(make_pool
             assert step.prompt_ids[: len(prompt) + 2] == prompt + completion
             assert session.renderer_id != dead
             stats = await pool.stats.remote()
-            assert stats["replaced"] >= 1 and stats["leases"] == 1
-            ids = [r["renderer_id"] for r in stats["keys"][session.key.to_json()]["renderers"]]
+            assert stats.replaced >= 1 and stats.leases == 1
+            ids = [r.renderer_id for r in stats.keys[session.key.to_json()].renderers]
             assert dead not in ids and session.renderer_id in ids
         finally:
             await session.close()
@@ -266,7 +267,7 @@ def test_startup_failure_reaches_the_caller_within_seconds_with_the_renderer_tra
         await asyncio.sleep(0.5)
         with pytest.raises(RendererUnavailable, match="failed to start"):
             await RendererSession.open(pool, "/nonexistent/tokenizer", RendererConfig(), timeout=30)
-        assert (await pool.stats.remote())["startup_failures"] == 1
+        assert (await pool.stats.remote()).startup_failures == 1
 
     run(scenario())
 
@@ -287,8 +288,8 @@ def test_a_renderer_that_fails_on_every_start_is_respawned_only_within_its_resta
         with pytest.raises(RendererUnavailable, match="restart budget spent"):
             await RendererSession.open(pool, "/nonexistent/tokenizer", RendererConfig(), timeout=30)
         stats = await pool.stats.remote()
-        assert stats["spawned"] == 3, stats  # the first renderer, then two restarts: not one per lease
-        assert stats["budget_denials"] >= 2
+        assert stats.spawned == 3, stats  # the first renderer, then two restarts: not one per lease
+        assert stats.budget_denials >= 2
 
     run(scenario())
 
@@ -308,8 +309,8 @@ def test_a_killed_renderer_is_not_replaced_once_its_keys_restart_budget_is_spent
         finally:
             await session.close()
         stats = await pool.stats.remote()
-        assert stats["spawned"] == 2 and stats["replaced"] == 1 and stats["budget_denials"] >= 1
-        assert stats["keys"][session.key.to_json()]["restarts_left"] == 0
+        assert stats.spawned == 2 and stats.replaced == 1 and stats.budget_denials >= 1
+        assert stats.keys[session.key.to_json()].restarts_left == 0
 
     run(scenario())
 
@@ -327,7 +328,7 @@ def test_a_renderer_killed_while_it_starts_is_replaced_not_held_as_a_startup_fai
 
         async def replaced():
             stats = await pool.stats.remote()
-            return stats["replaced"] == 1
+            return stats.replaced == 1
 
         deadline = time.monotonic() + 30
         while not await replaced():
@@ -342,4 +343,4 @@ def test_a_renderer_killed_while_it_starts_is_replaced_not_held_as_a_startup_fai
 
     prompt, stats = run(scenario())
     assert prompt
-    assert stats["startup_failures"] == 0 and stats["replaced"] == 1
+    assert stats.startup_failures == 0 and stats.replaced == 1
