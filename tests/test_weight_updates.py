@@ -29,6 +29,7 @@ except ImportError:  # pragma: no cover
 ECHO = Ref(target="env_actors.faults.envs:EchoEnv", config={"num_tasks": 8, "turns": 3})
 MAX_TOKENS = 48
 DEADLINE_S = 150
+TOKEN_LATENCY_S = 0.08
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +43,11 @@ def servers():
 
 
 def request(url: str, index: int) -> RolloutRequest:
-    # ~40 tokens a turn at 50 ms each: a turn takes seconds, so an update lands inside one.
-    client = ClientConfig(base_url=url, model=BUNDLED_MODEL, headers={"X-Standin-Per-Token-Latency": "0.05"})
+    # ~40 tokens a turn at 80 ms each: a turn takes ~3 s, so an update sent while turns are sampled lands
+    # inside one even when a loaded machine takes seconds to carry the pause to the servers.
+    client = ClientConfig(
+        base_url=url, model=BUNDLED_MODEL, headers={"X-Standin-Per-Token-Latency": str(TOKEN_LATENCY_S)}
+    )
     return RolloutRequest(
         env=ECHO, task_index=index, client=client, sampling=SamplingConfig(max_tokens=MAX_TOKENS, seed=11)
     )
@@ -73,6 +77,9 @@ def test_rollouts_in_flight_continue_across_a_weight_update_and_record_where_it_
             while sum([await running(s.url) for s in servers]) < 2:  # turns are being sampled right now
                 assert asyncio.get_running_loop().time() < deadline
                 await asyncio.sleep(0.05)
+            # A request counts as running before its first token: an update that lands then samples the
+            # whole turn on the new weights (no straddle to see). ~8 tokens in, ~30 still to come.
+            await asyncio.sleep(8 * TOKEN_LATENCY_S)
             report = await plane.update_weights({"names": ["model.embed_tokens.weight"]}, version=1)
             results = [await plane.next_result(timeout=120) for _ in ids]
             late = await plane.submit(request(urls[0], 5))
