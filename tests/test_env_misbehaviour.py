@@ -87,6 +87,7 @@ def outcomes(ray_session, standin) -> dict[str, tuple[Result, float]]:
     return asyncio.run(asyncio.wait_for(scenario(), DEADLINE_S))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", CASES)
 def test_a_misbehaving_environment_ends_in_one_result_of_its_documented_kind(outcomes, name):
     _, _, kind, failure_type, budget_s = CASES[name]

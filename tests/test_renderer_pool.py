@@ -272,6 +272,7 @@ def test_startup_failure_reaches_the_caller_within_seconds_with_the_renderer_tra
     run(scenario())
 
 
+@pytest.mark.slow
 def test_a_renderer_that_fails_on_every_start_is_respawned_only_within_its_restart_budget(make_pool):
     pool = make_pool(failure_hold_s=0.0, restart={"max_restarts": 2, "window_s": 600})
 

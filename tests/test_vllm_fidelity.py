@@ -396,6 +396,7 @@ def test_an_abort_the_plane_did_not_ask_for_is_a_model_failure_not_a_finished_tu
     assert kind == "model" and failure.type == "TurnAborted" and "abort" in failure.message
 
 
+@pytest.mark.slow
 def test_metrics_report_kv_usage_and_a_real_waiting_count_from_a_finite_budget():
     options = served_like_vllm(kv_cache_tokens=400)
 
