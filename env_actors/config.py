@@ -8,7 +8,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from rollout_actors.kernel import RestartIntensity
+from rollout_actors.kernel.supervision import RestartIntensity
 
 ENV_RESTARTS = RestartIntensity(max_restarts=3, window_s=60.0)
 """Rides out one OOM plus a retry, few enough that a crash loop fails loudly; a minute catches a crash

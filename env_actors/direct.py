@@ -31,7 +31,8 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayError
 from env_actors.interface import EnvCall, EnvResponse, SessionMethod
 from env_actors.server import DEADLINE_FAILURE
 from env_actors.supervisor import exit_detail, resolve
-from rollout_actors.kernel import Failure, TickBatch, TickCoalescer, actor_key, per_loop, process_owner
+from rollout_actors.kernel import Failure, process_owner
+from rollout_actors.kernel.coalescer import TickBatch, TickCoalescer, actor_key, per_loop
 
 logger = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ from env_actors.config import EnvPoolConfig, EnvPoolStats
 from env_actors.interface import EnvResponse
 from env_actors.server import DEADLINE_FAILURE
 from env_actors.sessions import OpenSessions
-from env_actors.supervisor import Supervisor, WorkerSlot, exit_detail, resolve
+from env_actors.supervisor import ServerSlot, Supervisor, exit_detail, resolve
 from rollout_actors.kernel import Failure, Ref
 
 __all__ = ["EnvPool", "EnvPoolConfig", "EnvStartupError", "get_env_pool", "start_env_pool", "stop_env_pool"]
@@ -204,7 +204,7 @@ class EnvPool:
 
     # ---------------------------------------------------------------------------------- internals
 
-    async def _call(self, slot: WorkerSlot, method: str, args: tuple, deadline: float) -> EnvResponse:
+    async def _call(self, slot: ServerSlot, method: str, args: tuple, deadline: float) -> EnvResponse:
         """One call on one worker, answered within `deadline` + slack whatever the worker does."""
         ref = getattr(slot.handle, method).remote(*args, deadline)
         call = asyncio.ensure_future(resolve(ref))
@@ -229,7 +229,7 @@ class EnvPool:
         finally:
             slot.inflight -= 1
 
-    def _answer(self, slot: WorkerSlot, method: str, call: asyncio.Future) -> EnvResponse:
+    def _answer(self, slot: ServerSlot, method: str, call: asyncio.Future) -> EnvResponse:
         exc = call.exception()
         if exc is None:
             return call.result()
@@ -242,7 +242,7 @@ class EnvPool:
             return EnvResponse.failed(failure, worker=slot.name, worker_exit=detail)
         return EnvResponse.failed(Failure.from_exception(exc), worker=slot.name)
 
-    def _on_retire(self, slot: WorkerSlot, reason: str) -> None:
+    def _on_retire(self, slot: ServerSlot, reason: str) -> None:
         self._retired[slot.name] = reason
         while len(self._retired) > RETIRED_WORKER_MEMORY:
             self._retired.popitem(last=False)

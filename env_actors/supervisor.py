@@ -32,7 +32,9 @@ from ray.exceptions import ActorDiedError
 from env_actors.config import EnvPoolConfig, WorkerInfo
 from env_actors.server import create_env_server
 from env_actors.sessions import OpenSessions
-from rollout_actors.kernel import Failure, Liveness, Metric, Ref, RestartBudget
+from rollout_actors.kernel import Failure, Ref
+from rollout_actors.kernel.metric import Metric
+from rollout_actors.kernel.supervision import Liveness, RestartBudget
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +74,7 @@ def exit_detail(exc: BaseException) -> str:
 
 
 @dataclass(eq=False)
-class WorkerSlot:
+class ServerSlot:
     """One EnvServer as the supervisor sees it. Its sessions are counted in the pool's `OpenSessions`."""
 
     name: str
@@ -116,12 +118,12 @@ class Supervisor:
         env: Ref,
         config: EnvPoolConfig,
         sessions: OpenSessions,
-        on_retire: Callable[[WorkerSlot, str], None],
+        on_retire: Callable[[ServerSlot, str], None],
     ):
         self.name, self.env, self.config = name, env, config
         self.sessions = sessions
         """The pool's record of open sessions, read here (placement, scaling), written by the pool."""
-        self.workers: dict[str, WorkerSlot] = {}
+        self.workers: dict[str, ServerSlot] = {}
         self.budget = RestartBudget(config.restart)
         self.num_tasks: int | None = None
         self.spawns = self.spawn_failures = self.deaths = self.budget_denials = 0
@@ -138,13 +140,13 @@ class Supervisor:
 
     # ------------------------------------------------------------------------------------ queries
 
-    def ready(self) -> list[WorkerSlot]:
+    def ready(self) -> list[ServerSlot]:
         return [w for w in self.workers.values() if w.state == "ready"]
 
-    def starting(self) -> list[WorkerSlot]:
+    def starting(self) -> list[ServerSlot]:
         return [w for w in self.workers.values() if w.state == "starting"]
 
-    def least_busy(self) -> WorkerSlot | None:
+    def least_busy(self) -> ServerSlot | None:
         """The ready worker with the fewest sessions, preferring those that showed life lately: one whose
         probes went unanswered, or that a session found unreachable, gets no new session (it would fail
         at once, so its count would drop and draw every re-dispatched session onto it) until it answers
@@ -156,7 +158,7 @@ class Supervisor:
         trusted = [w for w in ready if not self._suspect(w, now)] or ready
         return min(trusted, key=lambda w: (self.sessions.on(w.name), w.inflight))
 
-    def _suspect(self, slot: WorkerSlot, now: float) -> bool:
+    def _suspect(self, slot: ServerSlot, now: float) -> bool:
         quiet_s = max(
             3 * self.config.probe_interval_s, self.config.probe_timeout_s + self.config.probe_interval_s
         )
@@ -164,7 +166,7 @@ class Supervisor:
             return True
         return slot.life.silent_s(now) > quiet_s
 
-    async def ready_worker(self, wait_s: float) -> WorkerSlot | None:
+    async def ready_worker(self, wait_s: float) -> ServerSlot | None:
         """The least-busy ready worker. With none ready but one starting (the replacement of one that
         died), wait for it up to `wait_s`; with none coming, None at once: no live worker fails fast."""
         deadline = time.monotonic() + wait_s
@@ -235,7 +237,7 @@ class Supervisor:
         except Exception as exc:  # e.g. malformed resources: nothing was created
             self._note_spawn_failure(name, f"could not be created: {exc}")
             return self.own(_done(SpawnOutcome("load_error", Failure.from_exception(exc))))
-        slot = WorkerSlot(
+        slot = ServerSlot(
             name,
             handle,
             asyncio.get_running_loop().create_future(),
@@ -245,7 +247,7 @@ class Supervisor:
         self.workers[name] = slot
         return self.own(self._bring_up(slot, ready_timeout))
 
-    async def _bring_up(self, slot: WorkerSlot, ready_timeout: float) -> SpawnOutcome:
+    async def _bring_up(self, slot: ServerSlot, ready_timeout: float) -> SpawnOutcome:
         started = time.monotonic()
         try:
             response = await asyncio.wait_for(resolve(slot.handle.start.remote()), ready_timeout)
@@ -285,7 +287,7 @@ class Supervisor:
         logger.info("env pool %s: worker %s ready in %.2f s", self.name, slot.name, now - started)
         return SpawnOutcome("ready")
 
-    async def _diagnose(self, slot: WorkerSlot) -> str:
+    async def _diagnose(self, slot: ServerSlot) -> str:
         try:
             health = await asyncio.wait_for(resolve(slot.handle.health.remote()), DIAGNOSE_TIMEOUT_S)
         except Exception:
@@ -296,7 +298,7 @@ class Supervisor:
             "(a hanging constructor or load()?)"
         )
 
-    def _spawn_failed(self, slot: WorkerSlot, reason: str) -> None:
+    def _spawn_failed(self, slot: ServerSlot, reason: str) -> None:
         self.retire(slot, reason, "spawn_failed")
         self._note_spawn_failure(slot.name, reason)
 
@@ -312,7 +314,7 @@ class Supervisor:
 
     # ------------------------------------------------------------------------------ liveness
 
-    async def _probe(self, slot: WorkerSlot) -> None:
+    async def _probe(self, slot: ServerSlot) -> None:
         """Probe one ready worker until it is retired. Dead: retire now. Silent: `_supervise` decides."""
         while slot.state == "ready":
             sent = time.monotonic()
@@ -388,7 +390,7 @@ class Supervisor:
 
     # ---------------------------------------------------------------------------- retirement
 
-    def retire(self, slot: WorkerSlot, reason: str, cause: RetireCause) -> None:
+    def retire(self, slot: ServerSlot, reason: str, cause: RetireCause) -> None:
         """Take a worker out of service at once: no new dispatch, in-flight calls released (via `gone`),
         its sessions lost, the actor killed. Idempotent."""
         if slot.state == "retired":

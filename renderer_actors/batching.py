@@ -22,7 +22,8 @@ import functools
 from typing import Any
 
 from renderer_actors.calls import RendererLease
-from rollout_actors.kernel import Failure, TickBatch, TickCoalescer, actor_key, per_loop, process_owner
+from rollout_actors.kernel import Failure, process_owner
+from rollout_actors.kernel.coalescer import TickBatch, TickCoalescer, actor_key, per_loop
 
 BATCH_CALL_TIMEOUT_S = 60.0  # one pool call for many waiters: each waiter's own deadline is usually shorter
 READY_CALL_TIMEOUT_S = 600.0  # tokenizer loads can be slow (hub downloads); the pool's own bound is 300 s

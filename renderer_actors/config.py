@@ -12,7 +12,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from rollout_actors.kernel import Ref, RestartIntensity
+from rollout_actors.kernel import Ref
+from rollout_actors.kernel.supervision import RestartIntensity
 
 ThinkingRetention = Literal["tool_cycle", "all"]
 DEFAULT_RENDERER_PREFIXES: tuple[str, ...] = ("renderer_actors.examples.",)

@@ -45,7 +45,9 @@ from renderer_actors.actor import RendererActor
 from renderer_actors.calls import RendererLease
 from renderer_actors.config import RendererKeyStats, RendererPoolConfig, RendererPoolStats, RendererStats
 from renderer_actors.key import RendererKey
-from rollout_actors.kernel import Liveness, Metric, RestartBudget, new_id
+from rollout_actors.kernel import new_id
+from rollout_actors.kernel.metric import Metric
+from rollout_actors.kernel.supervision import Liveness, RestartBudget
 
 log = logging.getLogger(__name__)
 

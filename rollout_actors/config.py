@@ -7,7 +7,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from env_actors.config import EnvPoolConfig
 from renderer_actors.config import RendererPoolConfig
 from rollout_actors.concurrency import ConcurrencyConfig
-from rollout_actors.kernel import DEFAULT_ALLOWED_PREFIXES, RestartIntensity
+from rollout_actors.kernel import DEFAULT_ALLOWED_PREFIXES
+from rollout_actors.kernel.supervision import RestartIntensity
 
 WORKER_RESTARTS = RestartIntensity(max_restarts=10, window_s=60.0)
 """Rides out a node's worth of rollout workers lost at once; a worker that dies on every start fails loudly."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from rollout_actors.kernel import LATENCY_BUCKETS_S, Metric
+from rollout_actors.kernel.metric import LATENCY_BUCKETS_S, Metric
 
 REFRESH_S = 1.0  # gauges are sampled this often; Ray exports every few seconds anyway
 

@@ -36,7 +36,8 @@ import ray
 from pydantic import BaseModel
 
 from rollout_actors.config import PoolSupervision
-from rollout_actors.kernel import Failure, Liveness, LossCause, RestartBudget
+from rollout_actors.kernel import Failure
+from rollout_actors.kernel.supervision import Liveness, LossCause, RestartBudget
 from rollout_actors.pool_lookup import PoolName
 
 log = logging.getLogger(__name__)

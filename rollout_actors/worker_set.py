@@ -24,7 +24,7 @@ from typing import Any
 import ray
 
 from rollout_actors.config import WORKER_RESTARTS
-from rollout_actors.kernel import Liveness, RestartBudget, RestartIntensity
+from rollout_actors.kernel.supervision import Liveness, RestartBudget, RestartIntensity
 from rollout_actors.naming import PoolNames
 from rollout_actors.rollout import LoopLimits
 from rollout_actors.worker import remote_worker_class

@@ -49,7 +49,7 @@ from renderer_actors.config import RendererPoolStats
 from renderer_actors.tokenizer import BUNDLED_MODEL
 from rollout_actors.inference.server_actor import ServerSpec
 from rollout_actors.inference.server_set import InferenceServerSet
-from rollout_actors.kernel import RestartIntensity
+from rollout_actors.kernel.supervision import RestartIntensity
 from rollout_actors.plane import PlaneConfig, RolloutPlane
 from rollout_actors.wire import ClientConfig, Ref, Result, RolloutRequest, SamplingConfig
 

@@ -26,7 +26,7 @@ import ray
 
 from env_actors.pool import EnvPoolConfig, EnvStartupError, start_env_pool, stop_env_pool
 from env_actors.session import EnvCallFailed, EnvSession
-from rollout_actors.kernel import RestartIntensity
+from rollout_actors.kernel.supervision import RestartIntensity
 from rollout_actors.wire import Ref
 
 ECHO = "env_actors.faults.envs:EchoEnv"

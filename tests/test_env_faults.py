@@ -16,7 +16,7 @@ from waiting import eventually
 
 from env_actors.pool import EnvPoolConfig, EnvStartupError, start_env_pool
 from env_actors.session import EnvCallFailed, EnvSession
-from rollout_actors.kernel import RestartIntensity
+from rollout_actors.kernel.supervision import RestartIntensity
 from rollout_actors.wire import Ref
 
 # every test here starts real actors or servers (a plane, a pool, a server process): seconds each

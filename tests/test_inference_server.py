@@ -28,7 +28,7 @@ from rollout_actors.inference.server_actor import (
     vllm_env,
 )
 from rollout_actors.inference.server_set import InferenceServerSet
-from rollout_actors.kernel import RestartIntensity
+from rollout_actors.kernel.supervision import RestartIntensity
 
 # every test here starts real actors or servers (a plane, a pool, a server process): seconds each
 pytestmark = pytest.mark.slow

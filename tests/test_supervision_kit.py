@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from rollout_actors.kernel import Liveness, RestartBudget, RestartIntensity
+from rollout_actors.kernel.supervision import Liveness, RestartBudget, RestartIntensity
 
 
 def test_budget_allows_max_restarts_per_window_then_refuses():

@@ -31,7 +31,7 @@ from rollout_actors.inference.server_actor import (
     raise_for_startup,
     server_actor_options,
 )
-from rollout_actors.kernel import RestartBudget, RestartIntensity
+from rollout_actors.kernel.supervision import RestartBudget, RestartIntensity
 
 logger = logging.getLogger(__name__)
 

@@ -3,8 +3,10 @@
 It imports nothing of the project, so `renderer_actors` and `env_actors` import it (and only it) from
 `rollout_actors` without depending on the rest (DESIGN.md, "Dependency direction"). It holds the failure
 type, the caller error, ids, secret redaction, `Ref` with its allowlist (code named by data, resolved
-on the side that runs it), the supervision kit every supervisor spends restarts from, and the
-per-event-loop coalescer that batches a tick's worth of actor calls (renderer and env calls alike).
+on the side that runs it). Three small modules beside it hold the other shared machinery, and like it
+import nothing else of the project: `supervision` (the restart kit and liveness rule every supervisor
+uses), `coalescer` (the per-event-loop batching of a tick's actor calls, renderer and env calls alike) and
+`metric` (metrics declared where they are recorded, exported through Ray).
 
 Naming code is a capability, so two checks guard it, both owned by the side that resolves:
 
@@ -17,18 +19,13 @@ Naming code is a capability, so two checks guard it, both owned by the side that
 
 from __future__ import annotations
 
-import asyncio
 import importlib
 import inspect
 import re
 import threading
-import time
 import traceback as traceback_module
 import uuid
-import weakref
-from collections import deque
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -292,254 +289,3 @@ class RefResolver:
         if isinstance(value, dict):
             return {k: self._value(v, depth) for k, v in value.items()}
         return value
-
-
-# -------------------------------------------------------------------------------------- supervision
-
-
-class RestartIntensity(BaseModel):
-    """Restart intensity, as declared data (Erlang/OTP): at most `max_restarts` restarts within any
-    `window_s` seconds. Rare deaths over a long run fit inside the window and are tolerated; something that
-    dies on every start spends it in seconds and its supervisor stops restarting it, loudly. Both fields
-    are required: each supervisor declares its own default beside the reason for it, and a setting never
-    silently takes half of a generic default."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    max_restarts: int = Field(ge=0)
-    window_s: float = Field(gt=0)
-
-    def describe(self) -> str:
-        return f"{self.max_restarts} restarts in {self.window_s:g} s"
-
-
-@dataclass
-class RestartBudget:
-    """Spends a `RestartIntensity`. One edge rule everywhere: a restart counts for exactly `window_s`
-    seconds after it was spent (at `t + window_s` it no longer does).
-
-    >>> budget = RestartBudget(RestartIntensity(max_restarts=2, window_s=60))
-    >>> budget.try_spend(now=0.0), budget.try_spend(now=1.0), budget.try_spend(now=2.0)
-    (True, True, False)
-    >>> budget.try_spend(now=60.0)  # the first restart left the window
-    True
-    """
-
-    intensity: RestartIntensity
-    spent_total: int = 0
-    """Restarts spent over the budget's whole life."""
-    _spent: deque[float] = field(default_factory=deque, repr=False)
-
-    def try_spend(self, now: float | None = None) -> bool:
-        """Spend one restart if the window has room: True (and it counts), or False (nothing changes)."""
-        now = time.monotonic() if now is None else now
-        self._expire(now)
-        if len(self._spent) >= self.intensity.max_restarts:
-            return False
-        self._spent.append(now)
-        self.spent_total += 1
-        return True
-
-    def remaining(self, now: float | None = None) -> int:
-        self._expire(time.monotonic() if now is None else now)
-        return self.intensity.max_restarts - len(self._spent)
-
-    def used(self, now: float | None = None) -> int:
-        """Restarts counting against the window now."""
-        return self.intensity.max_restarts - self.remaining(now)
-
-    def spent_message(self) -> str:
-        return f"restart budget spent ({self.intensity.describe()})"
-
-    def _expire(self, now: float) -> None:
-        while self._spent and now - self._spent[0] >= self.intensity.window_s:
-            self._spent.popleft()
-
-
-LossCause = Literal["died", "wedged"]
-"""Why a supervisor lost a child: Ray said it *died* (a call or probe raised `RayActorError`), or nothing
-showed it alive for its hang timeout: it is *wedged* (frozen, its event loop blocked, its node gone)."""
-
-
-@dataclass
-class Liveness:
-    """One rule for every supervisor: a child is alive while something shows it alive, and wedged once
-    nothing has for `hang_timeout_s`. A sign of life is an answer to `health()`, dated back by the
-    `loop_stall_s` the child reports (an answer from a side loop says nothing of a stalled main loop).
-    Time the supervisor itself could not listen (its own loop stalled) is excused, never held against
-    the child: load alone must never look like a wedge.
-
-    >>> life = Liveness(hang_timeout_s=10, last_alive=0.0)
-    >>> life.heard(loop_stall_s=0.0, now=5.0); life.wedged(now=14.0), life.wedged(now=15.5)
-    (False, True)
-    >>> life.excuse(4.0, now=15.5); life.wedged(now=15.5)  # the supervisor was deaf for 4 s of that
-    False
-    """
-
-    hang_timeout_s: float
-    last_alive: float = field(default_factory=time.monotonic)
-
-    def heard(self, loop_stall_s: float = 0.0, now: float | None = None) -> None:
-        now = time.monotonic() if now is None else now
-        self.last_alive = max(self.last_alive, now - max(0.0, loop_stall_s))
-
-    def excuse(self, deaf_s: float, now: float | None = None) -> None:
-        now = time.monotonic() if now is None else now
-        self.last_alive = min(now, self.last_alive + max(0.0, deaf_s))
-
-    def silent_s(self, now: float | None = None) -> float:
-        return max(0.0, (time.monotonic() if now is None else now) - self.last_alive)
-
-    def wedged(self, now: float | None = None) -> bool:
-        return self.silent_s(now) > self.hang_timeout_s
-
-    def verdict(self, now: float | None = None) -> str:
-        return f"no sign of life for {self.silent_s(now):.1f} s (hang_timeout_s {self.hang_timeout_s:g} s)"
-
-
-# ------------------------------------------------------------------------------------------ metrics
-
-_instruments: dict[str, Any] = {}
-_instruments_lock = threading.Lock()
-
-
-class Metric(BaseModel):
-    """One metric, declared where it is recorded and exported through Ray's metrics API
-    (`ray.util.metrics`): it shows in the Ray dashboard and on every node's Prometheus endpoint as
-    `ray_rollouts_<name>`. The instrument is created in each process on first use; recording never
-    raises (a metric must not fail a rollout) and is a no-op outside a connected Ray worker."""
-
-    model_config = ConfigDict(frozen=True)
-
-    kind: str
-    """`counter`, `gauge` or `histogram`."""
-    name: str
-    description: str
-    tag_keys: tuple[str, ...] = ()
-    boundaries: tuple[float, ...] = ()
-    """Histogram bucket upper bounds."""
-
-    def record(self, value: float = 1.0, tags: dict[str, str] | None = None) -> None:
-        try:
-            instrument = _instruments.get(self.name) or self._create()
-            if instrument is None:
-                return
-            if self.kind == "counter":
-                instrument.inc(value, tags=tags)
-            elif self.kind == "gauge":
-                instrument.set(value, tags=tags)
-            else:
-                instrument.observe(value, tags=tags)
-        except Exception:  # noqa: BLE001 - observability must never break the thing observed
-            pass
-
-    def _create(self) -> Any:
-        import ray
-        from ray.util import metrics
-
-        if not ray.is_initialized():
-            return None
-        with _instruments_lock:
-            if self.name not in _instruments:
-                name, keys = f"rollouts_{self.name}", self.tag_keys
-                if self.kind == "counter":
-                    made = metrics.Counter(name, description=self.description, tag_keys=keys)
-                elif self.kind == "gauge":
-                    made = metrics.Gauge(name, description=self.description, tag_keys=keys)
-                else:
-                    made = metrics.Histogram(
-                        name, description=self.description, boundaries=list(self.boundaries), tag_keys=keys
-                    )
-                _instruments[self.name] = made
-            return _instruments[self.name]
-
-
-LATENCY_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
-
-
-# ------------------------------------------------------------------------------ per-tick coalescing
-
-
-@dataclass(slots=True)
-class TickBatch:
-    """What the callers of one event-loop tick asked of one target: items in order, one waiter each."""
-
-    target: Any
-    """What the flush calls (an actor handle)."""
-    items: list[Any] = field(default_factory=list)
-    waiters: list[asyncio.Future[Any]] = field(default_factory=list)
-    deadline: float = 0.0
-    """The largest deadline any caller gave (its meaning is the flush's: seconds or a loop time)."""
-
-
-class TickCoalescer:
-    """Coalesce a process's concurrent calls per event-loop tick: every caller that asks the same key in
-    one tick joins one batch, flushed once by one owned task. A quiet loop flushes batches of one.
-
-        coalescer = per_loop(TickCoalescer)
-        waiter = coalescer.add(("step", actor_key(server)), server, call, flush_steps)
-        answer = await waiter
-
-    `flush(batch)` sends the batch and answers its waiters; if it raises, every waiter still waiting gets
-    that exception. A waiter whose caller gave up is done (cancelled): the flush drops its answer.
-    Futures belong to one loop, so each loop has its own (`per_loop`).
-    """
-
-    def __init__(self) -> None:
-        self._open: dict[Any, TickBatch] = {}
-        self._tasks: set[asyncio.Task[Any]] = set()
-
-    def add(self, key: Any, target: Any, item: Any, flush: Any, deadline: float = 0.0) -> asyncio.Future[Any]:
-        batch = self._open.get(key)
-        if batch is None:
-            batch = self._open[key] = TickBatch(target)
-            self.own(self._flush(key, flush))
-        waiter = asyncio.get_running_loop().create_future()
-        batch.items.append(item)
-        batch.waiters.append(waiter)
-        batch.deadline = max(batch.deadline, deadline)
-        return waiter
-
-    async def _flush(self, key: Any, flush: Any) -> None:
-        await asyncio.sleep(0)  # every caller of this tick joins the batch
-        batch = self._open.pop(key)
-        try:
-            await flush(batch)
-        except BaseException as exc:  # the target died, or the batch outlived its deadline
-            fail_all(batch.waiters, exc)
-            if isinstance(exc, asyncio.CancelledError):
-                raise
-
-    def own(self, coro: Any) -> asyncio.Task[Any]:
-        """Run `coro` as a task this coalescer holds until it ends (nothing fire-and-forget is lost)."""
-        task = asyncio.get_running_loop().create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return task
-
-
-def fail_all(waiters: list[asyncio.Future[Any]], exc: BaseException) -> None:
-    """A batch failed as a whole: every waiter still waiting gets that failure. It is marked retrieved, so
-    a waiter nobody awaits any more (a notice, a caller past its deadline) logs nothing."""
-    for waiter in waiters:
-        if not waiter.done():
-            waiter.set_exception(exc)
-            waiter.exception()
-
-
-_PER_LOOP: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[Any, Any]] = weakref.WeakKeyDictionary()
-
-
-def per_loop(factory: Any) -> Any:
-    """The running loop's one instance of `factory` (built on first use, dropped with the loop)."""
-    instances = _PER_LOOP.setdefault(asyncio.get_running_loop(), {})
-    instance = instances.get(factory)
-    if instance is None:
-        instance = instances[factory] = factory()
-    return instance
-
-
-def actor_key(handle: Any) -> Any:
-    """A key for an actor that is the same across copies of its handle."""
-    to_hex = getattr(getattr(handle, "_actor_id", None), "hex", None)
-    return to_hex() if callable(to_hex) else id(handle)

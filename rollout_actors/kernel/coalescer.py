@@ -1,0 +1,94 @@
+"""Per-event-loop coalescing: the calls one tick makes to one actor travel as one batch. Used by the
+renderer calls and the env sessions' direct calls alike; imports nothing else of the project."""
+
+from __future__ import annotations
+
+import asyncio
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(slots=True)
+class TickBatch:
+    """What the callers of one event-loop tick asked of one target: items in order, one waiter each."""
+
+    target: Any
+    """What the flush calls (an actor handle)."""
+    items: list[Any] = field(default_factory=list)
+    waiters: list[asyncio.Future[Any]] = field(default_factory=list)
+    deadline: float = 0.0
+    """The largest deadline any caller gave (its meaning is the flush's: seconds or a loop time)."""
+
+
+class TickCoalescer:
+    """Coalesce a process's concurrent calls per event-loop tick: every caller that asks the same key in
+    one tick joins one batch, flushed once by one owned task. A quiet loop flushes batches of one.
+
+        coalescer = per_loop(TickCoalescer)
+        waiter = coalescer.add(("step", actor_key(server)), server, call, flush_steps)
+        answer = await waiter
+
+    `flush(batch)` sends the batch and answers its waiters; if it raises, every waiter still waiting gets
+    that exception. A waiter whose caller gave up is done (cancelled): the flush drops its answer.
+    Futures belong to one loop, so each loop has its own (`per_loop`).
+    """
+
+    def __init__(self) -> None:
+        self._open: dict[Any, TickBatch] = {}
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    def add(self, key: Any, target: Any, item: Any, flush: Any, deadline: float = 0.0) -> asyncio.Future[Any]:
+        batch = self._open.get(key)
+        if batch is None:
+            batch = self._open[key] = TickBatch(target)
+            self.own(self._flush(key, flush))
+        waiter = asyncio.get_running_loop().create_future()
+        batch.items.append(item)
+        batch.waiters.append(waiter)
+        batch.deadline = max(batch.deadline, deadline)
+        return waiter
+
+    async def _flush(self, key: Any, flush: Any) -> None:
+        await asyncio.sleep(0)  # every caller of this tick joins the batch
+        batch = self._open.pop(key)
+        try:
+            await flush(batch)
+        except BaseException as exc:  # the target died, or the batch outlived its deadline
+            fail_all(batch.waiters, exc)
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+
+    def own(self, coro: Any) -> asyncio.Task[Any]:
+        """Run `coro` as a task this coalescer holds until it ends (nothing fire-and-forget is lost)."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+
+def fail_all(waiters: list[asyncio.Future[Any]], exc: BaseException) -> None:
+    """A batch failed as a whole: every waiter still waiting gets that failure. It is marked retrieved, so
+    a waiter nobody awaits any more (a notice, a caller past its deadline) logs nothing."""
+    for waiter in waiters:
+        if not waiter.done():
+            waiter.set_exception(exc)
+            waiter.exception()
+
+
+_PER_LOOP: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[Any, Any]] = weakref.WeakKeyDictionary()
+
+
+def per_loop(factory: Any) -> Any:
+    """The running loop's one instance of `factory` (built on first use, dropped with the loop)."""
+    instances = _PER_LOOP.setdefault(asyncio.get_running_loop(), {})
+    instance = instances.get(factory)
+    if instance is None:
+        instance = instances[factory] = factory()
+    return instance
+
+
+def actor_key(handle: Any) -> Any:
+    """A key for an actor that is the same across copies of its handle."""
+    to_hex = getattr(getattr(handle, "_actor_id", None), "hex", None)
+    return to_hex() if callable(to_hex) else id(handle)

@@ -1,0 +1,57 @@
+"""DESIGN.md, "Dependency direction": `renderer_actors` and `env_actors` never import each other, and of
+`rollout_actors` they import only the kernel (`rollout_actors.kernel` and its modules), which imports
+nothing else of the project. Read from the source (every import statement, including those inside
+functions), so a new import that breaks the direction fails here rather than in a deployment."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("rollout_actors", "renderer_actors", "env_actors")
+KERNEL = "rollout_actors.kernel"
+
+
+def imports(path: Path) -> set[str]:
+    """The project modules a file imports (absolute names)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+    return {name for name in found if name.split(".")[0] in PACKAGES}
+
+
+def sources(package: str) -> list[Path]:
+    return sorted((ROOT / package.replace(".", "/")).rglob("*.py"))
+
+
+def in_kernel(module: str) -> bool:
+    return module == KERNEL or module.startswith(KERNEL + ".")
+
+
+@pytest.mark.parametrize(
+    "package, other", [("renderer_actors", "env_actors"), ("env_actors", "renderer_actors")]
+)
+def test_renderer_and_env_packages_import_only_the_kernel_of_rollout_actors(package, other):
+    broken = {
+        f"{path.relative_to(ROOT)}: {module}"
+        for path in sources(package)
+        for module in imports(path)
+        if module.split(".")[0] == other or (module.startswith("rollout_actors") and not in_kernel(module))
+    }
+    assert not broken, sorted(broken)
+
+
+def test_the_kernel_imports_nothing_else_of_the_project():
+    broken = {
+        f"{path.relative_to(ROOT)}: {module}"
+        for path in sources(KERNEL)
+        for module in imports(path)
+        if not in_kernel(module)
+    }
+    assert sources(KERNEL) and not broken, sorted(broken)
