@@ -23,12 +23,41 @@ CLEANUP_TIMEOUT_S = 5.0  # releasing a lease or ending a session must not hold a
 
 
 class PoolDirectory(Protocol):
-    """Where a rollout finds the shared actors it talks to. A worker's (`worker._Dispatch`) also answers
-    `policy_version`, `pause_epoch`, `unpaused` and `planned_resume`, which the turns read where present."""
+    """Where a rollout finds the shared actors it talks to."""
 
     def renderer_pool(self) -> Any: ...
 
     def env_pool(self, request: RolloutRequest) -> Any: ...
+
+
+class PolicyState(Protocol):
+    """What a rollout reads of the policy where it runs: the full-weight version its worker was told of,
+    and the pauses the plane holds for weight updates (a `RolloutWorker` answers all four)."""
+
+    def policy_version(self) -> int | None: ...
+
+    def pause_epoch(self) -> int: ...
+
+    async def unpaused(self, timeout: float) -> None: ...
+
+    async def planned_resume(self, since_epoch: int, timeout: float) -> bool: ...
+
+
+class FixedPolicy:
+    """A `PolicyState` with no weight updates and no pauses: a rollout run outside a worker (tests, the
+    single-process bench)."""
+
+    def policy_version(self) -> int | None:
+        return None
+
+    def pause_epoch(self) -> int:
+        return 0
+
+    async def unpaused(self, timeout: float) -> None:
+        return None
+
+    async def planned_resume(self, since_epoch: int, timeout: float) -> bool:
+        return False
 
 
 @dataclass(frozen=True)
@@ -67,6 +96,7 @@ async def run_rollout(
     request: RolloutRequest,
     pools: PoolDirectory,
     limits: LoopLimits = LoopLimits(),
+    policy: PolicyState = FixedPolicy(),
 ) -> Result:
     """Run one rollout to its single result. Never raises: a cancelled rollout releases what it holds and
     answers `cancelled` with the turns it had sampled."""
@@ -75,7 +105,7 @@ async def run_rollout(
     scope = asyncio.timeout(request.deadline_s)
     try:
         async with scope:
-            await _run(request, pools, limits, state, scope)
+            await _run(request, pools, policy, limits, state, scope)
         kind, error = "ok", None
     except TimeoutError as exc:
         if scope.expired():
@@ -121,6 +151,7 @@ class _Trajectory:
 async def _run(
     request: RolloutRequest,
     pools: PoolDirectory,
+    policy: PolicyState,
     limits: LoopLimits,
     state: _Trajectory,
     scope: asyncio.Timeout,
@@ -130,7 +161,7 @@ async def _run(
         raise CallerError("client.base_url is not set and the plane has no endpoints to give it one")
     ceiling = limits.call_timeout_s
     client = build_client(request.client, session_id=request.request_id)
-    turns = strategy_for(request, client, pools, lambda: _budget(scope, ceiling))
+    turns = strategy_for(request, client, pools, policy, lambda: _budget(scope, ceiling))
     env: EnvSession | None = None
     try:
         env = await EnvSession.open(

@@ -49,32 +49,31 @@ class TurnStrategy(Protocol):
 
 
 def strategy_for(
-    request: RolloutRequest, client: openai.AsyncOpenAI, pools: Any, budget: Budget
+    request: RolloutRequest, client: openai.AsyncOpenAI, pools: Any, policy: Any, budget: Budget
 ) -> TurnStrategy:
+    """`pools`: a `rollout.PoolDirectory`; `policy`: a `rollout.PolicyState`."""
     if request.mode == "token":
-        return TokenTurns(request, client, pools, budget)
-    return ChatTurns(request, client, pools)
+        return TokenTurns(request, client, pools, policy, budget)
+    return ChatTurns(request, client, policy)
 
 
 class _Calls:
     """Numbers a rollout's model calls and says which policy each is sent under (contract 10)."""
 
-    def __init__(self, request: RolloutRequest, pools: Any) -> None:
+    def __init__(self, request: RolloutRequest, policy: Any) -> None:
         self._request = request
-        self._pools = pools
+        self._policy = policy
         self._count = 0
 
     async def unpaused(self, timeout: float) -> None:
         """Wait out a pause the plane is holding in abort mode (the servers refuse new requests then)."""
-        wait = getattr(self._pools, "unpaused", None)
-        if wait is not None:
-            await wait(timeout)
+        await self._policy.unpaused(timeout)
 
     def next(self, resume: int = 0) -> tuple[CallTags, int]:
         """Tags for the next call (`X-Request-Id` = request id + turn, + part when a turn resumes after a
         pause; the version's `cache_salt`) and the policy version it is sent under: the rollout's, or
         newer full weights its worker was told of."""
-        weights = getattr(self._pools, "policy_version", lambda: None)()
+        weights = self._policy.policy_version()
         version = max(self._request.policy_version or 0, weights or 0)
         if resume:
             call_id = f"{self._request.request_id}-turn{self._count - 1}-part{resume}"
@@ -101,10 +100,13 @@ def turn_versions(sampled: Sampled, sent_under: int) -> tuple[int, list[VersionC
 
 
 class TokenTurns:
-    def __init__(self, request: RolloutRequest, client: openai.AsyncOpenAI, pools: Any, budget: Budget):
+    def __init__(
+        self, request: RolloutRequest, client: openai.AsyncOpenAI, pools: Any, policy: Any, budget: Budget
+    ):
         self._request = request
         self._client = client
         self._pools = pools
+        self._policy = policy
         self._budget = budget
         self._renderer: RendererSession | None = None
         self._tools: list[dict[str, Any]] | None = None
@@ -115,7 +117,7 @@ class TokenTurns:
         self._synthetic = 0
         self._branch = 0
         self._last: Sampled | None = None
-        self._calls = _Calls(request, pools)
+        self._calls = _Calls(request, policy)
         self.forked = False
 
     async def open(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> None:
@@ -155,7 +157,7 @@ class TokenTurns:
         request, head = self._request, None
         version, changes = 0, []
         for resume in range(MAX_RESUMES + 1):
-            epoch = getattr(self._pools, "pause_epoch", lambda: 0)()
+            epoch = self._policy.pause_epoch()
             done = head.completion_ids if head is not None else []
             sampling = request.sampling
             if done:  # a resumed turn samples the rest of its `max_tokens` after what it has
@@ -174,8 +176,7 @@ class TokenTurns:
                 )
                 aborted = False
             except TurnAborted as exc:
-                planned = getattr(self._pools, "planned_resume", None)
-                if exc.sampled is None or planned is None or not await planned(epoch, self._budget()):
+                if exc.sampled is None or not await self._policy.planned_resume(epoch, self._budget()):
                     raise
                 part, aborted = exc.sampled, True
             part_version, part_changes = turn_versions(part, sent_under)
@@ -223,10 +224,10 @@ class TokenTurns:
 
 
 class ChatTurns:
-    def __init__(self, request: RolloutRequest, client: openai.AsyncOpenAI, pools: Any = None):
+    def __init__(self, request: RolloutRequest, client: openai.AsyncOpenAI, policy: Any):
         self._request = request
         self._client = client
-        self._calls = _Calls(request, pools)
+        self._calls = _Calls(request, policy)
         self._tools: list[dict[str, Any]] | None = None
         self._seen: list[int] | None = None
         """The previous turn's prompt + completion: what the next prompt should extend."""

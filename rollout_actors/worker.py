@@ -18,7 +18,6 @@ import os
 import threading
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -28,7 +27,7 @@ from rollout_actors.failures import log_failure
 from rollout_actors.loop_watch import HEARTBEAT_S, LoopWatch
 from rollout_actors.metrics import LOOP_STALL
 from rollout_actors.pool_lookup import PoolLookup, PoolLookupFailed, PoolRoute
-from rollout_actors.rollout import LoopLimits, PoolHandles, run_rollout
+from rollout_actors.rollout import LoopLimits, run_rollout
 from rollout_actors.wire import Failure, Result, RolloutRequest
 
 MAX_ROLLOUTS_PER_WORKER = 100_000  # Ray's async-actor concurrency cap; the plane's lanes bound it for real
@@ -63,7 +62,7 @@ class RolloutWorker:
         self._running[request.request_id] = task
         try:
             pools = await self._pools.resolve(PoolRoute.from_wire(env_pool, renderer_pool))
-            result = await run_rollout(request, _Dispatch(pools, self), self._limits)
+            result = await run_rollout(request, pools, self._limits, policy=self)
         except PoolLookupFailed as exc:  # lost after the plane named it: a lost part, re-dispatched
             result = Result.failed(request, "infrastructure", exc.failure)
         except asyncio.CancelledError:
@@ -174,35 +173,6 @@ class RolloutWorker:
             "pid": os.getpid(),
             "in_flight": len(self._running),
         }
-
-
-@dataclass(frozen=True)
-class _Dispatch:
-    """What one dispatch's rollout reads from where it runs: the pools the plane named for it, and its
-    worker's policy state (the full-weight version, the plane's planned pauses), which the turns read
-    from the same object (`turns.py`). Without the latter a turn would be tagged with a stale version
-    and an abort the plane asked for would end the rollout instead of resuming it."""
-
-    pools: PoolHandles
-    worker: RolloutWorker
-
-    def renderer_pool(self) -> Any:
-        return self.pools.renderer_pool()
-
-    def env_pool(self, request: RolloutRequest) -> Any:
-        return self.pools.env_pool(request)
-
-    def policy_version(self) -> int | None:
-        return self.worker.policy_version()
-
-    def pause_epoch(self) -> int:
-        return self.worker.pause_epoch()
-
-    async def unpaused(self, timeout: float) -> None:
-        await self.worker.unpaused(timeout)
-
-    async def planned_resume(self, since_epoch: int, timeout: float) -> bool:
-        return await self.worker.planned_resume(since_epoch, timeout)
 
 
 def remote_worker_class(num_cpus: float) -> Any:
