@@ -78,15 +78,15 @@ def build_client(config: ClientConfig, session_id: str | None = None) -> openai.
     if config.base_url is None:
         raise CallerError("client.base_url is not set and no endpoint was routed to this rollout")
     timeout = httpx.Timeout(
-        connect=config.connect_timeout,
-        read=config.read_timeout,
-        write=config.write_timeout,
-        pool=config.pool_timeout,
+        connect=config.connect_timeout_s,
+        read=config.read_timeout_s,
+        write=config.write_timeout_s,
+        pool=config.pool_timeout_s,
     )
     limits = httpx.Limits(
         max_connections=config.max_connections,
         max_keepalive_connections=config.max_connections,
-        keepalive_expiry=config.keepalive_expiry,
+        keepalive_expiry=config.keepalive_expiry_s,
     )
     http_client = httpx.AsyncClient(
         verify=shared_ssl_context(), timeout=timeout, limits=limits, trust_env=False

@@ -46,9 +46,9 @@ except ImportError:  # pragma: no cover
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_LOAD_TIMEOUT = 120.0  # seconds per attempt: vLLM reads the adapter from disk and warms it on GPU
+DEFAULT_LOAD_TIMEOUT_S = 120.0  # seconds per attempt: vLLM reads the adapter from disk and warms it on GPU
 DEFAULT_RETRIES = 2  # a restarting server or a dropped connection, not a server that keeps refusing
-DEFAULT_WRITE_TIMEOUT = 300.0  # 256 MiB to a slow network filesystem, with room to spare
+DEFAULT_WRITE_TIMEOUT_S = 300.0  # 256 MiB to a slow network filesystem, with room to spare
 RETRY_BACKOFF = (0.5, 2.0)  # first delay, cap: retries spread over seconds, never a tight loop
 ALREADY_LOADED = "has already been loaded"
 """vLLM's 400 for a name it holds. On a retry it means our timed-out first attempt did land."""
@@ -124,23 +124,23 @@ class PolicyPublisher:
         self,
         endpoints: Sequence[str] | Callable[[], Sequence[str]],
         storage_dir: str | os.PathLike[str],
-        load_timeout: float = DEFAULT_LOAD_TIMEOUT,
+        load_timeout_s: float = DEFAULT_LOAD_TIMEOUT_S,
         retries: int = DEFAULT_RETRIES,
         *,
-        write_timeout: float = DEFAULT_WRITE_TIMEOUT,
+        write_timeout_s: float = DEFAULT_WRITE_TIMEOUT_S,
         name_prefix: str = "policy",
         retain: int = 4,
         initial: ActivePolicy | None = None,
         limits: AdapterLimits = AdapterLimits(),
         api_key_var: str | None = None,
     ):
-        if retries < 0 or load_timeout <= 0 or retain < 1:
-            raise ValueError("retries >= 0, load_timeout > 0 and retain >= 1 are required")
+        if retries < 0 or load_timeout_s <= 0 or retain < 1:
+            raise ValueError("retries >= 0, load_timeout_s > 0 and retain >= 1 are required")
         self._endpoints = endpoints
         self.storage_dir = Path(storage_dir)
-        self.load_timeout = load_timeout
+        self.load_timeout_s = load_timeout_s
         self.retries = retries
-        self.write_timeout = write_timeout
+        self.write_timeout_s = write_timeout_s
         self.name_prefix = name_prefix
         self.retain = retain
         self._current = initial
@@ -157,7 +157,7 @@ class PolicyPublisher:
         self.limits = limits
         """What the servers accept: an adapter past these is refused before anything is written."""
         self._http = httpx.AsyncClient(
-            timeout=httpx.Timeout(load_timeout), trust_env=False, headers=auth_headers(api_key_var)
+            timeout=httpx.Timeout(load_timeout_s), trust_env=False, headers=auth_headers(api_key_var)
         )
         self._buffers = CaptureBuffers()
         self._order = asyncio.Lock()
@@ -268,7 +268,7 @@ class PolicyPublisher:
             loop = asyncio.get_running_loop()
             write = loop.run_in_executor(self._writer, write_adapter, capture, self.storage_dir, directory)
             try:
-                path = await asyncio.wait_for(write, self.write_timeout)
+                path = await asyncio.wait_for(write, self.write_timeout_s)
             except (OSError, TimeoutError) as exc:
                 failure = Failure.from_exception(exc)
                 raise PublishFailure(version, name, "write", {}, failure=failure) from exc

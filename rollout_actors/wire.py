@@ -95,19 +95,19 @@ class ClientConfig(BaseModel):
     """Model (or LoRA adapter) name sent with every request."""
     api_key_var: str | None = Field(default=None, pattern=_ENV_VAR.pattern, max_length=256)
     """Name of the environment variable holding the API key. The key itself never travels."""
-    read_timeout: Timeout = 600.0
+    read_timeout_s: Timeout = 600.0
     """Seconds to wait for the next bytes of a response, per attempt."""
-    connect_timeout: Timeout = 30.0
-    write_timeout: Timeout = 30.0
-    pool_timeout: Timeout = 30.0
-    call_timeout: Timeout | None = None
+    connect_timeout_s: Timeout = 30.0
+    write_timeout_s: Timeout = 30.0
+    pool_timeout_s: Timeout = 30.0
+    call_timeout_s: Timeout | None = None
     """Total seconds one model call may take, retries and `Retry-After` waits included; no server
     behaviour (a slow drip that keeps resetting the read timeout, a long `Retry-After`) stretches it.
-    None: `(1 + max_retries) x (connect_timeout + read_timeout)`."""
+    None: `(1 + max_retries) x (connect_timeout_s + read_timeout_s)`."""
     max_retries: int = Field(default=1, ge=0, le=3)
-    """SDK retries per call, inside `call_timeout`."""
+    """SDK retries per call, inside `call_timeout_s`."""
     max_connections: int = Field(default=2048, ge=1, le=MAX_CONNECTIONS)
-    keepalive_expiry: float = Field(default=4.0, ge=0, le=MAX_TIMEOUT_S, allow_inf_nan=False)
+    keepalive_expiry_s: float = Field(default=4.0, ge=0, le=MAX_TIMEOUT_S, allow_inf_nan=False)
     """Below uvicorn's 5 s keep-alive, so the server never resets an idle connection under us."""
     headers: dict[str, str] = Field(default_factory=dict, max_length=64)
     """Extra headers; never put a secret here (use `api_key_var`). Protocol headers cannot be overridden."""
@@ -136,10 +136,10 @@ class ClientConfig(BaseModel):
 
     @property
     def call_deadline(self) -> float:
-        """`call_timeout`, or the default derived from the per-attempt timeouts."""
-        if self.call_timeout is not None:
-            return self.call_timeout
-        return (1 + self.max_retries) * (self.connect_timeout + self.read_timeout)
+        """`call_timeout_s`, or the default derived from the per-attempt timeouts."""
+        if self.call_timeout_s is not None:
+            return self.call_timeout_s
+        return (1 + self.max_retries) * (self.connect_timeout_s + self.read_timeout_s)
 
 
 class SamplingConfig(BaseModel):

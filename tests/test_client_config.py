@@ -17,10 +17,10 @@ BASE = {"base_url": "http://127.0.0.1:8000/v1", "model": BUNDLED_MODEL}
 
 BAD_CLIENT = [
     ({"deadline": 5}, "deadline"),
-    ({"read_timeout": -1.0}, "read_timeout"),
-    ({"connect_timeout": float("nan")}, "connect_timeout"),
-    ({"write_timeout": float("inf")}, "write_timeout"),
-    ({"call_timeout": 0}, "call_timeout"),
+    ({"read_timeout_s": -1.0}, "read_timeout_s"),
+    ({"connect_timeout_s": float("nan")}, "connect_timeout_s"),
+    ({"write_timeout_s": float("inf")}, "write_timeout_s"),
+    ({"call_timeout_s": 0}, "call_timeout_s"),
     ({"headers": {"X-Trace": "a\r\nInjected: 1"}}, "headers"),
     ({"headers": {"Bad Name": "x"}}, "headers"),
     ({"headers": {"Authorization": "Bearer sk-elsewhere"}}, "headers"),
@@ -56,9 +56,9 @@ def test_sampling_config_refuses_absurd_values_naming_the_field(fields, name):
 
 
 def test_the_total_call_deadline_defaults_to_the_per_attempt_budget():
-    config = ClientConfig(**BASE, read_timeout=10, connect_timeout=2, max_retries=1)
+    config = ClientConfig(**BASE, read_timeout_s=10, connect_timeout_s=2, max_retries=1)
     assert config.call_deadline == 24.0
-    assert ClientConfig(**BASE, call_timeout=5).call_deadline == 5.0
+    assert ClientConfig(**BASE, call_timeout_s=5).call_deadline == 5.0
 
 
 @pytest.mark.slow

@@ -36,10 +36,10 @@ def client_config(standin, fault: str, **headers: str) -> ClientConfig:
     return ClientConfig(
         base_url=standin.base_url,
         model=BUNDLED_MODEL,
-        read_timeout=2.0,
-        connect_timeout=1.0,
+        read_timeout_s=2.0,
+        connect_timeout_s=1.0,
         max_retries=1,
-        call_timeout=CALL_TIMEOUT_S,
+        call_timeout_s=CALL_TIMEOUT_S,
         headers={"X-Standin-Fault": fault, **headers},
     )
 

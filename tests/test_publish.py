@@ -71,7 +71,7 @@ def test_publish_returns_at_capture_then_every_server_loads_it_and_new_rollouts_
     lora = adapter()
 
     async def scenario():
-        publisher = PolicyPublisher(servers, tmp_path, load_timeout=10, retries=1)
+        publisher = PolicyPublisher(servers, tmp_path, load_timeout_s=10, retries=1)
         try:
             handle = await publisher.publish(lora, version=1)
             # Nothing is written or switched yet: the caller only waited for the capture.
@@ -101,7 +101,7 @@ def test_caller_may_overwrite_its_arrays_as_soon_as_publish_returns(servers, tmp
 
     async def scenario():
         async with asyncio.timeout(DEADLINE_S):
-            publisher = PolicyPublisher(servers, tmp_path, load_timeout=10, retries=1)
+            publisher = PolicyPublisher(servers, tmp_path, load_timeout_s=10, retries=1)
             handle = await publisher.publish(lora, version=1)
             for array in lora.tensors.values():  # before the event loop even starts the write
                 array[...] = 0.0
@@ -118,7 +118,7 @@ def test_donated_arrays_are_frozen_not_copied_and_published(servers, tmp_path):
     donated = adapter(seed=3)
 
     async def scenario():
-        publisher = PolicyPublisher(servers, tmp_path, load_timeout=10, retries=1)
+        publisher = PolicyPublisher(servers, tmp_path, load_timeout_s=10, retries=1)
         try:
             handle = await publisher.publish(donated, version=1, donate=True)
             return await handle.wait(timeout=30)
@@ -141,7 +141,7 @@ def test_adapter_directory_is_captured_so_the_trainer_can_overwrite_it(servers, 
     first = (source / WEIGHTS_FILE).read_bytes()
 
     async def scenario():
-        publisher = PolicyPublisher(servers, tmp_path / "published", load_timeout=10, retries=1)
+        publisher = PolicyPublisher(servers, tmp_path / "published", load_timeout_s=10, retries=1)
         handle = await publisher.publish(source, version=3)
         write_adapter_dir(source, seed=2)  # the next step's weights, over the same files
         await handle.wait()
@@ -162,7 +162,7 @@ def test_refusing_server_fails_the_publication_by_name_and_the_previous_policy_s
     assert load_directly(refuser, "policy-v2", str(stale)) == 200
 
     async def scenario():
-        publisher = PolicyPublisher(servers, tmp_path / "published", load_timeout=10, retries=2)
+        publisher = PolicyPublisher(servers, tmp_path / "published", load_timeout_s=10, retries=2)
         try:
             await (await publisher.publish(adapter(), version=1)).wait()
             handle = await publisher.publish(adapter(seed=2), version=2)
@@ -189,7 +189,7 @@ def test_server_that_is_down_fails_the_publication_after_bounded_retries(servers
         down = f"http://127.0.0.1:{sock.getsockname()[1]}/v1"  # bound, never listening: refused
 
     async def scenario():
-        publisher = PolicyPublisher([*servers, down], tmp_path, load_timeout=2, retries=2)
+        publisher = PolicyPublisher([*servers, down], tmp_path, load_timeout_s=2, retries=2)
         try:
             with pytest.raises(PublishFailure) as caught:
                 await (await publisher.publish(adapter(), version=1)).wait()
@@ -211,7 +211,7 @@ def test_wedged_server_times_out_within_the_load_timeout_and_retries(servers, tm
 
         wedged = await asyncio.start_server(never_answer, "127.0.0.1", 0)
         url = f"http://127.0.0.1:{wedged.sockets[0].getsockname()[1]}"
-        publisher = PolicyPublisher([servers[0], url], tmp_path, load_timeout=0.5, retries=1)
+        publisher = PolicyPublisher([servers[0], url], tmp_path, load_timeout_s=0.5, retries=1)
         try:
             with pytest.raises(PublishFailure) as caught:
                 # Two attempts of 0.5 s plus one backoff: bounded. The deadline fails the test on a hang.
@@ -231,7 +231,7 @@ def test_versions_must_increase_and_unloadable_adapters_are_refused_on_the_calle
     (empty_dir / WEIGHTS_FILE).write_bytes(b"x")
 
     async def scenario():
-        publisher = PolicyPublisher(servers, tmp_path / "published", load_timeout=10, retries=1)
+        publisher = PolicyPublisher(servers, tmp_path / "published", load_timeout_s=10, retries=1)
         try:
             await (await publisher.publish(adapter(), version=5)).wait()
             with pytest.raises(ValueError, match="not newer"):
@@ -249,7 +249,7 @@ def test_versions_must_increase_and_unloadable_adapters_are_refused_on_the_calle
 
 def test_no_live_server_is_a_publish_failure_not_a_silent_success(tmp_path):
     async def scenario():
-        publisher = PolicyPublisher(lambda: [], tmp_path, load_timeout=1, retries=0)
+        publisher = PolicyPublisher(lambda: [], tmp_path, load_timeout_s=1, retries=0)
         try:
             with pytest.raises(PublishFailure) as caught:
                 await (await publisher.publish(adapter(), version=1)).wait()
@@ -263,7 +263,7 @@ def test_no_live_server_is_a_publish_failure_not_a_silent_success(tmp_path):
 
 def test_old_versions_are_unloaded_and_deleted_past_retention(servers, tmp_path):
     async def scenario():
-        publisher = PolicyPublisher(servers, tmp_path, load_timeout=10, retries=1, retain=2)
+        publisher = PolicyPublisher(servers, tmp_path, load_timeout_s=10, retries=1, retain=2)
         try:
             for version in (1, 2, 3):
                 await (await publisher.publish(adapter(seed=version), version=version)).wait()
@@ -279,7 +279,7 @@ def test_old_versions_are_unloaded_and_deleted_past_retention(servers, tmp_path)
 
 def test_a_checked_out_version_outlives_retention_until_checked_in(servers, tmp_path):
     async def scenario():
-        publisher = PolicyPublisher(servers, tmp_path, load_timeout=10, retries=1, retain=2)
+        publisher = PolicyPublisher(servers, tmp_path, load_timeout_s=10, retries=1, retain=2)
         try:
             await (await publisher.publish(adapter(seed=1), version=1)).wait()
             in_use = publisher.checkout()
@@ -306,7 +306,7 @@ def test_a_checked_out_version_outlives_retention_until_checked_in(servers, tmp_
 @pytest.mark.slow
 def test_replacement_server_gets_the_active_adapter_before_traffic(servers, tmp_path):
     async def scenario():
-        publisher = PolicyPublisher(servers[:1], tmp_path, load_timeout=10, retries=1)
+        publisher = PolicyPublisher(servers[:1], tmp_path, load_timeout_s=10, retries=1)
         try:
             await (await publisher.publish(adapter(), version=1)).wait()
             assert "policy-v1" not in served_models(servers[1])

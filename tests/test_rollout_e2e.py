@@ -176,7 +176,7 @@ def test_server_faults_come_back_as_model_results(ray_session, standin, fault, e
         base_url=standin.base_url,
         model=BUNDLED_MODEL,
         headers={"X-Standin-Fault": fault},
-        read_timeout=1.0,
+        read_timeout_s=1.0,
         max_retries=0,
     )
 

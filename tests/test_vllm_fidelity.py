@@ -253,7 +253,7 @@ def test_publish_refuses_an_adapter_vllm_would_refuse_before_writing_anything(tm
     storage = tmp_path / "published"
 
     async def scenario():
-        publisher = PolicyPublisher(["http://127.0.0.1:9/v1"], storage, load_timeout=1, retries=0)
+        publisher = PolicyPublisher(["http://127.0.0.1:9/v1"], storage, load_timeout_s=1, retries=0)
         try:
             with pytest.raises(ValueError, match=re.escape(named)):
                 await publisher.publish(lora, version=1)
@@ -324,9 +324,9 @@ def test_readiness_and_publication_send_the_key_which_never_reaches_a_command_li
                 },
                 lora_config(8, 16, ["q_proj"]),
             )
-            keyless = PolicyPublisher([status.url], tmp_path / "a", load_timeout=5, retries=0)
+            keyless = PolicyPublisher([status.url], tmp_path / "a", load_timeout_s=5, retries=0)
             keyed_publisher = PolicyPublisher(
-                [status.url], tmp_path / "b", load_timeout=5, retries=0, api_key_var=KEY_VAR
+                [status.url], tmp_path / "b", load_timeout_s=5, retries=0, api_key_var=KEY_VAR
             )
             try:
                 with pytest.raises(PublishFailure) as refused:

@@ -56,7 +56,7 @@ from rollout_actors.lora import VLLM_LORA_RANKS, AdapterLimits
 log = logging.getLogger("rollout_actors.standin")
 
 BACKLOG = 4096  # 2,048 concurrent rollouts connect at once; the kernel queue must hold them all
-KEEP_ALIVE_S = 5  # clients keep idle connections for less (ClientConfig.keepalive_expiry = 4 s)
+KEEP_ALIVE_S = 5  # clients keep idle connections for less (ClientConfig.keepalive_expiry_s = 4 s)
 GRACEFUL_SHUTDOWN_S = 2  # a `timeout` fault never answers; shutdown must not wait for it
 PARENT_POLL_S = 1.0
 RECENT_REQUESTS = 10_000  # what `/admin/requests` remembers
