@@ -284,7 +284,7 @@ class _Status:
 
     def line(self, results: list[Result]) -> str:
         elapsed = max(time.perf_counter() - self._started, 1e-9)
-        in_flight = sum(lane["in_flight"] for lane in self._plane.lanes.snapshot().values())
+        in_flight = sum(lane.in_flight for lane in self._plane.lanes.snapshot().values())
         failed = Counter(r.kind for r in results if r.kind != "ok")
         kinds = " ".join(f"{k}={v}" for k, v in sorted(failed.items())) or "none"
         return (

@@ -22,7 +22,7 @@ lane has drained below the new limit and the servers' queues are empty, or `sett
 limit acts only as rollouts finish turns, seconds later than the poll that moved it).
 
 It is a state machine driven by one loop the plane owns (started in `start`, cancelled in `close`); a
-server whose `/metrics` cannot be read is left out of that poll. `stats()["concurrency"]` shows it.
+server whose `/metrics` cannot be read is left out of that poll. `stats().concurrency` shows it.
 """
 
 from __future__ import annotations
@@ -111,6 +111,21 @@ class Decision:
     kv_usage: float
     waiting: int
     cancelled: int = 0
+
+
+class ConcurrencyStats(BaseModel):
+    """The controller's state and counts since the plane started (`PlaneStats.concurrency`)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    limit: int
+    """The lowest limit of the lanes it steers, now."""
+    actions: dict[str, int]
+    """Decisions taken, by action (`grow`, `shrink`, `cut`, `hold`)."""
+    cancelled: int
+    """Rollouts cancelled (`Overload`) by cuts."""
+    servers: dict[str, ServerLoad]
+    """Server URL -> its load at the last poll that read it."""
 
 
 class ConcurrencyController:
@@ -212,10 +227,10 @@ class ConcurrencyController:
     async def aclose(self) -> None:
         await self._reader.aclose()
 
-    def snapshot(self) -> dict[str, Any]:
-        return {
-            "limit": self.limit,
-            "actions": dict(self.actions),
-            "cancelled": self.cancelled,
-            "servers": {url: load.model_dump() for url, load in self.last_load.items()},
-        }
+    def snapshot(self) -> ConcurrencyStats:
+        return ConcurrencyStats(
+            limit=self.limit,
+            actions=dict(self.actions),
+            cancelled=self.cancelled,
+            servers=dict(self.last_load),
+        )

@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
+from pydantic import BaseModel, ConfigDict
+
 
 @dataclass
 class Lane:
@@ -38,6 +40,17 @@ class Lane:
             self._changed.notify_all()
 
 
+class LaneStats(BaseModel):
+    """One lane at the instant of `Lanes.snapshot`."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    limit: int
+    in_flight: int
+    peak: int
+    """The most rollouts the lane held at once since the plane started."""
+
+
 class Lanes:
     def __init__(self, limits: dict[str, int]) -> None:
         self._lanes = {name: Lane(name, limit) for name, limit in limits.items()}
@@ -48,9 +61,9 @@ class Lanes:
             raise KeyError(f"unknown lane {name!r}; lanes are {sorted(self._lanes)}")
         return lane
 
-    def snapshot(self) -> dict[str, dict[str, int]]:
+    def snapshot(self) -> dict[str, LaneStats]:
         return {
-            n: {"limit": x.limit, "in_flight": x.in_flight, "peak": x.peak} for n, x in self._lanes.items()
+            n: LaneStats(limit=x.limit, in_flight=x.in_flight, peak=x.peak) for n, x in self._lanes.items()
         }
 
     @property

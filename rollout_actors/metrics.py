@@ -74,16 +74,16 @@ class PlaneMetrics:
         TURNS.record(len(result.turns), {"lane": lane})
 
     def sample(self, plane: Any) -> None:
-        for lane, figures in plane.lanes.snapshot().items():
-            IN_FLIGHT.record(figures["in_flight"], {"lane": lane})
-            LANE_LIMIT.record(figures["limit"], {"lane": lane})
         stats = plane.stats()
-        WORKERS_LIVE.record(len(stats["workers"]))
+        for lane, figures in stats.lanes.items():
+            IN_FLIGHT.record(figures.in_flight, {"lane": lane})
+            LANE_LIMIT.record(figures.limit, {"lane": lane})
+        WORKERS_LIVE.record(len(stats.workers))
         POLICY_VERSION.record(plane.policy_version or 0)
         for metric, value in (
-            (REDISPATCHED, stats["redispatched"]),
-            (DUPLICATES, stats["duplicates_dropped"]),
-            (WORKERS_LOST, stats["workers_lost"]),
+            (REDISPATCHED, stats.redispatched),
+            (DUPLICATES, stats.duplicates_dropped),
+            (WORKERS_LOST, stats.workers_lost),
         ):
             delta = value - self._seen.get(metric.name, 0)
             if delta > 0:

@@ -39,6 +39,7 @@ from rollout_actors.lanes import Lane, Lanes
 from rollout_actors.lora import AdapterLimits
 from rollout_actors.metrics import PlaneMetrics
 from rollout_actors.naming import PoolNames
+from rollout_actors.plane_stats import PlaneStats, WorkerStats
 from rollout_actors.pool_lookup import PoolRoute
 from rollout_actors.pool_supervisor import PoolUnavailable
 from rollout_actors.publish import PolicyPublisher, PublishHandle
@@ -180,20 +181,20 @@ class RolloutPlane(Submission):
     async def __aexit__(self, *exc: Any) -> None:
         await self.close()
 
-    def stats(self) -> dict[str, Any]:
-        return {
-            "counters": dict(self.counters),
-            "redispatched": self.counters["redispatched"],
-            "duplicates_dropped": self.counters["duplicates_dropped"],
-            "lanes": self.lanes.snapshot(),
-            "workers": [
-                {"name": s.name, "in_flight": s.in_flight, "peak": s.peak} for s in self._workers.live()
-            ],
-            "workers_lost": self._workers.lost_count,
-            "off_policy": self._guard.snapshot(),
-            "concurrency": self._controller.snapshot() if self._controller is not None else None,
-            "pools": [status.model_dump() for status in self._pools.statuses()],
-        }
+    def stats(self) -> PlaneStats:
+        return PlaneStats(
+            counters=dict(self.counters),
+            redispatched=self.counters["redispatched"],
+            duplicates_dropped=self.counters["duplicates_dropped"],
+            lanes=self.lanes.snapshot(),
+            workers=tuple(
+                WorkerStats(name=s.name, in_flight=s.in_flight, peak=s.peak) for s in self._workers.live()
+            ),
+            workers_lost=self._workers.lost_count,
+            off_policy=self._guard.snapshot(),
+            concurrency=self._controller.snapshot() if self._controller is not None else None,
+            pools=tuple(self._pools.statuses()),
+        )
 
     # policy ----------------------------------------------------------------------------------------
     @property

@@ -57,7 +57,7 @@ class PoolUnavailable(Exception):
 
 
 class PoolStatus(BaseModel):
-    """What the plane reports of one supervised pool (`RolloutPlane.stats()["pools"]`)."""
+    """What the plane reports of one supervised pool (`RolloutPlane.stats().pools`)."""
 
     pool: str
     state: PoolState

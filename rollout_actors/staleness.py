@@ -12,8 +12,23 @@ from __future__ import annotations
 
 from collections import Counter
 
+from pydantic import BaseModel, ConfigDict
+
 STALE = "Stale"
 """`Failure.type` of a rollout cancelled for being too far off policy."""
+
+
+class OffPolicyStats(BaseModel):
+    """The guard's counts since the plane started (`PlaneStats.off_policy`)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    max_off_policy_steps: int | None
+    """The bound in force; None: no rollout is cancelled for staleness."""
+    cancelled_stale: int
+    """Rollouts cancelled (`Stale`) for starting too many versions behind the active policy."""
+    versions_behind: dict[int, int]
+    """Delivered results by `Result.versions_behind`, lowest lag first."""
 
 
 class OffPolicyGuard:
@@ -46,9 +61,9 @@ class OffPolicyGuard:
             f"(max_off_policy_steps={self.max_steps})"
         )
 
-    def snapshot(self) -> dict[str, object]:
-        return {
-            "max_off_policy_steps": self.max_steps,
-            "cancelled_stale": self.cancelled,
-            "versions_behind": dict(sorted(self.lag.items())),
-        }
+    def snapshot(self) -> OffPolicyStats:
+        return OffPolicyStats(
+            max_off_policy_steps=self.max_steps,
+            cancelled_stale=self.cancelled,
+            versions_behind=dict(sorted(self.lag.items())),
+        )

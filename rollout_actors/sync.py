@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 from rollout_actors.config import PlaneConfig
 from rollout_actors.groups import Group, Stragglers
 from rollout_actors.plane import RolloutPlane
+from rollout_actors.plane_stats import PlaneStats
 from rollout_actors.wire import Result, RolloutRequest
 
 T = TypeVar("T")
@@ -122,8 +123,8 @@ class SyncRolloutPlane:
 
         return self.call(go)
 
-    def stats(self) -> dict[str, Any]:
-        async def go(plane: RolloutPlane) -> dict[str, Any]:
+    def stats(self) -> PlaneStats:
+        async def go(plane: RolloutPlane) -> PlaneStats:
             return plane.stats()
 
         return self.call(go)

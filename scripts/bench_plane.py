@@ -198,7 +198,7 @@ async def run_plane(args: argparse.Namespace, c: int, server: StandinServer) -> 
             await plane.submit(request(i))
         warm = [await plane.next_result(timeout=300) for _ in range(WARMUP_ROLLOUTS)]
         await _grow_renderer_pool(plane, _client(server).model, renderer_multiplex, c)
-        workers = [ray.get_actor(w["name"]) for w in plane.stats()["workers"]]
+        workers = [ray.get_actor(w.name) for w in plane.stats().workers]
         before = await asyncio.gather(*(w.debug_resources.remote(server.port) for w in workers))
         time_wait_before = time_wait_count(server.port)
         probe = Probe(server.pid, server.port, [r["pid"] for r in before]).start()
@@ -241,7 +241,7 @@ async def run_plane(args: argparse.Namespace, c: int, server: StandinServer) -> 
             "warmup_ok": sum(r.ok for r in warm),
             "open_clients_after": sum(r["open_clients"] for r in after),
             "worker_conns_after": sum(r["connections"] for r in after),
-            "redispatched": stats["redispatched"],
+            "redispatched": stats.redispatched,
             # Where the wall goes beyond the rollouts themselves (worker clocks; one machine, one clock):
             "first_start_s": round(min(r.started_at or 0 for r in results) - started_wall, 2),
             "last_start_s": round(max(r.started_at or 0 for r in results) - started_wall, 2),

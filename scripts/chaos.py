@@ -51,6 +51,7 @@ from rollout_actors.inference.server_actor import ServerSpec
 from rollout_actors.inference.server_set import InferenceServerSet
 from rollout_actors.kernel.supervision import RestartIntensity
 from rollout_actors.plane import PlaneConfig, RolloutPlane
+from rollout_actors.plane_stats import PlaneStats
 from rollout_actors.wire import ClientConfig, Ref, Result, RolloutRequest, SamplingConfig
 
 CALC = Ref(target="env_actors.examples.calculator_env:CalculatorEnv")
@@ -87,7 +88,7 @@ class RunOutcome:
     latencies: list[float]
     results: dict[str, list[Result]]
     """request id -> every result that reached the caller for it (exactly one, if all is well)."""
-    stats: dict[str, Any]
+    stats: PlaneStats | None
     env_pool: Any
     renderer_pool: RendererPoolStats | None
     held: dict[str, int] = field(default_factory=dict)
@@ -194,7 +195,7 @@ async def run(args: argparse.Namespace, servers: InferenceServerSet, chaos: Chao
             wall_s=wall,
             latencies=latencies,
             results=results,
-            stats={},
+            stats=None,
             env_pool=None,
             renderer_pool=None,
         )
@@ -388,12 +389,13 @@ def report(
             print(f"    {count:>5}  {path}")
     attempts = Counter(r.attempts for r in final)
     stats = chaos.stats
+    assert stats is not None  # the run records them before it returns
     print("\nre-dispatches and duplicates")
     print(
-        f"  re-dispatched          {stats['redispatched']}  (results by attempts: {dict(sorted(attempts.items()))})"
+        f"  re-dispatched          {stats.redispatched}  (results by attempts: {dict(sorted(attempts.items()))})"
     )
-    print(f"  duplicates dropped     {stats['duplicates_dropped']}")
-    print(f"  rollout workers lost   {stats['workers_lost']}")
+    print(f"  duplicates dropped     {stats.duplicates_dropped}")
+    print(f"  rollout workers lost   {stats.workers_lost}")
     pool = chaos.env_pool
     print("\nrestarts vs budget")
     print(

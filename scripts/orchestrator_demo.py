@@ -247,7 +247,7 @@ async def main(args: argparse.Namespace, endpoints: list[str], storage: str) -> 
         stats = plane.stats()
         print(
             f"done: {args.steps} steps in {time.perf_counter() - started:.1f} s; "
-            f"off policy {stats['off_policy']}; results {stats['counters']}"
+            f"off policy {stats.off_policy.model_dump()}; results {stats.counters}"
         )
 
 

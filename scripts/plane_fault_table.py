@@ -78,7 +78,7 @@ def freeze(handle: Any) -> None:
 async def case(
     plane: RolloutPlane, base_url: str, name: str, env: Ref, pool: SupervisedPool, lose: Callable[[Any], None]
 ) -> Row:
-    before = plane.stats()["redispatched"]
+    before = plane.stats().redispatched
     incarnation = pool.incarnation
     ids = [await plane.submit(request(base_url, env, LATENCY_S, i)) for i in range(IN_FLIGHT)]
     await holding(plane, env, IN_FLIGHT)
@@ -107,7 +107,7 @@ async def case(
     return Row(
         name,
         ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items())),
-        plane.stats()["redispatched"] - before,
+        plane.stats().redispatched - before,
         restart_s,
         recover_s,
         broken="" if pool.incarnation > incarnation else "not restarted",

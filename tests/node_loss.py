@@ -105,11 +105,12 @@ async def scenario(cluster: Cluster, doomed_node_id: str, base_url: str) -> dict
             "in_flight": [r.kind for r in results if r.request_id in in_flight],
             "after": [r.kind for r in results if r.request_id in after],
             "errors": [f"{r.error.type}: {r.error.message[:300]}" for r in results if r.error],
-            "duplicates_dropped": stats["duplicates_dropped"],
-            "redispatched": stats["redispatched"],
-            "workers_lost": stats["workers_lost"],
+            "duplicates_dropped": stats.duplicates_dropped,
+            "redispatched": stats.redispatched,
+            "workers_lost": stats.workers_lost,
             "pools": [
-                {k: s[k] for k in ("pool", "state", "incarnation", "last_loss")} for s in stats["pools"]
+                s.model_dump(mode="json", include={"pool", "state", "incarnation", "last_loss"})
+                for s in stats.pools
             ],
             "first_ok_after_loss_s": None if first_ok_after is None else round(first_ok_after - lost_at, 2),
         }

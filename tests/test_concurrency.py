@@ -194,11 +194,11 @@ def test_the_controller_lowers_the_limit_when_a_real_servers_kv_cache_fills(ray_
                 )
             await wait_until(lambda: plane.lanes.get("train").limit < 24, 60)
             results = [await plane.next_result(timeout=120) for _ in range(24)]
-            return results, plane.stats()["concurrency"]
+            return results, plane.stats().concurrency
 
     with StandinServer(StandinOptions(kv_cache_tokens=800)) as server:
         results, stats = asyncio.run(asyncio.wait_for(scenario(server), 240))
-    assert stats["limit"] < 24
-    assert stats["actions"].get("shrink", 0) + stats["actions"].get("cut", 0) >= 1
+    assert stats.limit < 24
+    assert stats.actions.get("shrink", 0) + stats.actions.get("cut", 0) >= 1
     assert sorted({r.kind for r in results}) in (["ok"], ["cancelled", "ok"]), [r.error for r in results]
     assert all(r.error.type == OVERLOAD for r in results if r.kind == "cancelled")

@@ -129,7 +129,7 @@ def test_a_straggler_rule_cancels_the_slowest_member_once_enough_finished(ray_se
     assert kinds == ["cancelled", "ok", "ok"], [(r.kind, r.error) for r in group.results]
     (cut,) = [r for r in group.results if r.kind == "cancelled"]
     assert cut.error.type == "Straggler" and "straggler" in cut.error.message
-    assert stats["counters"]["cancelled.Straggler"] == 1
+    assert stats.counters["cancelled.Straggler"] == 1
 
 
 def test_a_request_without_base_url_takes_the_planes_endpoint_or_is_refused(ray_session, standin):
@@ -195,7 +195,7 @@ def test_rollouts_too_far_off_policy_are_cancelled_when_a_new_policy_is_active(
     assert group.policy_versions == [1] and {r.model for r in group.results} == {v1}
     assert all(r.kind == "ok" for r in group.results), [r.error for r in group.results]
     assert fresh_result.request_id == fresh and fresh_result.versions_behind == 0
-    assert stats["off_policy"]["cancelled_stale"] == 1
+    assert stats.off_policy.cancelled_stale == 1
 
 
 def test_a_script_without_asyncio_runs_rollouts_and_groups_through_the_sync_wrapper(ray_session, standin):
@@ -215,7 +215,7 @@ def test_a_script_without_asyncio_runs_rollouts_and_groups_through_the_sync_wrap
         stats = p.stats()
     assert [(r.kind, r.task_index) for r in results] == [("ok", 0), ("ok", 1), ("ok", 2)]
     assert [r.kind for r in group.results] == ["ok", "ok"] and group.results[0].task_index == 5
-    assert stats["lanes"]["train"]["limit"] == 2
+    assert stats.lanes["train"].limit == 2
 
 
 def test_the_orchestrator_demo_runs_its_loop_and_prints_a_line_per_step(

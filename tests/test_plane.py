@@ -66,9 +66,9 @@ def test_killed_worker_rollouts_are_redispatched_and_answered_once(ray_session, 
     ids, results, stats = run(scenario())
     assert sorted(r.request_id for r in results) == sorted(ids)  # each answered exactly once
     assert all(r.kind == "ok" for r in results), [(r.kind, r.error) for r in results]
-    assert stats["redispatched"] > 0
+    assert stats.redispatched > 0
     assert any(r.attempts == 2 for r in results)
-    assert stats["duplicates_dropped"] == 0  # a killed worker answers nothing late
+    assert stats.duplicates_dropped == 0  # a killed worker answers nothing late
 
 
 def test_a_late_answer_for_an_answered_lease_is_dropped_and_counted(ray_session, standin):
@@ -80,14 +80,14 @@ def test_a_late_answer_for_an_answered_lease_is_dropped_and_counted(ray_session,
             assert (await p.next_result(timeout=60)).kind == "ok"
             await p.submit(slow_request(standin, 10.0, 1, deadline_s=2.0))
             result = await p.next_result(timeout=30)
-            await wait_until(lambda: p.stats()["duplicates_dropped"] == 1, 30)
+            await wait_until(lambda: p.stats().duplicates_dropped == 1, 30)
             return result, p.stats()
 
     result, stats = run(scenario())
     assert result.kind == "infrastructure" and result.error.type == "DeadlineExceeded", result.error
     assert "deadline_s + answer_grace_s" in result.error.message  # the plane's answer, not the worker's
-    assert stats["duplicates_dropped"] == 1 and stats["redispatched"] == 0
-    assert stats["counters"].get("kind.infrastructure") == 1  # the late answer was not delivered
+    assert stats.duplicates_dropped == 1 and stats.redispatched == 0
+    assert stats.counters.get("kind.infrastructure") == 1  # the late answer was not delivered
 
 
 def test_wedged_worker_is_detected_within_hang_timeout(ray_session, standin):
@@ -108,7 +108,7 @@ def test_wedged_worker_is_detected_within_hang_timeout(ray_session, standin):
     cause, results, stats = run(scenario())
     assert "hang_timeout_s" in cause  # found by the plane's liveness probe, not by Ray
     assert all(r.kind == "ok" for r in results), [(r.kind, r.error) for r in results]
-    assert stats["workers_lost"] >= 1
+    assert stats.workers_lost >= 1
 
 
 def test_three_consecutive_losses_end_as_infrastructure(ray_session, standin):
@@ -127,7 +127,7 @@ def test_three_consecutive_losses_end_as_infrastructure(ray_session, standin):
     result, stats = run(scenario())
     assert result.kind == "infrastructure"
     assert result.error.type == "WorkerLost"
-    assert stats["redispatched"] == 2
+    assert stats.redispatched == 2
 
 
 def test_lane_bounds_and_set_limit_hold(ray_session, standin):
@@ -154,9 +154,9 @@ def test_lane_bounds_and_set_limit_hold(ray_session, standin):
 
     observed, results, evals, final = run(scenario())
     # Each snapshot pairs the bound with what was in flight at that instant: no clock in the assertions.
-    assert all(s[lane]["in_flight"] <= s[lane]["limit"] for s in observed for lane in ("train", "eval"))
-    assert any(s["train"]["limit"] == 3 and s["train"]["in_flight"] == 3 for s in observed)  # bound reached
-    assert final["train"]["peak"] > 3  # the raised limit was used
+    assert all(s[lane].in_flight <= s[lane].limit for s in observed for lane in ("train", "eval"))
+    assert any(s["train"].limit == 3 and s["train"].in_flight == 3 for s in observed)  # bound reached
+    assert final["train"].peak > 3  # the raised limit was used
     assert len({r.request_id for r in results}) == 14
     assert all(r.kind == "ok" for r in results)
 

@@ -102,7 +102,7 @@ def test_a_killed_worker_leaves_no_env_session_or_renderer_lease_held(ray_sessio
     assert all(r.kind == "ok" for r in results), [(r.kind, r.error) for r in results if r.kind != "ok"]
     assert sum(r.attempts == 2 for r in results) == 32
     assert released == {"pool_sessions": 0, "server_sessions": 0, "leases": 0}
-    assert stats["workers_lost"] == 1
+    assert stats.workers_lost == 1
 
 
 async def _holds(p: RolloutPlane, pool_sessions: int, server_sessions: int, leases: int) -> dict | None:
@@ -134,7 +134,7 @@ def test_a_rollout_whose_env_server_died_is_redispatched_under_its_lease(ray_ses
     assert sorted(r.request_id for r in results) == sorted(ids)
     assert [r.kind for r in results] == ["ok"] * 4, [r.error for r in results]
     assert [r.attempts for r in results] == [2] * 4
-    assert stats["redispatched"] == 4
+    assert stats.redispatched == 4
     assert pool_stats.deaths == 1 and pool_stats.sessions == 0
 
 
@@ -153,7 +153,7 @@ def test_env_server_losses_are_redispatched_at_most_max_dispatches_times(ray_ses
     assert result.kind == "infrastructure"
     assert result.error.type == "EnvWorkerLost"
     assert result.attempts == 3
-    assert stats["redispatched"] == 2
+    assert stats.redispatched == 2
 
 
 def test_a_rollout_whose_renderer_stays_unavailable_is_redispatched(ray_session, standin):
@@ -167,11 +167,11 @@ def test_a_rollout_whose_renderer_stays_unavailable_is_redispatched(ray_session,
             await p.submit(request(standin, 0))
             assert (await p.next_result(timeout=120)).kind == "ok"
             pid = await _only_renderer_pid(ray.get_actor(p.names.renderer_pool))
-            before = p.stats()["redispatched"]  # the warm-up may have been re-dispatched already
+            before = p.stats().redispatched  # the warm-up may have been re-dispatched already
             await p.submit(request(standin, 1, latency_s=1.0))
             os.kill(pid, signal.SIGSTOP)
             try:
-                await wait_until(lambda: p.stats()["redispatched"] > before, 60)
+                await wait_until(lambda: p.stats().redispatched > before, 60)
             finally:
                 os.kill(pid, signal.SIGKILL)
             return await p.next_result(timeout=120)
@@ -217,7 +217,7 @@ def test_a_survivor_loaded_with_the_rollouts_of_three_lost_workers_is_not_judged
     is never killed."""
     results, survivor, stats = _lose_three_of_four(standin, 1024)
     assert survivor.alive, survivor.cause
-    assert stats["workers_lost"] == 3
+    assert stats.workers_lost == 3
     assert all(r.kind == "ok" for r in results), {(r.kind, r.error.type) for r in results if r.error}
 
 
@@ -227,5 +227,5 @@ def test_redispatch_waits_for_replacements_rather_than_overload_a_survivor(ray_s
     results, survivor, stats = _lose_three_of_four(standin, 192, rollouts_per_worker=48)
     assert all(r.kind == "ok" for r in results), {(r.kind, r.error.type) for r in results if r.error}
     assert survivor.peak == 48
-    assert all(worker["peak"] <= 48 for worker in stats["workers"])
-    assert len(stats["workers"]) == 4  # three replacements took the rest
+    assert all(worker.peak <= 48 for worker in stats.workers)
+    assert len(stats.workers) == 4  # three replacements took the rest

@@ -12,7 +12,6 @@ import signal
 from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import dataclass
-from typing import Any
 
 import psutil
 import pytest
@@ -22,6 +21,7 @@ from waiting import wait_until
 
 from renderer_actors.tokenizer import BUNDLED_MODEL
 from rollout_actors.plane import PlaneConfig, RolloutPlane
+from rollout_actors.plane_stats import PlaneStats
 from rollout_actors.pool_supervisor import PoolStatus, SupervisedPool
 from rollout_actors.wire import ClientConfig, Ref, Result, RolloutRequest, SamplingConfig
 
@@ -79,7 +79,7 @@ class Loss:
     after: list[Result]
     """Rollouts submitted once the supervisor had a replacement serving."""
     duplicate_answers: int
-    stats: dict[str, Any]
+    stats: PlaneStats
     workers_before: set[str]
     status: PoolStatus
 
@@ -90,7 +90,7 @@ async def lose_pool_under_load(
     async with plane(**config) as p:
         await p.submit(request(standin))
         assert (await p.next_result(timeout=60)).kind == "ok"
-        workers = {w["name"] for w in p.stats()["workers"]}
+        workers = {w.name for w in p.stats().workers}
         pool = which(p)
         in_flight = [await p.submit(request(standin, 1.5, i)) for i in range(IN_FLIGHT)]
         await holding(p, IN_FLIGHT)
@@ -151,24 +151,24 @@ def env_pool_frozen(ray_session, standin) -> tuple[Loss, list[int]]:
 
 def check_served_again(loss: Loss) -> None:
     assert len(loss.in_flight) == len(loss.after) == IN_FLIGHT and loss.duplicate_answers == 0  # once each
-    assert loss.stats["duplicates_dropped"] == 0
+    assert loss.stats.duplicates_dropped == 0
     assert all(r.kind == "ok" for r in loss.after), [(r.kind, r.error) for r in loss.after]
     # The same rollout workers serve the new incarnation: none was replaced, none kept a stale handle.
-    assert {w["name"] for w in loss.stats["workers"]} == loss.workers_before
-    assert loss.stats["workers_lost"] == 0
+    assert {w.name for w in loss.stats.workers} == loss.workers_before
+    assert loss.stats.workers_lost == 0
     assert loss.status.state == "serving" and loss.status.incarnation == 2 and loss.status.restarts == 1
 
 
 def check_redispatched(loss: Loss) -> None:
     assert all(r.kind == "ok" for r in loss.in_flight), [(r.kind, r.error) for r in loss.in_flight]
     assert all(r.attempts >= 2 for r in loss.in_flight)
-    assert loss.stats["redispatched"] >= IN_FLIGHT
+    assert loss.stats.redispatched >= IN_FLIGHT
 
 
 def test_killed_renderer_pool_is_restarted_and_new_rollouts_succeed_on_the_same_workers(renderer_pool_killed):
     check_served_again(renderer_pool_killed)
     assert renderer_pool_killed.status.last_loss.startswith("died: ")
-    assert renderer_pool_killed.stats["pools"][0]["pool"] == "renderer pool"
+    assert renderer_pool_killed.stats.pools[0].pool == "renderer pool"
 
 
 def test_rollouts_using_a_killed_renderer_pool_are_redispatched_under_their_lease(renderer_pool_killed):

@@ -207,7 +207,5 @@ def test_the_plane_serves_a_good_request_after_the_bad_ones(served):
 
     results, stats = run(scenario())
     assert [r.kind for r in results] == ["ok"], results[0].error
-    assert all(worker["in_flight"] == 0 for worker in stats["workers"])
-    assert stats["counters"]["submitted"] == sum(
-        v for k, v in stats["counters"].items() if k.startswith("kind.")
-    )
+    assert all(worker.in_flight == 0 for worker in stats.workers)
+    assert stats.counters["submitted"] == sum(v for k, v in stats.counters.items() if k.startswith("kind."))
