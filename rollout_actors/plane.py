@@ -472,6 +472,11 @@ class RolloutPlane(Submission):
         self, request: RolloutRequest, slot: WorkerSlot, cancelled: asyncio.Event, route: PoolRoute
     ) -> Result | str:
         """One dispatch. Returns the worker's result, or why the worker was lost."""
+        if cancelled.is_set():
+            # Cancelled while this dispatch was being placed (route, worker pick): `cancel` found no slot
+            # to tell, so nothing would stop the worker. From here to `_running` nothing awaits, so a later
+            # cancel finds the slot and reaches the worker after `run`.
+            return _cancelled(request, "before dispatch")
         try:
             ref = slot.handle.run.remote(request, *route.wire())
         except Exception as exc:  # Ray could not take the request: validation let through what it must not

@@ -240,3 +240,30 @@ def test_the_orchestrator_demo_runs_its_loop_and_prints_a_line_per_step(
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step")]
     assert len(lines) == 2, lines
     assert all("reward" in line and "off-policy lag" in line and "failures" in line for line in lines)
+
+
+def test_a_rollout_cancelled_while_its_dispatch_is_placed_never_runs(ray_session, standin):
+    """The cancel lands while the dispatch is being placed (its pools routed, before a worker is told):
+    there is no worker to tell yet, so the dispatch itself must notice, or the worker would run the
+    rollout to `ok` inside the cancel grace (what a straggler rule saw under load)."""
+
+    async def scenario():
+        async with plane() as p:
+            entered, gate = asyncio.Event(), asyncio.Event()
+            route = p._pools.route
+
+            async def held_route(*args, **kwargs):
+                entered.set()
+                await gate.wait()
+                return await route(*args, **kwargs)
+
+            p._pools.route = held_route
+            request_id = await p.submit(request(standin, latency_s=0.5))
+            await asyncio.wait_for(entered.wait(), 60)
+            assert await p.cancel(request_id)
+            gate.set()
+            return request_id, await p.next_result(timeout=60), p.stats()
+
+    request_id, result, stats = run(scenario())
+    assert (result.request_id, result.kind, result.turns) == (request_id, "cancelled", [])
+    assert [w.peak for w in stats.workers] == [0]  # no worker ever ran it
