@@ -8,7 +8,6 @@ good request."""
 
 from __future__ import annotations
 
-import asyncio
 import math
 from typing import Any
 
@@ -16,6 +15,7 @@ import pytest
 from env_pools import TEST_REF_PREFIXES
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from planes import plane_on_own_loop
 
 from renderer_actors.tokenizer import BUNDLED_MODEL
 from rollout_actors.plane import PlaneConfig, RolloutPlane
@@ -153,26 +153,9 @@ def test_a_payload_that_is_not_a_mapping_is_a_caller_result(unstarted, payload):
 
 @pytest.fixture(scope="module")
 def served(ray_session, standin):
-    loop = asyncio.new_event_loop()
-    plane = RolloutPlane(
-        PlaneConfig(
-            lanes={"train": 8, "eval": 1},
-            workers=1,
-            worker_num_cpus=0.25,
-            env_pool={"num_cpus": 0.25},
-            allowed_ref_prefixes=TEST_REF_PREFIXES,
-        )
-    )
     good = {**GOOD, "client": {"base_url": standin.base_url, "model": BUNDLED_MODEL}}
-
-    def run(coro):
-        return loop.run_until_complete(asyncio.wait_for(coro, DEADLINE_S))
-
-    run(plane.start())
-    try:
+    with plane_on_own_loop({"train": 8, "eval": 1}, DEADLINE_S) as (run, plane):
         yield run, plane, good
-    finally:
-        run(plane.close())
 
 
 @settings(

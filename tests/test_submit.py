@@ -8,10 +8,10 @@ import asyncio
 import threading
 
 import pytest
-from env_pools import TEST_REF_PREFIXES
+from planes import plane_on_own_loop
 
 from renderer_actors.tokenizer import BUNDLED_MODEL
-from rollout_actors.plane import PlaneConfig, RolloutPlane
+from rollout_actors.plane import RolloutPlane
 from rollout_actors.wire import Result, RolloutRequest
 
 DEADLINE_S = 60
@@ -21,32 +21,14 @@ MATH = {"target": "env_actors.examples.math_env:MathEnv"}
 @pytest.fixture(scope="module")
 def served(ray_session, standin):
     """(run, plane, good payload): `run(coro)` runs on the plane's own loop under a deadline."""
-    loop = asyncio.new_event_loop()
-    plane = RolloutPlane(
-        PlaneConfig(
-            lanes={"train": 16, "eval": 4},
-            workers=1,
-            worker_num_cpus=0.25,
-            env_pool={"num_cpus": 0.25},
-            allowed_ref_prefixes=TEST_REF_PREFIXES,
-        )
-    )
-
-    def run(coro):
-        return loop.run_until_complete(asyncio.wait_for(coro, DEADLINE_S))
-
     good = {
         "env": MATH,
         "task_index": 0,
         "client": {"base_url": standin.base_url, "model": BUNDLED_MODEL},
         "sampling": {"max_tokens": 16, "seed": 1},
     }
-    run(plane.start())
-    try:
+    with plane_on_own_loop({"train": 16, "eval": 4}, DEADLINE_S) as (run, plane):
         yield run, plane, good
-    finally:
-        run(plane.close())
-        loop.close()
 
 
 async def drained(plane: RolloutPlane) -> list[Result]:
