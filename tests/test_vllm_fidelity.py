@@ -194,7 +194,8 @@ def test_a_request_for_an_adapter_that_cannot_join_the_batch_waits(tmp_path):
 
             first = asyncio.create_task(call("a", 2.0))
             await _until(http, lambda m: m["running"] == 1)
-            second = asyncio.create_task(call("b", 0.0))
+            # b samples for 0.5 s once it may run: its answer cannot overtake a's on the client side
+            second = asyncio.create_task(call("b", 0.5))
             waiting = await _until(http, lambda m: m["waiting"] == 1)
             await call(BUNDLED_MODEL, 0.0)  # the base model passes while b waits
             await asyncio.gather(first, second)
