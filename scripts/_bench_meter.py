@@ -5,7 +5,7 @@ in those processes only, the few functions a turn goes through:
 - `rollout_actors.turns.complete_tokens` (the model call): when each call starts and ends, the bytes of
   its HTTP request and answer (at httpx's `send`), and how many of the request's bytes are the prompt.
 - `BatchedCalls.call` (renderer calls) and the env session's batched call: the bytes of each call's
-  arguments and answer, serialised as Ray would (cloudpickle).
+  arguments and answer, serialised as Ray would (cloudpickle), and how long the turn waited on it.
 - `rollout_actors.worker.run_rollout`: one record per rollout, appended as a JSON line to
   `$BENCH_METER_DIR/<pid>.jsonl` when it ends.
 
@@ -76,6 +76,11 @@ def install() -> None:
 
     turns.complete_tokens = metered_complete_tokens
 
+    def spent(record: dict[str, Any], what: str, seconds: float) -> None:
+        """Seconds a turn waited on one of its remote calls (renderer parse / bridge, env step)."""
+        phases = record["phases"].setdefault(str(turn_var.get()), {})
+        phases[what] = phases.get(what, 0.0) + seconds
+
     def prompt_bytes(record: dict[str, Any], prompt_ids: list[int]) -> int:
         """The prompt's size in the request body (`[1,2,...]`), counted over what was added since the last
         call: counting the whole prompt again would cost the meter what the plane no longer spends."""
@@ -88,10 +93,10 @@ def install() -> None:
         record["prompt_seen"] = (len(prompt_ids), size)
         return size
 
-    send = httpx.AsyncClient.send
+    http_send = httpx.AsyncClient.send
 
-    async def metered_send(self: Any, request: Any, *args: Any, **kwargs: Any):
-        response = await send(self, request, *args, **kwargs)
+    async def metered_http_send(self: Any, request: Any, *args: Any, **kwargs: Any):
+        response = await http_send(self, request, *args, **kwargs)
         record = rollout_var.get()
         if record is not None:
             sizes = bucket(record)
@@ -99,7 +104,7 @@ def install() -> None:
             sizes["http_in"] += len(response.content)
         return response
 
-    httpx.AsyncClient.send = metered_send
+    httpx.AsyncClient.send = metered_http_send
 
     def wrap_batched(cls: Any, args_of: Any) -> None:
         call = cls.call
@@ -108,8 +113,10 @@ def install() -> None:
             record = rollout_var.get()
             if record is not None:
                 bucket(record)["ray_out"] += len(cloudpickle.dumps(args_of(args)))
+            started = time.monotonic()
             answer = await call(self, *args, **kwargs)
             if record is not None:
+                spent(record, args[2], time.monotonic() - started)
                 bucket(record)["ray_in"] += len(cloudpickle.dumps(answer))
             return answer
 
@@ -118,24 +125,27 @@ def install() -> None:
     wrap_batched(
         batching.BatchedCalls, lambda args: (args[2], args[3])
     )  # (renderer_id, handle, method, args, ..)
-    send = direct._call
+    env_call = direct._call
 
-    async def metered_send(server: Any, call: Any):  # the env session's batched call
+    async def metered_env_call(server: Any, call: Any):  # the env session's batched call
         record = rollout_var.get()
         if record is not None:
             bucket(record)["ray_out"] += len(cloudpickle.dumps(call))
-        answer = await send(server, call)
+        started = time.monotonic()
+        answer = await env_call(server, call)
+        if record is not None:
+            spent(record, f"env {call.method}", time.monotonic() - started)
         if record is not None:
             bucket(record)["ray_in"] += len(cloudpickle.dumps(answer))
         return answer
 
-    direct._call = metered_send
+    direct._call = metered_env_call
 
     run_rollout = worker.run_rollout
     out_dir = os.environ[DIR_VAR]
 
     async def metered_run_rollout(request: Any, *args: Any, **kwargs: Any):
-        record: dict[str, Any] = {"request_id": request.request_id, "calls": [], "bytes": {}}
+        record: dict[str, Any] = {"request_id": request.request_id, "calls": [], "bytes": {}, "phases": {}}
         rollout_var.set(record)
         turn_var.set(0)
         try:

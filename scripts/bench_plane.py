@@ -242,6 +242,7 @@ async def run_plane(args: argparse.Namespace, c: int, server: StandinServer) -> 
             "open_clients_after": sum(r["open_clients"] for r in after),
             "worker_conns_after": sum(r["connections"] for r in after),
             "redispatched": stats.redispatched,
+            "batches (calls, items/call)": _batches_diff(before, after),
             # Where the wall goes beyond the rollouts themselves (worker clocks; one machine, one clock):
             "first_start_s": round(min(r.started_at or 0 for r in results) - started_wall, 2),
             "last_start_s": round(max(r.started_at or 0 for r in results) - started_wall, 2),
@@ -251,6 +252,18 @@ async def run_plane(args: argparse.Namespace, c: int, server: StandinServer) -> 
             )[:3],
         },
     )
+
+
+def _batches_diff(before: list[dict], after: list[dict]) -> dict[str, tuple[int, float]]:
+    """Batched actor calls the workers sent during the wave, by kind: (calls, mean items per call)."""
+    out = {}
+    for name in sorted({name for answer in after for name in answer["batches"]}):
+        calls = items = 0
+        for b, a in zip(before, after, strict=True):
+            calls += a["batches"].get(name, (0, 0))[0] - b["batches"].get(name, (0, 0))[0]
+            items += a["batches"].get(name, (0, 0))[1] - b["batches"].get(name, (0, 0))[1]
+        out[name] = (calls, round(items / calls, 1) if calls else 0.0)
+    return out
 
 
 async def _grow_renderer_pool(plane: RolloutPlane, model: str, multiplex: int, c: int) -> None:

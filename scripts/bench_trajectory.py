@@ -14,6 +14,8 @@ worker processes it starts; nothing of it is in the product):
   own ms       the plane's own time for turn k: from the end of model call k (the answer parsed) to the
                start of model call k+1. Everything but the model call: the completion parsed (renderer),
                the env step, the bridge (renderer), the next request built. Median and p90 over rollouts.
+  waiting on   how long turn k waited on each of its remote calls (renderer parse and bridge, env
+               step), median over rollouts: which part of the own time grows, if any
   Ray B        bytes of the turn's renderer and env calls, out and back, serialised as Ray does
   HTTP B       bytes of the turn's model-call request and answer; `prompt B` of the request is the prompt
                the inference server needs (the whole context, by nature), `beyond` is everything else
@@ -135,6 +137,7 @@ def report(args: argparse.Namespace, records: list[dict], cpu: dict[str, float],
     own: dict[int, list[float]] = {}
     context: dict[int, list[int]] = {}
     sizes: dict[int, list[dict[str, int]]] = {}
+    phases: dict[str, dict[int, list[float]]] = {}
     for record in records:
         calls = sorted(record["calls"])
         for (turn, _, ended, prompt_len), following in zip(calls, calls[1:], strict=False):
@@ -142,6 +145,9 @@ def report(args: argparse.Namespace, records: list[dict], cpu: dict[str, float],
             context.setdefault(turn, []).append(prompt_len)
         for turn, bucket in record["bytes"].items():
             sizes.setdefault(int(turn), []).append(bucket)
+        for turn, waited in record["phases"].items():
+            for what, seconds in waited.items():
+                phases.setdefault(what, {}).setdefault(int(turn), []).append(seconds)
 
     def mean_of(turn: int, field: str) -> float:
         return statistics.fmean(b[field] for b in sizes[turn])
@@ -174,6 +180,12 @@ def report(args: argparse.Namespace, records: list[dict], cpu: dict[str, float],
             f"{mean_of(turn, 'http_out'):>12.0f}{mean_of(turn, 'prompt'):>10.0f}"
             f"{mean_of(turn, 'http_in'):>11.0f}{beyond(turn):>10.0f}"
         )
+    shown_turns = [turn for turn in SHOWN_TURNS if turn in own]
+    print(f"{'own ms waiting on, p50':<23}" + "".join(f"{turn:>7}" for turn in shown_turns))
+    for what, by_turn in sorted(phases.items()):
+        if all(turn in by_turn for turn in shown_turns):  # per-turn calls (not the start's)
+            figures = "".join(f"{statistics.median(by_turn[t]) * 1e3:>7.1f}" for t in shown_turns)
+            print(f"  {what:<21}{figures}")
     shown = ", ".join(
         f"{role} {sec:.1f}" for role, sec in sorted(cpu.items(), key=lambda kv: -kv[1]) if sec >= 0.05
     )

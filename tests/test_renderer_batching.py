@@ -8,6 +8,7 @@ import itertools
 
 from renderer_actors.batching import batched_calls
 from renderer_actors.calls import RendererLease
+from rollout_actors.kernel.coalescer import batch_counts
 
 
 class _Method:
@@ -131,6 +132,7 @@ def test_render_calls_in_one_tick_become_one_call_many_per_renderer():
     async def scenario():
         calls = batched_calls()
         r1, r2 = Renderer("r1"), Renderer("r2")
+        counted = batch_counts().get("batching._send_calls", (0, 0))
         answers = await asyncio.gather(
             *(calls.call("r1", r1, "parse", (i,), timeout=5) for i in range(6)),
             calls.call("r2", r2, "bridge", ("x",), timeout=5),
@@ -143,6 +145,9 @@ def test_render_calls_in_one_tick_become_one_call_many_per_renderer():
         # A call made after the batch went out travels in the next one: nothing waits for company.
         assert await calls.call("r1", r1, "parse", (9,), timeout=5) == ("r1", "parse", (9,))
         assert len(sent) == 3
+        # What the process counts for operators (`RolloutWorker.debug_resources`): 3 calls, 9 items.
+        calls_sent, items_sent = batch_counts()["batching._send_calls"]
+        assert (calls_sent - counted[0], items_sent - counted[1]) == (3, 9)
 
     asyncio.run(asyncio.wait_for(scenario(), 10))
 

@@ -21,6 +21,7 @@ import pytest
 
 from renderer_actors.tokenizer import BUNDLED_MODEL, load_tokenizer
 from rollout_actors.inference.standin import StandinOptions, StandinServer, StandinStartupError
+from rollout_actors.inference.standin.policy import RFIND_CHUNK, PolicyConfig, ScriptedPolicy, _rfind
 
 DEADLINE_S = 20
 IM_END = 151645
@@ -154,6 +155,32 @@ def test_calculator_in_token_mode_calls_the_tool_then_answers(standin, tokenizer
     wrong = run(complete(standin, prompt, seed=2, headers={"X-Standin-Correct-Rate": "0"})).choices[0]
     assert boxed(right.text) == CALC_ANSWER and "<tool_call>" not in right.text
     assert boxed(wrong.text) != CALC_ANSWER
+
+
+def test_last_user_request_is_found_behind_long_tool_responses(tokenizer):
+    # An agentic trajectory: one question, then many long tool responses (each rendered as a user message
+    # starting with <tool_response>). The policy must still find the question, judging each message on the
+    # way back by its head: decoding every tool response on every call grew with the whole context.
+    policy = ScriptedPolicy(tokenizer, PolicyConfig(seed=0))
+    question = {"role": "user", "content": "What is (17 * 23) + 45?"}
+    messages = [CALC_SYSTEM, question]
+    for turn in range(6):
+        call = {"name": "calculator", "arguments": {"expression": f"{turn} + 1"}}
+        messages.append(
+            {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": call}]}
+        )
+        messages.append({"role": "tool", "content": " ".join(["output"] * (RFIND_CHUNK + 100))})
+    prompt = render(tokenizer, messages, tools=[CALCULATOR_TOOL])
+    assert len(prompt) > 6 * RFIND_CHUNK
+    assert policy.read_prompt(prompt).last_user == question["content"]
+
+
+def test_rfind_searches_backwards_across_chunks():
+    ids = [7] + [1] * (3 * RFIND_CHUNK) + [7] + [2] * 5
+    assert _rfind(ids, 7, len(ids)) == 3 * RFIND_CHUNK + 1
+    assert _rfind(ids, 7, 3 * RFIND_CHUNK + 1) == 0
+    assert _rfind(ids, 7, 0) == -1 and _rfind(ids, 9, len(ids)) == -1
+    assert _rfind(ids, 2, len(ids) - 2) == len(ids) - 3
 
 
 def test_noncanonical_emission_differs_from_re_encoding_the_text(standin, tokenizer):

@@ -52,6 +52,7 @@ class TickCoalescer:
     async def _flush(self, key: Any, flush: Any) -> None:
         await asyncio.sleep(0)  # every caller of this tick joins the batch
         batch = self._open.pop(key)
+        _count(flush, len(batch.items))
         try:
             await flush(batch)
         except BaseException as exc:  # the target died, or the batch outlived its deadline
@@ -65,6 +66,27 @@ class TickCoalescer:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
+
+
+_SENT: dict[str, list[int]] = {}
+"""Batches this process sent, by flush: [calls, items]. Read with `batch_counts`."""
+
+
+def _count(flush: Any, items: int) -> None:
+    fn = getattr(flush, "func", flush)  # a functools.partial names its function
+    name = f"{fn.__module__.rpartition('.')[2]}.{fn.__name__}"
+    sent = _SENT.get(name)
+    if sent is None:
+        _SENT[name] = [1, items]
+    else:
+        sent[0] += 1
+        sent[1] += items
+
+
+def batch_counts() -> dict[str, tuple[int, int]]:
+    """(remote calls, items they carried) this process's coalescers sent, by flush function: items per
+    call is how much batching saved (each Ray call costs far more than an item in it)."""
+    return {name: (calls, items) for name, (calls, items) in _SENT.items()}
 
 
 def fail_all(waiters: list[asyncio.Future[Any]], exc: BaseException) -> None:

@@ -117,6 +117,11 @@ def _bytes_to_unicode() -> dict[int, str]:
     return table
 
 
+HEAD_TOKENS = 8  # enough for a message's role line and the `<tool_response>` marker after it
+TOOL_RESPONSE = "<tool_response>"
+RFIND_CHUNK = 2048
+
+
 class ScriptedPolicy:
     """Turns prompt ids into a completion. Construct once per server (it indexes the vocabulary):
 
@@ -286,15 +291,23 @@ class ScriptedPolicy:
         return body if role == "system" else ""
 
     def _last_user_request(self, ids: Sequence[int], before: int) -> str:
-        """The latest user message that is not a tool response (only needed after a tool answered)."""
+        """The latest user message that is not a tool response (only needed after a tool answered).
+
+        Each message on the way back is judged by its first few tokens (role, `<tool_response>`); only the
+        one returned is decoded whole. A long agentic trajectory is mostly tool responses: decoding each
+        of them on every request made this stand-in's work per call grow with the whole context."""
         end = before
         while end > 0:
             start = _rfind(ids, self.im_start, end)
             if start < 0:
                 break
-            role, body = self._message(ids, start, end)
-            if role == "user" and not body.startswith("<tool_response>"):
-                return body
+            head_end = min(end, start + 1 + HEAD_TOKENS)
+            role, head = self._message(ids, start, head_end)
+            if role == "user":
+                if head_end < end and len(head) < len(TOOL_RESPONSE) and TOOL_RESPONSE.startswith(head):
+                    head = self._message(ids, start, end)[1]  # the head ended inside the marker
+                if not head.startswith(TOOL_RESPONSE):
+                    return self._message(ids, start, end)[1]
             end = start
         return ""
 
@@ -303,9 +316,16 @@ class ScriptedPolicy:
 
 
 def _rfind(ids: Sequence[int], token_id: int, end: int) -> int:
-    for i in range(end - 1, -1, -1):
-        if ids[i] == token_id:
-            return i
+    """The last index of `token_id` before `end`, or -1. Searched backwards a chunk at a time, in C: the
+    cost is the distance searched, not the prompt's length (prompts run to 100k+ ids)."""
+    high = end
+    while high > 0:
+        low = max(0, high - RFIND_CHUNK)
+        chunk = list(ids[low:high])
+        if token_id in chunk:
+            chunk.reverse()
+            return high - 1 - chunk.index(token_id)
+        high = low
     return -1
 
 
