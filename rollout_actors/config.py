@@ -8,6 +8,7 @@ from env_actors.config import EnvPoolConfig
 from renderer_actors.config import RendererPoolConfig
 from rollout_actors.concurrency import ConcurrencyConfig
 from rollout_actors.kernel import DEFAULT_ALLOWED_PREFIXES
+from rollout_actors.kernel.coalescer import DEFAULT_BATCH_WINDOW_S
 from rollout_actors.kernel.supervision import RestartIntensity
 
 WORKER_RESTARTS = RestartIntensity(max_restarts=10, window_s=60.0)
@@ -60,6 +61,10 @@ class PlaneConfig(BaseModel):
     """How long a cancelled rollout may take to clean up before the plane answers `cancelled` itself."""
     call_timeout_s: float = 120.0
     """Ceiling for one renderer or env call inside a rollout."""
+    batch_window_s: float = Field(default=DEFAULT_BATCH_WINDOW_S, ge=0, le=1)
+    """How long a loaded rollout worker's renderer and env calls wait to travel together. Batching is
+    what makes a remote call cheap per turn (each Ray call costs ~1 ms of CPU on each side); a worker
+    whose calls come one at a time never waits. 0: batch within one event-loop tick only."""
     endpoints: list[str] = Field(default_factory=list)
     """Inference base URLs to spread rollouts over (each rollout keeps the one it starts on). Empty: every
     request uses its own `client.base_url`."""

@@ -110,7 +110,9 @@ class RolloutPlane(Submission):
             num_cpus=self.config.worker_num_cpus,
             hang_timeout_s=self.config.hang_timeout_s,
             probe_interval_s=self.config.probe_interval_s,
-            limits=LoopLimits(call_timeout_s=self.config.call_timeout_s),
+            limits=LoopLimits(
+                call_timeout_s=self.config.call_timeout_s, batch_window_s=self.config.batch_window_s
+            ),
             restarts=self.config.worker_restart,
             capacity=self.config.rollouts_per_worker,
             on_lost=lambda slot: self._pools.release_owner(slot.owner),

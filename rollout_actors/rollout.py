@@ -16,6 +16,7 @@ from env_actors.interface import ScoreOut
 from env_actors.session import EnvSession
 from rollout_actors.client import build_client
 from rollout_actors.failures import classify
+from rollout_actors.kernel.coalescer import DEFAULT_BATCH_WINDOW_S
 from rollout_actors.turns import TurnStrategy, strategy_for
 from rollout_actors.wire import CallerError, Failure, Result, RolloutRequest, Turn
 
@@ -83,6 +84,8 @@ class PoolHandles:
 class LoopLimits:
     call_timeout_s: float = 120.0
     """Ceiling for one renderer or env call; the rollout's remaining deadline caps it further."""
+    batch_window_s: float = DEFAULT_BATCH_WINDOW_S
+    """How long a loaded worker's renderer and env calls wait to travel together (`TickCoalescer`)."""
 
 
 def _budget(scope: asyncio.Timeout, ceiling: float) -> float:

@@ -24,7 +24,7 @@ import ray
 
 from rollout_actors.client import open_client_count
 from rollout_actors.failures import log_failure
-from rollout_actors.kernel.coalescer import batch_counts
+from rollout_actors.kernel.coalescer import batch_counts, set_batch_window
 from rollout_actors.loop_watch import HEARTBEAT_S, LoopWatch
 from rollout_actors.metrics import LOOP_STALL
 from rollout_actors.pool_lookup import PoolLookup, PoolLookupFailed, PoolRoute
@@ -43,6 +43,7 @@ class RolloutWorker:
 
     def __init__(self, limits: LoopLimits | None = None, worker_name: str = "") -> None:
         self._limits = limits or LoopLimits()
+        set_batch_window(self._limits.batch_window_s)
         self._pools = PoolLookup()
         self._name = worker_name
         self._running: dict[str, asyncio.Task[Any]] = {}

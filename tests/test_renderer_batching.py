@@ -7,8 +7,8 @@ import asyncio
 import itertools
 
 from renderer_actors.batching import batched_calls
-from renderer_actors.calls import RendererLease
-from rollout_actors.kernel.coalescer import batch_counts
+from renderer_actors.calls import CallOutcome, RendererLease
+from rollout_actors.kernel.coalescer import batch_counts, set_batch_window
 
 
 class _Method:
@@ -150,6 +150,43 @@ def test_render_calls_in_one_tick_become_one_call_many_per_renderer():
         assert (calls_sent - counted[0], items_sent - counted[1]) == (3, 9)
 
     asyncio.run(asyncio.wait_for(scenario(), 10))
+
+
+def test_a_loaded_key_waits_its_batch_window_for_company_and_a_lone_caller_never_waits():
+    sent: list[list] = []
+
+    class Renderer:
+        def __init__(self) -> None:
+            self.call_many = _Method(self._call_many)
+
+        async def _call_many(self, calls):
+            sent.append([args[0] for _, args in calls])
+            return [CallOutcome(value=args[0]) for _, args in calls]
+
+    async def scenario():
+        calls, renderer = batched_calls(), Renderer()
+
+        def call(i):
+            return asyncio.ensure_future(calls.call("w", renderer, "parse", (i,), timeout=5))
+
+        # One caller at a time: every batch leaves on the next tick, the window never applies.
+        for i in range(3):
+            assert await asyncio.wait_for(call(i), 0.5) == i  # far inside the 1 s window
+        # Concurrent callers: a batch of two marks the key loaded ...
+        assert await asyncio.gather(call(3), call(4)) == [3, 4]
+        # ... so the next batch waits for company: a call made 50 ms later (another tick) joins it.
+        first = call(5)
+        await asyncio.sleep(0.05)
+        assert len(sent) == 4  # held, not sent
+        second = call(6)
+        assert await asyncio.gather(first, second) == [5, 6]
+        assert sent == [[0], [1], [2], [3, 4], [5, 6]]
+
+    set_batch_window(1.0)
+    try:
+        asyncio.run(asyncio.wait_for(scenario(), 20))
+    finally:
+        set_batch_window(0.0)
 
 
 def test_call_many_on_a_real_renderer_answers_each_call_on_its_own():

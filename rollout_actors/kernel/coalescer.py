@@ -25,6 +25,12 @@ class TickCoalescer:
     """Coalesce a process's concurrent calls per event-loop tick: every caller that asks the same key in
     one tick joins one batch, flushed once by one owned task. A quiet loop flushes batches of one.
 
+    Under load a batch also waits up to the process's batch window (`set_batch_window`) for company: a
+    key whose last batch carried more than one call has concurrent callers, and every Ray call costs
+    about a millisecond of CPU on each side on a small machine, far more than an item in it. A key whose
+    calls come one at a time (one rollout, or a quiet loop) keeps flushing on the next tick: a window
+    cannot batch a caller with itself.
+
         coalescer = per_loop(TickCoalescer)
         waiter = coalescer.add(("step", actor_key(server)), server, call, flush_steps)
         answer = await waiter
@@ -37,6 +43,8 @@ class TickCoalescer:
     def __init__(self) -> None:
         self._open: dict[Any, TickBatch] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._company: dict[Any, bool] = {}
+        """Key -> its last batch carried more than one call (so the next one may wait for company)."""
 
     def add(self, key: Any, target: Any, item: Any, flush: Any, deadline: float = 0.0) -> asyncio.Future[Any]:
         batch = self._open.get(key)
@@ -50,8 +58,12 @@ class TickCoalescer:
         return waiter
 
     async def _flush(self, key: Any, flush: Any) -> None:
-        await asyncio.sleep(0)  # every caller of this tick joins the batch
+        # Every caller of this tick joins the batch; under load, every caller of the window.
+        await asyncio.sleep(_window_s if self._company.get(key) else 0)
         batch = self._open.pop(key)
+        if len(self._company) >= MAX_KEYS and key not in self._company:
+            self._company.clear()  # keys of actors long gone (replaced renderers); rebuilt in a batch
+        self._company[key] = len(batch.items) > 1
         _count(flush, len(batch.items))
         try:
             await flush(batch)
@@ -66,6 +78,20 @@ class TickCoalescer:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
+
+
+MAX_KEYS = 4096  # keys whose load is remembered: actors this process calls, a few kinds each
+DEFAULT_BATCH_WINDOW_S = 0.01
+_window_s = 0.0
+"""This process's batch window: 0 (the tick) unless its owner sets one (`RolloutWorker` does)."""
+
+
+def set_batch_window(seconds: float) -> None:
+    """How long a batch of a loaded key waits for company, for every coalescer in this process."""
+    global _window_s
+    if not 0 <= seconds <= 1:
+        raise ValueError(f"batch window must be in [0, 1] s, got {seconds}")
+    _window_s = seconds
 
 
 _SENT: dict[str, list[int]] = {}
