@@ -114,6 +114,41 @@ def _extra(obj: Any, name: str) -> Any:
     return value
 
 
+class PromptJson:
+    """A growing prompt's JSON array, encoded once: each call encodes only the ids appended since the last
+    one. A long agentic trajectory's prompt runs to 100k+ ids; encoding it whole every turn cost ~1.3 ms
+    of the rollout worker's CPU per call at 100k, more than the rest of the turn's own work.
+
+    Its owner (one rollout's `TokenTurns`) only ever appends to the prompt list it passes, or passes
+    another list (a fork, a resumed turn's prompt + partial completion): anything but the same list
+    grown is encoded afresh."""
+
+    __slots__ = ("_source", "_count", "_last", "_inner")
+
+    def __init__(self) -> None:
+        self._source: list[int] | None = None
+        self._count = 0
+        self._last = -1
+        self._inner = b""
+
+    def encode(self, ids: list[int]) -> bytes:
+        count = self._count
+        if ids is not self._source or len(ids) < count or (count and ids[count - 1] != self._last):
+            self._source, count, self._inner = ids, 0, b""
+        if len(ids) > count:
+            added = orjson.dumps(ids[count:])[1:-1]
+            self._inner = self._inner + b"," + added if count else added
+            self._count, self._last = len(ids), ids[-1]
+        return b"[" + self._inner + b"]"
+
+
+def _completion_body(prompt_ids: list[int], fields: dict[str, Any], prompt_json: PromptJson | None) -> bytes:
+    """`{"prompt": [...], **fields}` as JSON; the prompt from `prompt_json` when there is one."""
+    if prompt_json is None:
+        return orjson.dumps({"prompt": prompt_ids, **fields})
+    return b'{"prompt":' + prompt_json.encode(prompt_ids) + b"," + orjson.dumps(fields)[1:]
+
+
 async def complete_tokens(
     client: openai.AsyncOpenAI,
     model: str,
@@ -123,6 +158,7 @@ async def complete_tokens(
     deadline_s: float,
     vocab_size: int | None = None,
     tags: CallTags | None = None,
+    prompt_json: PromptJson | None = None,
 ) -> Sampled:
     # Through `client.post`, so the client's retries, timeouts, headers and status errors all hold, but
     # with the body encoded once by orjson and the response read as raw JSON: `completions.create` walks
@@ -132,13 +168,15 @@ async def complete_tokens(
     # The sampled ids come back as the logprobs' tokens (`return_tokens_as_token_ids`: "token_id:<id>"),
     # not through `return_token_ids`, which also echoes the whole prompt (`prompt_token_ids`): on a long
     # trajectory that is the context again in every answer, for the server to encode and us to parse.
-    body: dict[str, Any] = {"model": model, "prompt": prompt_ids, **_sampling_kwargs(sampling)}
-    body["logprobs"] = 1 if sampling.logprobs else 0  # 0: the sampled tokens alone, for their ids
-    body.update({**sampling.extra_body, **_protocol_fields(tags, token_mode=True)})
+    #
+    # The prompt is encoded incrementally when the caller keeps a `PromptJson` for it.
+    fields: dict[str, Any] = {"model": model, **_sampling_kwargs(sampling)}
+    fields["logprobs"] = 1 if sampling.logprobs else 0  # 0: the sampled tokens alone, for their ids
+    fields.update({**sampling.extra_body, **_protocol_fields(tags, token_mode=True)})
     call = client.post(
         "/completions",
         cast_to=httpx.Response,
-        content=orjson.dumps(body),
+        content=_completion_body(prompt_ids, fields, prompt_json),
         options={"headers": _headers(tags)},
     )
     response = await _bounded(call, deadline_s)

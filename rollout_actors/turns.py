@@ -21,7 +21,14 @@ import openai
 
 from renderer_actors.session import RendererSession
 from rollout_actors.failures import TurnAborted
-from rollout_actors.model_call import CallTags, Sampled, complete_chat, complete_tokens, tool_call_views
+from rollout_actors.model_call import (
+    CallTags,
+    PromptJson,
+    Sampled,
+    complete_chat,
+    complete_tokens,
+    tool_call_views,
+)
 from rollout_actors.wire import RolloutRequest, ToolCall, Turn, VersionChange
 
 MAX_RESUMES = 3  # a turn the plane aborts more often than this within one turn is reported, not chased
@@ -112,6 +119,8 @@ class TokenTurns:
         self._tools: list[dict[str, Any]] | None = None
         self._prompt: list[int] = []
         """The whole current prompt: the server needs it, the result does not."""
+        self._prompt_json = PromptJson()
+        """`_prompt` as JSON, encoded as it grows: a turn encodes what it added."""
         self._added: list[int] = []
         """What the next turn adds to its branch (`Turn.new_prompt_ids`)."""
         self._synthetic = 0
@@ -173,6 +182,7 @@ class TokenTurns:
                     deadline_s=request.client.call_deadline,
                     vocab_size=self._renderer.vocab_size,
                     tags=tags,
+                    prompt_json=self._prompt_json,
                 )
                 aborted = False
             except TurnAborted as exc:

@@ -27,7 +27,7 @@ from renderer_actors.key import RendererKey
 from renderer_actors.renderer import Renderer
 from rollout_actors.client import build_client
 from rollout_actors.kernel import RefResolver
-from rollout_actors.model_call import complete_tokens
+from rollout_actors.model_call import PromptJson, complete_tokens
 from rollout_actors.wire import ClientConfig, RendererConfig, SamplingConfig
 
 
@@ -97,6 +97,7 @@ async def _rollout(workload: SingleProcessWorkload, order: int, shared: Any) -> 
         prompt = list(start.prompt_ids)
         tail = list(prompt)
         history_roles: set[str | None] = set()
+        prompt_json = PromptJson()  # as the rollout worker's `TokenTurns`: a turn encodes what it added
         for _ in range(workload.max_turns):
             sampled = await complete_tokens(
                 client,
@@ -104,6 +105,7 @@ async def _rollout(workload: SingleProcessWorkload, order: int, shared: Any) -> 
                 prompt,
                 workload.sampling,
                 deadline_s=workload.client.call_deadline,
+                prompt_json=prompt_json,
             )
             timing.calls.append(time.monotonic() - asked)
             parsed = renderer.parse(sampled.completion_ids, tools, tail)

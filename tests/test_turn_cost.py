@@ -11,7 +11,7 @@ import orjson
 
 from renderer_actors.tokenizer import BUNDLED_MODEL
 from rollout_actors.client import httpx
-from rollout_actors.model_call import complete_tokens
+from rollout_actors.model_call import PromptJson, complete_tokens
 from rollout_actors.wire import SamplingConfig
 
 LONG = 20_000  # tokens: far past any answer, inside the stand-in's context window
@@ -72,3 +72,43 @@ def test_the_ids_a_token_mode_call_records_are_the_ones_the_server_sampled(stand
 
     recorded, sampled = asyncio.run(asyncio.wait_for(scenario(), 120))
     assert recorded == sampled
+
+
+def test_a_prompt_encoded_as_it_grows_is_the_prompt_the_server_gets(standin):
+    # `TokenTurns` keeps a `PromptJson` per rollout: each call encodes only what the turn appended. The
+    # body must still carry exactly the prompt, however the list changed between calls.
+    bodies: list[dict] = []
+
+    async def keep(request: httpx.Request) -> None:
+        bodies.append(orjson.loads(request.content))
+
+    async def scenario():
+        http = httpx.AsyncClient(event_hooks={"request": [keep]})
+        client = openai.AsyncOpenAI(base_url=standin.base_url, api_key="EMPTY", http_client=http)
+        encoded, prompt, sent, answers = PromptJson(), prompt_of(30), [], []
+        sampling = SamplingConfig(max_tokens=16, seed=5)
+
+        async def turn(ids, **kwargs):
+            sent.append(list(ids))
+            sampled = await complete_tokens(client, BUNDLED_MODEL, ids, sampling, deadline_s=60, **kwargs)
+            answers.append(sampled.completion_ids)
+            return sampled
+
+        try:
+            first = await turn(prompt, prompt_json=encoded)
+            prompt.extend(first.completion_ids + prompt_of(5))  # grown in place: only the turn is encoded
+            await turn(prompt, prompt_json=encoded)
+            await turn(prompt + [13], prompt_json=encoded)  # another list (a resumed turn): afresh
+            prompt[-1] = 11  # changed in place, not appended: noticed, encoded afresh
+            await turn(prompt, prompt_json=encoded)
+            forked = prompt_of(12)  # a fork: a new, shorter list
+            await turn(forked, prompt_json=encoded)
+            await turn(forked)  # the same prompt without it: the same answer
+        finally:
+            await client.close()
+        return sent, answers
+
+    sent, answers = asyncio.run(asyncio.wait_for(scenario(), 120))
+    assert [body["prompt"] for body in bodies] == sent
+    assert answers[-1] == answers[-2]
+    assert all(set(body) == set(bodies[-1]) for body in bodies)  # the same fields, the prompt first
