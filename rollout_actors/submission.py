@@ -175,6 +175,9 @@ class Submission:
         """Wait for a lane slot, then start the rollout. One cancelled while it waits answers at once and
         never keeps a slot."""
         cancelled = self._cancelled[request.request_id]
+        if not cancelled.is_set() and lane.try_acquire():  # room now: no tasks to wait with
+            self.spawn(self._drive(request, lane))
+            return
         slot = asyncio.ensure_future(lane.acquire())
         stop = asyncio.ensure_future(cancelled.wait())
         try:
