@@ -342,7 +342,8 @@ class RolloutPlane(Submission):
     async def _dispatch(self, request: RolloutRequest, deadline: float) -> Result:
         cancelled = self._cancelled[request.request_id]
         try:
-            await asyncio.wait_for(self._pools.ensure_env_pool(request.env), deadline - time.monotonic())
+            if not self._pools.env_pool_started(request.env):  # else: no task per dispatch to find it so
+                await asyncio.wait_for(self._pools.ensure_env_pool(request.env), deadline - time.monotonic())
         except TimeoutError:
             return _deadline_exceeded(request, "while its env pool was starting")
         except Exception as exc:

@@ -131,6 +131,8 @@ class SupervisedPool:
         deadline = time.monotonic() + timeout
         if self.state == "failed" and self._served and self._budget.remaining() > 0:
             self._restart_now("the restart window has room again")
+        if not verify and _served(self._current):  # the common case: no task, no shield per dispatch
+            return self._current.result()
         try:
             if verify and self.state == "serving":
                 if self._verifying is None or self._verifying.done():
@@ -305,3 +307,8 @@ def _retrieve(future: asyncio.Future[Any]) -> None:
     """A pool that failed with nobody waiting must not log 'exception was never retrieved'."""
     if not future.cancelled():
         future.exception()
+
+
+def _served(future: asyncio.Future[Any]) -> bool:
+    """`future` already holds a value (not pending, cancelled or failed)."""
+    return future.done() and not future.cancelled() and future.exception() is None

@@ -77,6 +77,12 @@ class SharedPools:
             entry = self._env[key] = (pool, asyncio.ensure_future(pool.start()))
         await asyncio.shield(entry[1])
 
+    def env_pool_started(self, env: Ref) -> bool:
+        """The environment's pool has started (so `ensure_env_pool` would return at once)."""
+        entry = self._env.get(env_key(env))
+        started = entry[1] if entry is not None else None
+        return started is not None and started.done() and not started.cancelled() and not started.exception()
+
     async def route(self, request: RolloutRequest, timeout: float, verify: bool = False) -> PoolRoute:
         """The serving pools `request` talks to, waiting up to `timeout` for any being restarted; raises
         `PoolUnavailable` when one is not serving. `verify`: a re-dispatch after a part of ours was lost;
