@@ -16,6 +16,7 @@ the model-call wrapper; the env session's call tasks copy it when they are creat
 from __future__ import annotations
 
 import contextvars
+import gc
 import json
 import os
 import time
@@ -155,8 +156,24 @@ def install() -> None:
         record["kind"] = result.kind
         record.pop("prompt_seen", None)
         record["finished"] = time.monotonic()
+        record["gc"] = {"pid": os.getpid(), **collections}  # this process's full collections so far
         with open(os.path.join(out_dir, f"{os.getpid()}.jsonl"), "a") as f:
             f.write(json.dumps(record) + "\n")
         return result
 
     worker.run_rollout = metered_run_rollout
+
+    collections = {"gen2": 0, "gen2_s": 0.0, "longest_s": 0.0, "started": 0.0}
+
+    def time_full_collections(phase: str, info: dict[str, Any]) -> None:
+        if info["generation"] != 2:
+            return
+        if phase == "start":
+            collections["started"] = time.perf_counter()
+        else:
+            spent = time.perf_counter() - collections["started"]
+            collections["gen2"] += 1
+            collections["gen2_s"] += spent
+            collections["longest_s"] = max(collections["longest_s"], spent)
+
+    gc.callbacks.append(time_full_collections)

@@ -21,6 +21,12 @@ worker processes it starts; nothing of it is in the product):
                the inference server needs (the whole context, by nature), `beyond` is everything else
                the turn moved: Ray both ways + the HTTP request minus the prompt + the HTTP answer
 
+CPU per turn by context: every plane process's CPU (all but the stand-in), sampled every 5 s, over the
+model turns that ended in each interval, for the first and the last quarter of the turns, and the
+stand-in's beside it. On two cores the stand-in shares the CPU with the plane, and its work per call
+(parsing and checking the whole prompt, as vLLM's API server does on its own machine) grows with the
+context: the wall-clock own time above carries that contention, this figure does not.
+
 The last lines are `plane time per turn at turn 64 / turn 1: r` and the bytes beyond the prompt per turn
 at turns 1, 16, 64.
 """
@@ -53,6 +59,8 @@ CODE = Path(rollout_actors.__file__).resolve().parent.parent
 ENV_TARGET = "env_actors.faults.envs:ToolOutputEnv"
 SHOWN_TURNS = (1, 2, 4, 8, 16, 32, 48, 64)
 PROFILED_ROLES = ("driver", "RolloutWorker", "RendererActor", "EnvServer", "EnvPool", "RendererPool")
+CPU_SAMPLE_S = 5.0
+MIN_TURNS_PER_SAMPLE = 20  # fewer model turns ended in an interval: ramp or tail, not steady
 MAX_MODEL_LEN = 262_144  # past the ~100k tokens turn 64 reaches
 KV_CACHE_TOKENS = 64 * 2**20  # every rollout's whole context stays cached: no preemption noise
 
@@ -62,7 +70,10 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-async def run(args: argparse.Namespace, meter_dir: Path) -> tuple[list[dict], dict[str, float], float]:
+async def run(
+    args: argparse.Namespace, meter_dir: Path
+) -> tuple[list[dict], dict[str, float], float, list[tuple[float, dict[str, float]]]]:
+    samples: list[tuple[float, dict[str, float]]] = []
     server = StandinServer(
         standin_options(
             ServerSpec(kind="standin", model=BUNDLED_MODEL),
@@ -110,11 +121,13 @@ async def run(args: argparse.Namespace, meter_dir: Path) -> tuple[list[dict], di
             roles = pids_by_role(server.pid, PROFILED_ROLES)
             profiler = WaveProfiler(args.profile, roles).start()
         started = time.monotonic()
+        sampler = asyncio.ensure_future(sample_cpu(server.pid, samples))
         for i in range(c):  # spread over one model call, as rollouts in a steady run are
             await plane.submit(request(i, max_turns=args.turns + 2))
             await asyncio.sleep(args.latency / c)
         results = [await plane.next_result(timeout=3600) for _ in range(c)]
         wall = time.monotonic() - started
+        sampler.cancel()
         cpu = cpu_by_role(server.pid)
         if profiler is not None:
             profiler.stop()
@@ -130,10 +143,49 @@ async def run(args: argparse.Namespace, meter_dir: Path) -> tuple[list[dict], di
         json.loads(line) for path in meter_dir.glob("*.jsonl") for line in path.read_text().splitlines()
     ]
     cpu["_wall"] = wall
-    return records, cpu, result_bytes
+    return records, cpu, result_bytes, samples
 
 
-def report(args: argparse.Namespace, records: list[dict], cpu: dict[str, float], result_bytes: float) -> None:
+async def sample_cpu(server_pid: int, samples: list[tuple[float, dict[str, float]]]) -> None:
+    """CPU by role every `CPU_SAMPLE_S` during the wave (walked in a thread: the driver's loop keeps on)."""
+    while True:
+        samples.append((time.monotonic(), await asyncio.to_thread(cpu_by_role, server_pid)))
+        await asyncio.sleep(CPU_SAMPLE_S)
+
+
+def cpu_by_context(
+    args: argparse.Namespace, records: list[dict], samples: list[tuple[float, dict[str, float]]]
+) -> dict[str, tuple[float, float]]:
+    """Plane and stand-in CPU per model turn in the early and late turns: each sampling interval's CPU over
+    the turns whose model call ended in it, the interval placed at the mean turn of those calls."""
+    ends = sorted((call[2], call[0]) for record in records for call in record["calls"])
+    quarter = args.turns / 4
+    spans = {
+        f"turns 1-{quarter:.0f}": (1, quarter),
+        f"turns {args.turns - quarter + 1:.0f}-{args.turns}": (args.turns - quarter + 1, args.turns),
+    }
+    totals = {name: [0.0, 0.0, 0] for name in spans}
+    for (t0, before), (t1, after) in zip(samples, samples[1:], strict=False):
+        turns = [turn for ended, turn in ends if t0 <= ended < t1 and turn <= args.turns]
+        if len(turns) < MIN_TURNS_PER_SAMPLE:
+            continue
+        mean_turn = statistics.fmean(turns)
+        spent = {role: after.get(role, 0.0) - before.get(role, 0.0) for role in after}
+        for name, (low, high) in spans.items():
+            if low <= mean_turn <= high:
+                totals[name][0] += sum(sec for role, sec in spent.items() if role != "stand-in")
+                totals[name][1] += spent.get("stand-in", 0.0)
+                totals[name][2] += len(turns)
+    return {name: (plane / n, standin / n) for name, (plane, standin, n) in totals.items() if n}
+
+
+def report(
+    args: argparse.Namespace,
+    records: list[dict],
+    cpu: dict[str, float],
+    result_bytes: float,
+    samples: list[tuple[float, dict[str, float]]],
+) -> None:
     own: dict[int, list[float]] = {}
     context: dict[int, list[int]] = {}
     sizes: dict[int, list[dict[str, int]]] = {}
@@ -191,9 +243,28 @@ def report(args: argparse.Namespace, records: list[dict], cpu: dict[str, float],
     )
     plane_cpu = sum(sec for role, sec in cpu.items() if role != "stand-in")
     turns = len(records) * args.turns
+    last_gc = {}
+    for record in sorted(records, key=lambda r: r["finished"]):
+        last_gc[record["gc"]["pid"]] = record["gc"]
+    print(
+        "rollout workers' full GC collections: "
+        + ", ".join(
+            f"pid {pid}: {g['gen2']} taking {g['gen2_s']:.2f} s, longest {g['longest_s'] * 1e3:.0f} ms"
+            for pid, g in sorted(last_gc.items())
+        )
+    )
     print(f"CPU seconds of the wave by role: {shown}")
     print(f"plane CPU per turn (all but the stand-in): {plane_cpu / turns * 1e3:.2f} ms")
     print(f"result size (pickled, mean): {result_bytes / 1e3:.0f} kB")
+    by_context = cpu_by_context(args, records, samples)
+    for name, (plane, standin) in by_context.items():
+        print(
+            f"CPU per turn, {name} (sampled every {CPU_SAMPLE_S:g} s): plane {plane * 1e3:.1f} ms, "
+            f"stand-in {standin * 1e3:.1f} ms"
+        )
+    if len(by_context) == 2:
+        (early, _), (late, _) = by_context.values()
+        print(f"plane CPU per turn, late turns / early turns: {late / early:.2f}")
     print()
     ratio = statistics.median(own[args.turns]) / statistics.median(own[1])
     marks = [turn for turn in (1, 16, args.turns) if turn in sizes]
@@ -228,10 +299,10 @@ def main() -> None:
             },
         )
         try:
-            records, cpu, result_bytes = asyncio.run(run(args, Path(meter_dir)))
+            records, cpu, result_bytes, samples = asyncio.run(run(args, Path(meter_dir)))
         finally:
             ray.shutdown()
-    report(args, records, cpu, result_bytes)
+    report(args, records, cpu, result_bytes, samples)
 
 
 if __name__ == "__main__":
