@@ -228,7 +228,7 @@ def test_no_client_or_connection_left_open_after_ok_failed_and_cancelled(ray_ses
     )
 
     async def scenario():
-        async with small_plane() as plane:
+        async with small_plane(batch_window_s=0.02) as plane:
             for i in range(6):
                 await plane.submit(request(standin, env=MATH, task_index=i))
             for i in range(3):
@@ -249,6 +249,10 @@ def test_no_client_or_connection_left_open_after_ok_failed_and_cancelled(ray_ses
     assert kinds.count("ok") == 6 and kinds.count("model") == 3 and kinds.count("cancelled") == 3, kinds
     assert held["open_clients"] == 0, held
     assert held["connections"] == 0, held
+    # The plane's batch window reached its worker, whose renderer and env calls went out batched.
+    assert held["batch_window_s"] == 0.02
+    calls, items = held["batches"]["batching._send_calls"]
+    assert 0 < calls <= items
 
 
 def test_env_worker_killed_mid_rollout_is_redispatched_and_others_finish(ray_session, standin):

@@ -94,6 +94,11 @@ def set_batch_window(seconds: float) -> None:
     _window_s = seconds
 
 
+def batch_window() -> float:
+    """This process's batch window (seconds)."""
+    return _window_s
+
+
 _SENT: dict[str, list[int]] = {}
 """Batches this process sent, by flush: [calls, items]. Read with `batch_counts`."""
 
