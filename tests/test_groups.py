@@ -115,12 +115,14 @@ def test_complete_groups_stream_per_lane_and_a_handle_claims_its_group(ray_sessi
 
 def test_a_straggler_rule_cancels_the_slowest_member_once_enough_finished(ray_session, standin):
     """Lane limit 2, group of 3: two members run, the third starts when the first finishes, and is cut
-    as soon as the second makes two `ok` (deadline 0 s). It answers `cancelled` with what it sampled."""
+    as soon as the second makes two `ok` (deadline 0 s). It answers `cancelled` with what it sampled.
+    The third needs 3 turns x 1 s: the second, started with the first, finishes well before that (at
+    0.5 s a turn a loaded CI run once let the second lag the first by more than the third's 1.5 s)."""
 
     async def scenario():
         async with plane(lanes={"train": 2, "eval": 1}) as p:
             handle = await p.submit_group(
-                request(standin, latency_s=0.5, env=ECHO), n=3, stragglers=Stragglers(after_s=0, min_ok=2)
+                request(standin, latency_s=1.0, env=ECHO), n=3, stragglers=Stragglers(after_s=0, min_ok=2)
             )
             return await handle, p.stats()
 

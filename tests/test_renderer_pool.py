@@ -295,6 +295,20 @@ def test_a_renderer_that_fails_on_every_start_is_respawned_only_within_its_resta
     run(scenario())
 
 
+async def killed(handle, within_s: float = 30.0) -> None:
+    """`ray.kill` the actor and wait until calls to it fail: a call sent right after the kill can still
+    reach the living process (a loaded CI run saw one), and then no death is what the test goes on."""
+    ray.kill(handle, no_restart=True)
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            await handle.__ray_ready__.remote()
+        except ray.exceptions.RayActorError:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"the actor still answers {within_s:g} s after ray.kill")
+
+
 def test_a_killed_renderer_is_not_replaced_once_its_keys_restart_budget_is_spent(make_pool):
     pool = make_pool(restart={"max_restarts": 1, "window_s": 600})
 
@@ -302,9 +316,9 @@ def test_a_killed_renderer_is_not_replaced_once_its_keys_restart_budget_is_spent
         session = await RendererSession.open(pool, BUNDLED_MODEL, RendererConfig(multiplex=4), timeout=30)
         try:
             await session.start([{"role": "user", "content": "hi"}], None, timeout=10)
-            ray.kill(session._renderer, no_restart=True)
+            await killed(session._renderer)
             await session.start([{"role": "user", "content": "again"}], None, timeout=40)  # on the restart
-            ray.kill(session._renderer, no_restart=True)
+            await killed(session._renderer)
             with pytest.raises(RendererUnavailable, match="restart budget spent"):
                 await session.start([{"role": "user", "content": "once more"}], None, timeout=40)
         finally:
