@@ -131,7 +131,7 @@ class SupervisedPool:
         deadline = time.monotonic() + timeout
         if self.state == "failed" and self._served and self._budget.remaining() > 0:
             self._restart_now("the restart window has room again")
-        if not verify and _served(self._current):  # the common case: no task, no shield per dispatch
+        if not verify and holds_value(self._current):  # the common case: no task, no shield per dispatch
             return self._current.result()
         try:
             if verify and self.state == "serving":
@@ -309,6 +309,6 @@ def _retrieve(future: asyncio.Future[Any]) -> None:
         future.exception()
 
 
-def _served(future: asyncio.Future[Any]) -> bool:
+def holds_value(future: asyncio.Future[Any]) -> bool:
     """`future` already holds a value (not pending, cancelled or failed)."""
     return future.done() and not future.cancelled() and future.exception() is None

@@ -30,7 +30,7 @@ from renderer_actors.pool import get_or_create_renderer_pool
 from rollout_actors.config import PlaneConfig
 from rollout_actors.naming import PoolNames, env_key
 from rollout_actors.pool_lookup import PoolRoute
-from rollout_actors.pool_supervisor import PoolStatus, SupervisedPool
+from rollout_actors.pool_supervisor import PoolStatus, SupervisedPool, holds_value
 from rollout_actors.wire import Ref, RolloutRequest
 
 log = logging.getLogger(__name__)
@@ -80,8 +80,7 @@ class SharedPools:
     def env_pool_started(self, env: Ref) -> bool:
         """The environment's pool has started (so `ensure_env_pool` would return at once)."""
         entry = self._env.get(env_key(env))
-        started = entry[1] if entry is not None else None
-        return started is not None and started.done() and not started.cancelled() and not started.exception()
+        return entry is not None and holds_value(entry[1])
 
     async def route(self, request: RolloutRequest, timeout: float, verify: bool = False) -> PoolRoute:
         """The serving pools `request` talks to, waiting up to `timeout` for any being restarted; raises

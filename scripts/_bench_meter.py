@@ -136,7 +136,6 @@ def install() -> None:
         answer = await env_call(server, call)
         if record is not None:
             spent(record, f"env {call.method}", time.monotonic() - started)
-        if record is not None:
             bucket(record)["ray_in"] += len(cloudpickle.dumps(answer))
         return answer
 

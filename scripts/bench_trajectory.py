@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
 import json
 import logging
 import statistics
@@ -128,6 +129,7 @@ async def run(
         results = [await plane.next_result(timeout=3600) for _ in range(c)]
         wall = time.monotonic() - started
         sampler.cancel()
+        await asyncio.gather(sampler, return_exceptions=True)
         cpu = cpu_by_role(server.pid)
         if profiler is not None:
             profiler.stop()
@@ -159,6 +161,7 @@ def cpu_by_context(
     """Plane and stand-in CPU per model turn in the early and late turns: each sampling interval's CPU over
     the turns whose model call ended in it, the interval placed at the mean turn of those calls."""
     ends = sorted((call[2], call[0]) for record in records for call in record["calls"])
+    times = [ended for ended, _ in ends]
     quarter = args.turns / 4
     spans = {
         f"turns 1-{quarter:.0f}": (1, quarter),
@@ -166,7 +169,8 @@ def cpu_by_context(
     }
     totals = {name: [0.0, 0.0, 0] for name in spans}
     for (t0, before), (t1, after) in zip(samples, samples[1:], strict=False):
-        turns = [turn for ended, turn in ends if t0 <= ended < t1 and turn <= args.turns]
+        in_interval = ends[bisect.bisect_left(times, t0) : bisect.bisect_left(times, t1)]
+        turns = [turn for _, turn in in_interval if turn <= args.turns]
         if len(turns) < MIN_TURNS_PER_SAMPLE:
             continue
         mean_turn = statistics.fmean(turns)

@@ -98,9 +98,9 @@ def test_a_prompt_encoded_as_it_grows_is_the_prompt_the_server_gets(standin):
             first = await turn(prompt, prompt_json=encoded)
             prompt.extend(first.completion_ids + prompt_of(5))  # grown in place: only the turn is encoded
             await turn(prompt, prompt_json=encoded)
-            await turn(prompt + [13], prompt_json=encoded)  # another list (a resumed turn): afresh
-            prompt[-1] = 11  # changed in place, not appended: noticed, encoded afresh
+            prompt[-1] = 11  # the same list changed in place, not appended: noticed, encoded afresh
             await turn(prompt, prompt_json=encoded)
+            await turn(prompt + [13], prompt_json=encoded)  # another list (a resumed turn): afresh
             forked = prompt_of(12)  # a fork: a new, shorter list
             await turn(forked, prompt_json=encoded)
             await turn(forked)  # the same prompt without it: the same answer
@@ -111,4 +111,4 @@ def test_a_prompt_encoded_as_it_grows_is_the_prompt_the_server_gets(standin):
     sent, answers = asyncio.run(asyncio.wait_for(scenario(), 120))
     assert [body["prompt"] for body in bodies] == sent
     assert answers[-1] == answers[-2]
-    assert all(set(body) == set(bodies[-1]) for body in bodies)  # the same fields, the prompt first
+    assert all(set(body) == set(bodies[-1]) for body in bodies)  # the same fields with and without it

@@ -99,25 +99,28 @@ def batch_window() -> float:
     return _window_s
 
 
-_SENT: dict[str, list[int]] = {}
-"""Batches this process sent, by flush: [calls, items]. Read with `batch_counts`."""
+_SENT: dict[Any, list[int]] = {}
+"""Batches this process sent, by flush function: [calls, items]. Read with `batch_counts`."""
 
 
 def _count(flush: Any, items: int) -> None:
-    fn = getattr(flush, "func", flush)  # a functools.partial names its function
-    name = f"{fn.__module__.rpartition('.')[2]}.{fn.__name__}"
-    sent = _SENT.get(name)
+    fn = getattr(flush, "func", flush)  # a functools.partial counts as its function
+    sent = _SENT.get(fn)
     if sent is None:
-        _SENT[name] = [1, items]
+        _SENT[fn] = [1, items]
     else:
         sent[0] += 1
         sent[1] += items
 
 
 def batch_counts() -> dict[str, tuple[int, int]]:
-    """(remote calls, items they carried) this process's coalescers sent, by flush function: items per
-    call is how much batching saved (each Ray call costs far more than an item in it)."""
-    return {name: (calls, items) for name, (calls, items) in _SENT.items()}
+    """(remote calls, items they carried) this process's coalescers sent, by flush function
+    (`module.function`): items per call is how much batching saved (each Ray call costs far more than
+    an item in it)."""
+    return {
+        f"{fn.__module__.rpartition('.')[2]}.{fn.__name__}": (calls, items)
+        for fn, (calls, items) in _SENT.items()
+    }
 
 
 def fail_all(waiters: list[asyncio.Future[Any]], exc: BaseException) -> None:
