@@ -28,6 +28,7 @@ from renderer_actors.key import RendererKey
 from renderer_actors.parse import ParsedCompletion
 from renderer_actors.renderer import Renderer
 from rollout_actors.kernel import Failure
+from rollout_actors.kernel.collector import settle
 
 BATCHABLE = frozenset({"start", "bridge", "parse", "render"})
 """The methods `call_many` runs: the stateless render calls."""
@@ -139,3 +140,4 @@ class RendererActor:
             vocab_size=renderer.tokenizer.backend.get_vocab_size(with_added_tokens=True),
         )
         self._renderer = renderer
+        settle()  # the tokenizer is loaded: it lives as long as this process

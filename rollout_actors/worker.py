@@ -25,6 +25,7 @@ import ray
 from rollout_actors.client import open_client_count
 from rollout_actors.failures import log_failure
 from rollout_actors.kernel.coalescer import batch_counts, batch_window, set_batch_window
+from rollout_actors.kernel.collector import collector_stats, settle
 from rollout_actors.loop_watch import HEARTBEAT_S, LoopWatch
 from rollout_actors.metrics import LOOP_STALL
 from rollout_actors.pool_lookup import PoolLookup, PoolLookupFailed, PoolRoute
@@ -54,6 +55,7 @@ class RolloutWorker:
         self._unpaused = asyncio.Event()
         self._unpaused.set()
         self._loop_watch = LoopWatch()
+        settle()
 
     # Remote API ----------------------------------------------------------------------------------
     async def run(self, request: RolloutRequest, env_pool: str, renderer_pool: str | None = None) -> Result:
@@ -157,7 +159,7 @@ class RolloutWorker:
     async def debug_resources(self, port: int | None = None) -> dict[str, Any]:
         """Debug endpoint, not used by the plane: what this process holds (open clients, established TCP
         connections, optionally to one port, threads, RSS, rollouts running, batched calls sent: (calls,
-        items) by kind, and the batch window), for leak checks in tests and `bench_plane.py`, and for an
+        items) by kind, the batch window, and what garbage collection cost: `kernel.collector`), for leak checks in tests and `bench_plane.py`, and for an
         operator chasing a leak or a cost. It walks the heap: call it rarely."""
         import psutil
 
@@ -177,6 +179,7 @@ class RolloutWorker:
             "in_flight": len(self._running),
             "batches": batch_counts(),
             "batch_window_s": batch_window(),
+            "collector": collector_stats(),
         }
 
 

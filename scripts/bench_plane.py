@@ -243,6 +243,7 @@ async def run_plane(args: argparse.Namespace, c: int, server: StandinServer) -> 
             "worker_conns_after": sum(r["connections"] for r in after),
             "redispatched": stats.redispatched,
             "batches (calls, items/call)": _batches_diff(before, after),
+            "worker GC (collections, s)": [_collected(a, b) for a, b in zip(after, before, strict=True)],
             # Where the wall goes beyond the rollouts themselves (worker clocks; one machine, one clock):
             "first_start_s": round(min(r.started_at or 0 for r in results) - started_wall, 2),
             "last_start_s": round(max(r.started_at or 0 for r in results) - started_wall, 2),
@@ -252,6 +253,12 @@ async def run_plane(args: argparse.Namespace, c: int, server: StandinServer) -> 
             )[:3],
         },
     )
+
+
+def _collected(after: dict, before: dict) -> tuple[int, float]:
+    """Garbage collections a worker ran during the wave, and their seconds (`kernel.collector`)."""
+    a, b = after["collector"], before["collector"]
+    return a["collections"] - b["collections"], round(a["seconds"] - b["seconds"], 2)
 
 
 def _batches_diff(before: list[dict], after: list[dict]) -> dict[str, tuple[int, float]]:

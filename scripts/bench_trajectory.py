@@ -91,6 +91,7 @@ async def run(
             workers=args.workers,
             worker_num_cpus=0.5,
             env_pool={"min_workers": 2, "max_workers": 2, "multiplex": c, "num_cpus": 0.25},
+            batch_window_s=args.batch_window,
         )
     )
 
@@ -287,6 +288,9 @@ def main() -> None:
     parser.add_argument("--tool-words", type=int, default=1450, help="words per tool output (~1.5k tokens)")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument(
+        "--batch-window", type=float, default=PlaneConfig().batch_window_s, help="PlaneConfig.batch_window_s"
+    )
     parser.add_argument("--profile", default="", help="py-spy the plane's processes during the wave into DIR")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)

@@ -11,6 +11,7 @@ import pytest
 from env_pools import TEST_REF_PREFIXES
 
 from renderer_actors.tokenizer import BUNDLED_MODEL
+from rollout_actors.kernel.collector import YOUNG_THRESHOLD
 from rollout_actors.plane import PlaneConfig, RolloutPlane
 from rollout_actors.samples import turn_prompts
 from rollout_actors.wire import ClientConfig, Ref, RendererConfig, Result, RolloutRequest, SamplingConfig
@@ -253,6 +254,8 @@ def test_no_client_or_connection_left_open_after_ok_failed_and_cancelled(ray_ses
     assert held["batch_window_s"] == 0.02
     calls, items = held["batches"]["batching._send_calls"]
     assert 0 < calls <= items
+    # The worker settled its collector (`kernel.collector`): what it loaded is frozen out of collections.
+    assert held["collector"]["frozen"] > 0 and held["collector"]["thresholds"][0] == YOUNG_THRESHOLD
 
 
 def test_env_worker_killed_mid_rollout_is_redispatched_and_others_finish(ray_session, standin):

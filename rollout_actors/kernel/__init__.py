@@ -3,10 +3,11 @@
 It imports nothing of the project, so `renderer_actors` and `env_actors` import it (and only it) from
 `rollout_actors` without depending on the rest (DESIGN.md, "Dependency direction"). It holds the failure
 type, the caller error, ids, secret redaction, `Ref` with its allowlist (code named by data, resolved
-on the side that runs it). Three small modules beside it hold the other shared machinery, and like it
+on the side that runs it). Four small modules beside it hold the other shared machinery, and like it
 import nothing else of the project: `supervision` (the restart kit and liveness rule every supervisor
-uses), `coalescer` (the per-event-loop batching of a tick's actor calls, renderer and env calls alike) and
-`metric` (metrics declared where they are recorded, exported through Ray).
+uses), `coalescer` (the per-event-loop batching of a tick's actor calls, renderer and env calls alike),
+`collector` (how our actor processes collect garbage) and `metric` (metrics declared where they are
+recorded, exported through Ray).
 
 Naming code is a capability, so two checks guard it, both owned by the side that resolves:
 

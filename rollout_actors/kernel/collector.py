@@ -1,0 +1,54 @@
+"""How our long-lived actor processes collect garbage, and what it costs them.
+
+A rollout worker holds thousands of rollouts at once, each with its client, connection pool, tasks and
+token lists; a renderer holds a tokenizer's vocabulary. CPython's cyclic collector rescans what survives,
+and with the default thresholds it ran about 1,400 times per worker in one wave of 2,048 three-turn
+rollouts on two cores, taking 3.0 s of the worker's 18 s of CPU (2.2 s of it full collections that walk
+every live object, the imported modules included). So an actor, once it has loaded what it serves,
+`settle`s: what is alive then (modules, Ray, the tokenizer, the environment) lives as long as the
+process and is frozen out of every later scan, and the youngest generation collects every
+`YOUNG_THRESHOLD` allocations instead of 700. In the same wave the worker's collections fell to ~25 and
+0.4 s. Cyclic garbage still goes, a little later: at most that many objects' worth waits for it.
+
+Only for processes we own (actors); never a caller's process. Imports nothing of the project.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from typing import Any
+
+YOUNG_THRESHOLD = 20_000
+"""Allocations (net of frees) between two young-generation collections; CPython's default is 700."""
+OLDER_THRESHOLDS = (10, 10)
+"""CPython's own: a middle collection every 10 young ones, a full one every 10 middle ones (and only
+when the survivors since the last one are a quarter of the long-lived objects)."""
+
+_spent = {"collections": 0, "seconds": 0.0}
+_started = 0.0
+
+
+def settle() -> None:
+    """Freeze what this process holds now out of later collections, and collect less often. Call it
+    when an actor has loaded what it serves (again after a later load: only what is new is frozen)."""
+    if _measure not in gc.callbacks:
+        gc.callbacks.append(_measure)
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(YOUNG_THRESHOLD, *OLDER_THRESHOLDS)
+
+
+def collector_stats() -> dict[str, Any]:
+    """Collections run and seconds they took since this process first `settle`d, and how many objects
+    are frozen out of them: for `debug_resources` and the benches."""
+    return {**_spent, "frozen": gc.get_freeze_count(), "thresholds": gc.get_threshold()}
+
+
+def _measure(phase: str, info: dict[str, Any]) -> None:
+    global _started
+    if phase == "start":
+        _started = time.perf_counter()
+    else:
+        _spent["collections"] += 1
+        _spent["seconds"] += time.perf_counter() - _started
