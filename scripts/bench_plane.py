@@ -57,6 +57,7 @@ from renderer_actors.key import RendererKey
 from renderer_actors.tokenizer import BUNDLED_MODEL
 from rollout_actors.inference.server_actor import ServerSpec, standin_options
 from rollout_actors.inference.standin import StandinServer
+from rollout_actors.kernel.collector import settle
 from rollout_actors.plane import PlaneConfig, RolloutPlane
 from rollout_actors.wire import ClientConfig, Ref, RendererConfig, RolloutRequest, SamplingConfig
 
@@ -134,6 +135,8 @@ async def run_single(args: argparse.Namespace, c: int, way: str, server: Standin
         max_turns=args.max_turns,
     )
     await workload.load()
+    if args.settle_single:  # like-for-like with the plane's actors (`kernel.collector`); process-wide
+        settle()
 
     time_wait_before = time_wait_count(server.port)  # the launcher's /health polls
     probe = Probe(server.pid, server.port, [os.getpid()]).start()
@@ -157,7 +160,10 @@ async def run_single(args: argparse.Namespace, c: int, way: str, server: Standin
         probe=sample,
         time_wait=time_wait_count(server.port) - time_wait_before,
         cpu=cpu,
-        notes={"errors": sorted({t.error for t in timings if not t.ok})[:3]},
+        notes={
+            "errors": sorted({t.error for t in timings if not t.ok})[:3],
+            "collector": "settled" if args.settle_single else "CPython defaults",
+        },
     )
 
 
@@ -212,6 +218,7 @@ async def run_plane(args: argparse.Namespace, c: int, server: StandinServer) -> 
         started, started_wall = time.monotonic(), time.time()
         for i in range(c):
             order[await plane.submit(request(i))] = i
+        submitted_s = time.monotonic() - started
         results = [
             await plane.next_result(timeout=args.latency * args.max_turns * 20 + 300) for _ in range(c)
         ]
@@ -245,6 +252,7 @@ async def run_plane(args: argparse.Namespace, c: int, server: StandinServer) -> 
             "batches (calls, items/call)": _batches_diff(before, after),
             "worker GC (collections, s)": [_collected(a, b) for a, b in zip(after, before, strict=True)],
             # Where the wall goes beyond the rollouts themselves (worker clocks; one machine, one clock):
+            "submitted_s": round(submitted_s, 2),
             "first_start_s": round(min(r.started_at or 0 for r in results) - started_wall, 2),
             "last_start_s": round(max(r.started_at or 0 for r in results) - started_wall, 2),
             "after_last_finish_s": round(ended_wall - max(r.finished_at or 0 for r in results), 2),
@@ -411,6 +419,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--env-workers", type=int, default=2)
     parser.add_argument("--renderers", type=int, default=2, help="renderers the pool grows to (one per core)")
     parser.add_argument("--renderer-multiplex", type=int, default=0, help="overrides --renderers")
+    parser.add_argument(
+        "--settle-single",
+        action="store_true",
+        help="settle this process's garbage collector as the plane's actors do, before the single-process "
+        "ways (process-wide and for good: run them after the plane, e.g. --ways ab)",
+    )
     parser.add_argument(
         "--profile", default="", help="py-spy the plane's processes during each wave into DIR"
     )
