@@ -481,7 +481,7 @@ class RolloutPlane(Submission):
             # cancel finds the slot and reaches the worker after `run`.
             return _cancelled(request, "before dispatch")
         try:
-            ref = slot.handle.run.remote(request, *route.wire())
+            ref = slot.handle.run.remote(request.model_dump_json().encode(), *route.wire())  # as JSON
         except Exception as exc:  # Ray could not take the request: validation let through what it must not
             log.exception("submitting %s to %s", request.request_id, slot.name)
             return Result.failed(request, "infrastructure", Failure.from_exception(exc))
@@ -502,7 +502,7 @@ class RolloutPlane(Submission):
                 )
             if answer in done:
                 try:
-                    return answer.result()
+                    return Result.model_validate_json(answer.result())  # the worker answers JSON
                 except ray.exceptions.RayActorError as exc:
                     self._workers.declare_lost(slot, f"actor died: {type(exc).__name__}")
                     return slot.cause
@@ -531,8 +531,14 @@ class RolloutPlane(Submission):
                 answer.add_done_callback(self._late_answer)
 
     def _late_answer(self, future: asyncio.Future[Any]) -> None:
-        if not future.cancelled() and future.exception() is None:
-            self._answer(future.result())
+        if future.cancelled() or future.exception() is not None:
+            return
+        try:
+            result = Result.model_validate_json(future.result())
+        except Exception:  # cannot happen short of a bug: the worker encoded it from a valid Result
+            log.exception("a late answer could not be decoded; it is dropped")
+            return
+        self._answer(result)
 
     def _answer(self, result: Result) -> None:
         """Deliver at most one result per lease (contract 5)."""

@@ -6,7 +6,8 @@ One trajectory is built the way a token-mode rollout builds it: the bundled Qwen
 first prompt and bridges every turn (sampled completion: a think block + a tool call, ~`--completion-tokens`
 ids with full-precision logprobs, every 8th cut by `length`; then a tool answer of ~`--tool-tokens` tokens),
 recording each turn as `turns.TokenTurns` does. At turns 1, 16 and 64 it prints the `Result`'s size as JSON
-(what `rollouts run` writes, compact) and as Ray serialises it (what crosses from worker to driver), next to
+(what `rollouts run` writes, compact) and as Ray serialises it (what crosses from worker to driver: the
+JSON, as a string), next to
 
   unique   the trajectory's unique token ids + the sampled logprobs alone, in the same encoding;
   old      the previous shape, where every turn carried its whole prompt (grows with turns x context).
@@ -113,7 +114,7 @@ def measure(turns: list[Turn]) -> dict[str, float]:
         "json": len(result.model_dump_json()),
         "json_unique": len(json.dumps(unique, separators=(",", ":"))),
         "json_old": len(json.dumps(old, separators=(",", ":"))),
-        "ray": ray_bytes(result),
+        "ray": ray_bytes(result.model_dump_json()),  # a worker answers the result's JSON
         "ray_unique": ray_bytes(unique),
         "ray_old": ray_bytes(old),
     }

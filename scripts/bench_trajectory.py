@@ -138,7 +138,7 @@ async def run(
         bad = [r for r in results if not r.ok]
         if bad:
             raise RuntimeError(f"{len(bad)} rollouts failed, e.g. {bad[0].kind}: {bad[0].error}")
-        result_bytes = statistics.fmean(len(cloudpickle.dumps(r)) for r in results)
+        result_bytes = statistics.fmean(len(r.model_dump_json()) for r in results)
     finally:
         await plane.close()
         server.stop()
@@ -260,7 +260,7 @@ def report(
     )
     print(f"CPU seconds of the wave by role: {shown}")
     print(f"plane CPU per turn (all but the stand-in): {plane_cpu / turns * 1e3:.2f} ms")
-    print(f"result size (pickled, mean): {result_bytes / 1e3:.0f} kB")
+    print(f"result size (JSON, as it crosses Ray; mean): {result_bytes / 1e3:.0f} kB")
     by_context = cpu_by_context(args, records, samples)
     for name, (plane, standin) in by_context.items():
         print(

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import random
+
 from rollout_actors.samples import trainer_samples, turn_prompts
 from rollout_actors.wire import Result, Turn, VersionChange
 
@@ -91,3 +94,28 @@ def test_a_64_turn_100k_token_result_is_at_most_1_2x_its_unique_tokens_and_logpr
     json_ratio = len(result.model_dump_json()) / len(json.dumps([ids, logprobs], separators=(",", ":")))
     pickle_ratio = len(pickle.dumps(result, protocol=5)) / len(pickle.dumps([ids, logprobs], protocol=5))
     assert json_ratio <= 1.2 and pickle_ratio <= 1.2, (json_ratio, pickle_ratio)
+
+
+def test_a_result_read_back_from_its_json_is_the_result_non_finite_floats_included():
+    """A result crosses Ray from its worker as its JSON (`RolloutWorker.run`): reading it back must give
+    the same result. A `-inf` logprob or a NaN in leniently parsed tool arguments is written as
+    `-Infinity` / `NaN` (`wire.RESULT_JSON`), which reads back; written as `null`, it would not."""
+    from renderer_actors.parse import ToolCall
+
+    rng = random.Random(7)
+    logprobs = [-(rng.random() ** 3) * 20 for _ in range(500)] + [float("-inf"), -1e-300, 5e-324]
+    turn = Turn(
+        new_prompt_ids=list(range(40)),
+        completion_ids=list(range(100, 100 + len(logprobs))),
+        logprobs=logprobs,
+        tool_calls=[ToolCall(name="f", arguments={"x": float("nan"), "y": [1, 2.5]}, raw="{}")],
+        version_changes=[VersionChange(at=3, version=2)],
+    )
+    result = Result(
+        request_id="r", lease_id="l", kind="ok", reward=0.25, turns=[turn], metrics={"turns": 1, "a": [0.1]}
+    )
+    back = Result.model_validate_json(result.model_dump_json())
+    assert back.turns[0].logprobs == logprobs  # bit for bit, the -inf included
+    assert math.isnan(back.turns[0].tool_calls[0].arguments["x"])
+    assert back.model_dump_json() == result.model_dump_json()
+    assert back.metrics == result.metrics and back.turns[0].version_changes == turn.version_changes
