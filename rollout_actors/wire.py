@@ -250,9 +250,10 @@ class RolloutRequest(BaseModel):
 ResultKind = Literal["ok", "model", "infrastructure", "caller", "cancelled"]
 
 RESULT_JSON = ConfigDict(ser_json_inf_nan="constants")
-"""How a result and its parts are written as JSON. A result crosses Ray as its JSON (`RolloutWorker.run`), so
-the JSON must read back exactly: a non-finite float (a `-inf` logprob some server sent) is written as
-`-Infinity`, which pydantic reads back, not as `null`, which a float field refuses."""
+"""How a result and its parts are written as JSON. A result crosses Ray as its JSON (`RolloutWorker.run`),
+so the JSON must read back exactly: a non-finite float (a `-inf` logprob some server sent) is written as
+`-Infinity`, which pydantic reads back, not as `null`, which a float field refuses. `rollouts run` writes
+the same JSON."""
 
 
 class VersionChange(BaseModel):

@@ -164,8 +164,9 @@ class RolloutWorker:
     async def debug_resources(self, port: int | None = None) -> dict[str, Any]:
         """Debug endpoint, not used by the plane: what this process holds (open clients, established TCP
         connections, optionally to one port, threads, RSS, rollouts running, batched calls sent: (calls,
-        items) by kind, the batch window, and what garbage collection cost: `kernel.collector`), for leak checks in tests and `bench_plane.py`, and for an
-        operator chasing a leak or a cost. It walks the heap: call it rarely."""
+        items) by kind, the batch window, and what garbage collection cost: `kernel.collector`), for leak
+        checks in tests and `bench_plane.py`, and for an operator chasing a leak or a cost. It walks the
+        heap: call it rarely."""
         import psutil
 
         proc = psutil.Process()
