@@ -28,7 +28,7 @@ import ray
 from env_actors.config import EnvCallLimits, EnvPoolConfig
 from env_actors.interface import EnvAnswer, EnvCall, EnvResponse, ResetOut, ScoreOut, StepOut, check_index
 from rollout_actors.kernel import DEFAULT_ALLOWED_PREFIXES, CallerError, Failure, Ref, RefResolver
-from rollout_actors.kernel.collector import settle
+from rollout_actors.kernel.collector import settle_actor
 
 PROBE_GROUP = "probe"
 PROBE_GROUP_SIZE = 4  # a probe and slack for probes that outlived their caller's timeout
@@ -105,7 +105,7 @@ class EnvServer:
             self._env = None
             return EnvResponse.from_exception(exc, self._worker)
         self._phase = "ready"
-        settle()  # the environment is loaded: it lives as long as this process
+        settle_actor()  # the environment is loaded: it lives as long as this process
         return EnvResponse.ok(info, self._worker)
 
     def _ready_info(self) -> dict[str, Any]:

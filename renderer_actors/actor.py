@@ -28,7 +28,7 @@ from renderer_actors.key import RendererKey
 from renderer_actors.parse import ParsedCompletion
 from renderer_actors.renderer import Renderer
 from rollout_actors.kernel import Failure
-from rollout_actors.kernel.collector import settle
+from rollout_actors.kernel.collector import settle_actor
 
 BATCHABLE = frozenset({"start", "bridge", "parse", "render"})
 """The methods `call_many` runs: the stateless render calls."""
@@ -140,4 +140,4 @@ class RendererActor:
             vocab_size=renderer.tokenizer.backend.get_vocab_size(with_added_tokens=True),
         )
         self._renderer = renderer
-        settle()  # the tokenizer is loaded: it lives as long as this process
+        settle_actor()  # the tokenizer is loaded: it lives as long as this process

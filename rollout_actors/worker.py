@@ -25,7 +25,7 @@ import ray
 from rollout_actors.client import open_client_count
 from rollout_actors.failures import log_failure
 from rollout_actors.kernel.coalescer import batch_counts, batch_window, set_batch_window
-from rollout_actors.kernel.collector import collector_stats, settle
+from rollout_actors.kernel.collector import collector_stats, settle_actor
 from rollout_actors.loop_watch import HEARTBEAT_S, LoopWatch
 from rollout_actors.metrics import LOOP_STALL
 from rollout_actors.pool_lookup import PoolLookup, PoolLookupFailed, PoolRoute
@@ -55,7 +55,7 @@ class RolloutWorker:
         self._unpaused = asyncio.Event()
         self._unpaused.set()
         self._loop_watch = LoopWatch()
-        settle()
+        settle_actor()
 
     # Remote API ----------------------------------------------------------------------------------
     async def run(self, request_json: bytes, env_pool: str, renderer_pool: str | None = None) -> str:

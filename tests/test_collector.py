@@ -44,3 +44,17 @@ def test_a_settled_process_freezes_what_it_loaded_and_still_collects_cycles():
     # collections than CPython's default threshold of 700 would run (~600+ young collections).
     assert 0 < seen["collections"] < 100, seen
     assert seen["survivors"] < seen["young"], seen  # at most one threshold's worth waits for collection
+
+
+def test_a_process_that_is_not_a_ray_actor_keeps_its_own_collector_settings():
+    """Actors call `settle_actor`: a driver, an orchestrator or a test that builds an actor class in
+    its own process (a `RendererActor` loads its tokenizer there too) is left as it was."""
+    script = (
+        "import gc, json; from rollout_actors.kernel.collector import settle_actor; "
+        "before = (gc.get_threshold(), gc.get_freeze_count()); settle_actor(); "
+        "print(json.dumps([before, (gc.get_threshold(), gc.get_freeze_count())]))"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    before, after = json.loads(out.stdout)
+    assert after == before, (before, after)

@@ -10,7 +10,9 @@ process and is frozen out of every later scan, and the youngest generation colle
 `YOUNG_THRESHOLD` allocations instead of 700. In the same wave the worker's collections fell to ~25 and
 0.4 s. Cyclic garbage still goes, a little later: at most that many objects' worth waits for it.
 
-Only for processes we own (actors); never a caller's process. Imports nothing of the project.
+Only for processes we own: actors call `settle_actor`, which leaves any other process (a driver, an
+orchestrator, a test that builds an actor class in-process) with its own settings. Imports nothing of
+the project.
 """
 
 from __future__ import annotations
@@ -37,6 +39,14 @@ def settle() -> None:
     gc.collect()
     gc.freeze()
     gc.set_threshold(YOUNG_THRESHOLD, *OLDER_THRESHOLDS)
+
+
+def settle_actor() -> None:
+    """`settle` this process if it is a Ray actor's; any other process keeps its own settings."""
+    import ray  # Ray is the engine, not the project
+
+    if ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None:
+        settle()
 
 
 def collector_stats() -> dict[str, Any]:
