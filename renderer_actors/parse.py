@@ -14,7 +14,9 @@ import json
 from collections.abc import Sequence
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
+
+from rollout_actors.kernel import EXACT_JSON
 
 ToolCallStatus = Literal[
     "ok", "invalid_json", "unclosed", "missing_name", "malformed_structure", "unknown_tool"
@@ -26,9 +28,7 @@ RUNNABLE = frozenset({"ok", "unknown_tool"})
 class ToolCall(BaseModel):
     """One tool call parsed from a completion (or, in chat mode, as the server parsed it)."""
 
-    model_config = ConfigDict(ser_json_inf_nan="constants")
-    """Arguments parsed leniently may hold NaN or Infinity; a result carrying them crosses Ray as JSON
-    and must read back exactly (`rollout_actors.wire.RESULT_JSON`)."""
+    model_config = EXACT_JSON  # part of a result, which crosses Ray as its JSON
 
     name: str | None
     arguments: Any = None

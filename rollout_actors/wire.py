@@ -29,6 +29,7 @@ from renderer_actors.config import RendererConfig
 from renderer_actors.parse import ToolCall
 from rollout_actors.kernel import (
     DEFAULT_ALLOWED_PREFIXES,
+    EXACT_JSON,
     JSON,
     CallerError,
     Failure,
@@ -249,12 +250,6 @@ class RolloutRequest(BaseModel):
 
 ResultKind = Literal["ok", "model", "infrastructure", "caller", "cancelled"]
 
-RESULT_JSON = ConfigDict(ser_json_inf_nan="constants")
-"""How a result and its parts are written as JSON. A result crosses Ray as its JSON (`RolloutWorker.run`),
-so the JSON must read back exactly: a non-finite float (a `-inf` logprob some server sent) is written as
-`-Infinity`, which pydantic reads back, not as `null`, which a float field refuses. `rollouts run` writes
-the same JSON."""
-
 
 class VersionChange(BaseModel):
     """Where, inside one turn's completion, the policy changed (a full-weight update landed mid-turn)."""
@@ -272,7 +267,7 @@ class Turn(BaseModel):
     its own `new_prompt_ids`. So a result grows with its tokens, not with turns x context (contract 11);
     `rollout_actors.samples` derives full prompts and trainer samples."""
 
-    model_config = RESULT_JSON
+    model_config = EXACT_JSON  # crosses Ray as its JSON
 
     new_prompt_ids: list[int]
     """The prompt ids this turn added after its branch's previous turn (the rendered environment
@@ -309,7 +304,7 @@ class Result(BaseModel):
     """Exactly one per request, whatever happened. `rollout_actors.samples.trainer_samples(result)` gives
     a trainer's view of it: per branch, the token ids, loss mask, logprobs and policy versions."""
 
-    model_config = RESULT_JSON
+    model_config = EXACT_JSON  # crosses Ray as its JSON
 
     request_id: str
     lease_id: str

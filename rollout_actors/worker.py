@@ -64,7 +64,7 @@ class RolloutWorker:
 
         The request comes as its JSON and the result goes back as its JSON: work is data (contract 1),
         and a pydantic model crosses Ray pickled class by class, which cost the plane's driver about a
-        quarter of its CPU in a wave of 2,048 rollouts (see `wire.RESULT_JSON`)."""
+        quarter of its CPU in a wave of 2,048 rollouts (see `kernel.EXACT_JSON`)."""
         request = RolloutRequest.model_validate_json(request_json)
         task = asyncio.current_task()
         assert task is not None

@@ -23,22 +23,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
-import resource
 import time
 from typing import Any
 
 import ray
 
+from renderer_actors.tokenizer import BUNDLED_MODEL
 from rollout_actors.wire import ClientConfig, Ref, Result, RolloutRequest, SamplingConfig, Turn
 
 TURNS = 3
 ITEMS_PER_ROLLOUT = 14  # lease, ready, start, 3 parses, 2 bridges, release; place, reset, 3 steps, forget
 BATCH_SIZES = (1, 8, 32)
-
-
-def cpu_s() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
 
 
 def rollout(seed: int = 0) -> tuple[RolloutRequest, Result]:
@@ -47,7 +42,7 @@ def rollout(seed: int = 0) -> tuple[RolloutRequest, Result]:
     request = RolloutRequest(
         env=Ref(target="env_actors.faults.envs:EchoEnv", config={"num_tasks": 64, "turns": TURNS}),
         task_index=3,
-        client=ClientConfig(base_url="http://127.0.0.1:8000/v1", model="Qwen/Qwen3-0.6B"),
+        client=ClientConfig(base_url="http://127.0.0.1:8000/v1", model=BUNDLED_MODEL),
         sampling=SamplingConfig(max_tokens=256),
         max_turns=TURNS + 1,
     )
@@ -67,7 +62,7 @@ def rollout(seed: int = 0) -> tuple[RolloutRequest, Result]:
 @ray.remote
 class Callee:
     def __init__(self) -> None:
-        self._request, self._result = rollout()
+        _, self._result = rollout()
 
     async def run_models(self, request: RolloutRequest) -> Result:
         return self._result
@@ -80,15 +75,15 @@ class Callee:
         return [("ok", len(item[1][0])) for item in items]
 
     def cpu(self) -> float:
-        return cpu_s()
+        return time.process_time()
 
 
 async def measured(callee: Any, work: Any) -> tuple[float, float]:
     """(caller CPU s, callee CPU s) spent on `work()`."""
     callee_before = await callee.cpu.remote()
-    before = cpu_s()
+    before = time.process_time()
     await work()
-    caller = cpu_s() - before
+    caller = time.process_time() - before
     return caller, await callee.cpu.remote() - callee_before
 
 

@@ -99,7 +99,7 @@ def test_a_64_turn_100k_token_result_is_at_most_1_2x_its_unique_tokens_and_logpr
 def test_a_result_read_back_from_its_json_is_the_result_non_finite_floats_included():
     """A result crosses Ray from its worker as its JSON (`RolloutWorker.run`): reading it back must give
     the same result. A `-inf` logprob or a NaN in leniently parsed tool arguments is written as
-    `-Infinity` / `NaN` (`wire.RESULT_JSON`), which reads back; written as `null`, it would not."""
+    `-Infinity` / `NaN` (`kernel.EXACT_JSON`), which reads back; written as `null`, it would not."""
     from renderer_actors.parse import ToolCall
 
     rng = random.Random(7)

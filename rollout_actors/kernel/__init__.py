@@ -2,8 +2,8 @@
 
 It imports nothing of the project, so `renderer_actors` and `env_actors` import it (and only it) from
 `rollout_actors` without depending on the rest (DESIGN.md, "Dependency direction"). It holds the failure
-type, the caller error, ids, secret redaction, `Ref` with its allowlist (code named by data, resolved
-on the side that runs it). Four small modules beside it hold the other shared machinery, and like it
+type, the caller error, ids, secret redaction, the exact-JSON model config, `Ref` with its allowlist
+(code named by data, resolved on the side that runs it). Four small modules beside it hold the other shared machinery, and like it
 import nothing else of the project: `supervision` (the restart kit and liveness rule every supervisor
 uses), `coalescer` (the per-event-loop batching of a tick's actor calls, renderer and env calls alike),
 `collector` (how our actor processes collect garbage) and `metric` (metrics declared where they are
@@ -95,6 +95,12 @@ def redact(text: str | None) -> str | None:
         return text
     return _secret_pattern.sub(REDACTED, text)
 
+
+EXACT_JSON = ConfigDict(ser_json_inf_nan="constants")
+"""For models whose JSON must read back exactly: a result and its parts cross Ray as their JSON
+(`RolloutWorker.run`). A non-finite float (a `-inf` logprob some server sent, a NaN in leniently parsed
+tool arguments) is written as `-Infinity` / `NaN`, which pydantic reads back, not as `null`, which a float
+field refuses. `rollouts run` writes the same JSON."""
 
 # ------------------------------------------------------------------------------------------ failure
 
