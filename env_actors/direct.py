@@ -26,13 +26,14 @@ import logging
 from collections.abc import Awaitable
 from typing import Any, Literal
 
-from ray.exceptions import ActorDiedError, ActorUnavailableError, RayError
+from ray.exceptions import RayError
 
 from env_actors.interface import EnvCall, EnvResponse, SessionMethod
 from env_actors.server import DEADLINE_FAILURE
-from env_actors.supervisor import exit_detail, resolve
-from rollout_actors.kernel import Failure, process_owner
+from env_actors.supervisor import resolve
+from rollout_actors.kernel import Failure, Loss, process_owner
 from rollout_actors.kernel.coalescer import TickBatch, TickCoalescer, actor_key, per_loop
+from rollout_actors.kernel.faults import Fault, exit_detail, ray_loss
 
 logger = logging.getLogger(__name__)
 
@@ -43,26 +44,30 @@ POOL_NOTICE_TIMEOUT_S = 5.0  # asking the pool for a handle or why a worker died
 MAX_PLACE_WAIT_S = 60.0  # a placement waits at most this for a replacement worker: a spawn's order of time
 
 
-FailureKind = Literal["infrastructure", "caller"]
+FailureKind = Literal["env", "infrastructure", "caller"]
 
 
-class EnvCallFailed(Exception):
-    """An env call failed; `.failure` says how and where, `.kind` whose fault it was."""
+class EnvCallFailed(Fault):
+    """An env call failed; `.failure` says how and where (its `fault` and, for a lost env server, its
+    `lost`), `.kind` whose fault it was: `caller`, `env` (environment code) or `infrastructure` (ours)."""
 
     def __init__(
         self, failure: Failure, kind: FailureKind = "infrastructure", worker_exit: str | None = None
     ):
-        super().__init__(f"{failure.type}: {failure.message}")
-        self.failure = failure
-        self.kind: FailureKind = kind
+        super().__init__(f"{failure.type}: {failure.message}", kind=kind)
+        self._failure = failure
         self.worker_exit = worker_exit
+
+    @property
+    def failure(self) -> Failure:
+        return self._failure
 
 
 def unwrap(response: EnvResponse, method: str) -> Any:
     """The value of a successful `EnvResponse`; a failed one raised as `EnvCallFailed`."""
     if not response.success:
         failure = response.error or Failure(type="EnvCallFailed", message=f"{method} failed")
-        kind: FailureKind = "caller" if response.kind == "caller" else "infrastructure"
+        kind: FailureKind = response.kind if response.kind in ("caller", "env") else "infrastructure"  # type: ignore[assignment]
         raise EnvCallFailed(failure, kind, response.worker_exit)
     return response.value
 
@@ -76,32 +81,42 @@ async def call_server(
     args: tuple,
     timeout: float,
     score_if_done: bool = False,
+    step: int | None = None,
 ) -> Any:
     """`server.<method>(session_id, *args, timeout)` straight to the worker, in one `call_many` with every
-    call this loop makes of that worker in the same tick; every failure an `EnvCallFailed`. A caller that
-    gives up stops waiting; the call itself ends with its session (`close`)."""
+    call this loop makes of that worker in the same tick; every failure an `EnvCallFailed`, a lost worker
+    one whose `failure.lost` names the call and the session's `step`. A caller that gives up stops
+    waiting; the call itself ends with its session (`close`)."""
     call = EnvCall(method, session_id, args, timeout, score_if_done)
     try:
         async with asyncio.timeout(timeout + DIRECT_CALL_SLACK_S):  # a scope: no task per call
             response: EnvResponse = await _call(server, call)
     except TimeoutError:
+        # The server enforces the call's deadline itself (an `env` failure); no answer at all past it
+        # means its process cannot answer: wedged, whatever the supervisor has judged yet.
+        lost = Loss(part="env server", how="wedged", call=method, step=step, name=worker)
         message = f"env worker {worker} gave no answer to {method} within {timeout + DIRECT_CALL_SLACK_S:g} s"
-        raise EnvCallFailed(Failure(type=DEADLINE_FAILURE, message=message)) from None
-    except ActorDiedError as exc:
-        reason = await _why_lost(pool, worker, exit_detail(exc))
+        raise EnvCallFailed(
+            Failure(type=DEADLINE_FAILURE, message=message, fault="lost", lost=lost)
+        ) from None
+    except RayError as exc:
+        how = ray_loss(exc)
+        if how is None:  # anything else Ray says of the call: not judged here
+            raise EnvCallFailed(Failure.from_exception(exc)) from None
+        if how == "unreachable":
+            # Its node is unreachable (lost, or not yet declared dead, which takes Ray tens of seconds): the
+            # session cannot go on. Whether the worker is dead is the supervisor's call (hang_timeout_s);
+            # for the rollout it is a lost part, and the pool places nothing more on it.
+            _notice_unreachable(pool, worker)
+            reason, type_name = exit_detail(exc), "EnvWorkerUnreachable"
+        else:
+            # The supervisor may have killed it as wedged: that, not Ray's "killed", is how it was lost.
+            reason, how = await _why_lost(pool, worker, exit_detail(exc))
+            type_name = "EnvWorkerLost"
+        lost = Loss(part="env server", how=how, call=method, step=step, name=worker)
         message = f"env worker {worker} was lost during {method}: {reason}"
-        raise EnvCallFailed(Failure(type="EnvWorkerLost", message=message), worker_exit=reason) from None
-    except ActorUnavailableError as exc:
-        # Its node is unreachable (lost, or not yet declared dead, which takes Ray tens of seconds): the
-        # session cannot go on. Whether the worker is dead is the supervisor's call (hang_timeout_s); for
-        # the rollout it is a lost part, re-dispatched like a death, and the pool places nothing more on it.
-        _notice_unreachable(pool, worker)
-        failure = Failure.from_exception(exc)
-        message = f"env worker {worker} is unreachable during {method}: {failure.message}"
-        raise EnvCallFailed(Failure(type="EnvWorkerUnreachable", message=message)) from None
-    except RayError as exc:  # anything else Ray says of the call: not judged here
-        failure = Failure.from_exception(exc)
-        raise EnvCallFailed(failure) from None
+        failure = Failure(type=type_name, message=message, fault="lost", lost=lost)
+        raise EnvCallFailed(failure, worker_exit=reason) from None
     return unwrap(response, method)
 
 
@@ -120,9 +135,17 @@ async def pool_call(answer: Awaitable[EnvResponse], wait_s: float, method: str) 
         raise EnvCallFailed(Failure(type=DEADLINE_FAILURE, message=message)) from None
     except RayError as exc:  # the pool actor itself died or is unreachable
         failure = Failure.from_exception(exc)
-        raise EnvCallFailed(
-            Failure(type="PoolUnreachable", message=failure.message, traceback=failure.traceback)
-        ) from exc
+        how = ray_loss(exc)
+        lost = Loss(part="env pool", how=how, call=method) if how is not None else None
+        fault = "lost" if lost is not None else None
+        unreachable = Failure(
+            type="PoolUnreachable",
+            message=failure.message,
+            traceback=failure.traceback,
+            fault=fault,
+            lost=lost,
+        )
+        raise EnvCallFailed(unreachable) from exc
     return unwrap(response, method)
 
 
@@ -138,11 +161,15 @@ def _notice_unreachable(pool: Any, worker: str) -> None:
         pass
 
 
-async def _why_lost(pool: Any, worker: str, detail: str) -> str:
+async def _why_lost(pool: Any, worker: str, detail: str) -> tuple[str, Any]:
+    """(why, how) the worker ended, as its pool's supervisor judged it (`died` or `wedged`)."""
     try:
-        return await asyncio.wait_for(resolve(pool.worker_lost.remote(worker, detail)), POOL_NOTICE_TIMEOUT_S)
+        reason, how = await asyncio.wait_for(
+            resolve(pool.worker_lost.remote(worker, detail)), POOL_NOTICE_TIMEOUT_S
+        )
+        return reason, how
     except Exception:  # the pool is gone or busy: Ray's word is all there is
-        return f"died: {detail}"
+        return f"died: {detail}", "died"
 
 
 async def _send_calls(batch: TickBatch) -> None:

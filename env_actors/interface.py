@@ -148,15 +148,16 @@ class StepOut(BaseModel):
         return check_messages(messages, STEP_ROLES, "messages")
 
 
-EnvCallKind = Literal["ok", "infrastructure", "caller"]
+EnvCallKind = Literal["ok", "env", "infrastructure", "caller"]
 
 
 class EnvResponse(BaseModel):
     """The answer to every env call on the pool side: values and failures alike travel as data.
 
     `kind` is classified where the failure happened: `caller` for a `CallerError` raised by the environment
-    (or a session the caller got wrong), `infrastructure` for everything else (the environment's own bugs,
-    a dead or wedged worker, a missed deadline, no live worker).
+    (or a session the caller got wrong), `env` for the environment's own faults (it raised, answered
+    something that is not its answer, missed its deadline), `infrastructure` for ours (a dead or wedged
+    worker, no live worker).
     """
 
     success: bool
@@ -184,8 +185,11 @@ class EnvResponse(BaseModel):
 
     @classmethod
     def from_exception(cls, exc: BaseException, worker: str | None = None) -> EnvResponse:
-        kind: EnvCallKind = "caller" if isinstance(exc, CallerError) else "infrastructure"
-        return cls.failed(Failure.from_exception(exc), kind, worker=worker)
+        # Raised while running environment code (the server's `_guard`): the environment's fault.
+        kind: EnvCallKind = "caller" if isinstance(exc, CallerError) else "env"
+        failure = Failure.from_exception(exc)
+        failure.fault = failure.fault or kind
+        return cls.failed(failure, kind, worker=worker)
 
 
 SessionMethod = Literal["reset", "step", "score"]

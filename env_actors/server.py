@@ -244,7 +244,8 @@ class EnvServer:
             if not scope.expired():  # the environment's own TimeoutError, not our deadline
                 return EnvResponse.from_exception(exc, self._worker)
             message = f"{method} exceeded its {timeout:g} s deadline on env worker {self._worker}"
-            return EnvResponse.failed(Failure(type=DEADLINE_FAILURE, message=message), worker=self._worker)
+            missed = Failure(type=DEADLINE_FAILURE, message=message, fault="env")  # the environment's
+            return EnvResponse.failed(missed, "env", worker=self._worker)
         except Exception as exc:
             return EnvResponse.from_exception(exc, self._worker)
 

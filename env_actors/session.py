@@ -19,9 +19,10 @@ no-op; `score` fails as on any closed session). Without it, or while not done, a
 The pool places the session (`place_many`); its reset, steps and score then go straight to the worker,
 batched per event-loop tick (`direct.py`); close goes through the pool. Every call has a deadline. A
 failed call raises `EnvCallFailed` carrying the `Failure` and its kind: `caller` when the request was at
-fault (a `CallerError` in the environment: bad task index, malformed task), `infrastructure` for
-everything else (the environment's code raised, its worker died or wedged,
-a deadline passed, no live worker, the pool itself is gone). A rollout maps the kind onto its `Result`.
+fault (a `CallerError` in the environment: bad task index, malformed task), `env` when the environment's
+code raised, answered garbage or missed its deadline, `infrastructure` for ours (its worker died or
+wedged: `failure.lost` says where; no live worker; the pool itself is gone). A rollout maps the kind onto
+its `Result`.
 """
 
 from __future__ import annotations
@@ -61,6 +62,8 @@ class EnvSession:
     server: Any
     """Its handle: reset, steps and score go to it directly."""
     closed: bool = False
+    steps: int = 0
+    """Steps taken: the point (`Loss.step`) a lost env server is reported at (0 is the reset)."""
     _inflight: set[Any] = field(default_factory=set, init=False, repr=False)
     """Direct calls in flight (asyncio tasks), cancelled by `close`."""
 
@@ -76,7 +79,9 @@ class EnvSession:
         session_id = new_id("envsess")
         worker, server = await place(pool, session_id, timeout)
         try:
-            value = await call_server(pool, server, worker, "reset", session_id, (task_index, task), timeout)
+            value = await call_server(
+                pool, server, worker, "reset", session_id, (task_index, task), timeout, step=0
+            )
             out = _answer_of(ResetOut, value, "reset")
         except BaseException:  # failed, timed out or cancelled: the placement (or a late reset) is ended
             _submit_close(pool, session_id)
@@ -95,6 +100,7 @@ class EnvSession:
     ) -> StepOut:
         """One turn. With `score_if_done`, a done step also scores and ends the session (`out.score`)."""
         self._check_open("step")
+        self.steps += 1
         value = await self._direct("step", (assistant_message,), timeout, score_if_done)
         out = _answer_of(StepOut, value, "step")
         if out.score is not None:
@@ -137,7 +143,15 @@ class EnvSession:
         """One call straight to the worker, cancellable by `close` from another task."""
         task = asyncio.ensure_future(
             call_server(
-                self.pool, self.server, self.worker, method, self.session_id, args, timeout, score_if_done
+                self.pool,
+                self.server,
+                self.worker,
+                method,
+                self.session_id,
+                args,
+                timeout,
+                score_if_done,
+                step=self.steps,
             )
         )
         self._inflight.add(task)
@@ -164,14 +178,15 @@ async def _call(submit: Any, timeout: float, method: str) -> Any:
 
 
 def _answer_of(model: type[Answer], value: Any, method: str) -> Answer:
-    """The env server's answer as its model. One that does not fit is the environment's (or the server's)
-    fault, never the request's: `infrastructure`, not the `caller` a bare ValidationError would read as."""
+    """The env server's answer as its model. One that does not fit is the environment's fault, never the
+    request's: `env`, not the `caller` a bare ValidationError would read as."""
     try:
         return model.model_validate(value)
     except ValidationError as exc:
         failure = Failure.from_exception(exc)
         failure.message = f"env {method} answered something that is not a {model.__name__}: {failure.message}"
-        raise EnvCallFailed(failure, "infrastructure") from None
+        failure.fault = "env"
+        raise EnvCallFailed(failure, "env") from None
 
 
 def _submit_close(pool: Any, session_id: str) -> None:

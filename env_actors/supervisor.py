@@ -33,6 +33,7 @@ from env_actors.config import EnvPoolConfig, WorkerInfo
 from env_actors.server import create_env_server
 from env_actors.sessions import OpenSessions
 from rollout_actors.kernel import Failure, Ref
+from rollout_actors.kernel.faults import exit_detail
 from rollout_actors.kernel.metric import Metric
 from rollout_actors.kernel.supervision import Liveness, RestartBudget
 
@@ -53,7 +54,6 @@ ENV_RESTARTS_USED = Metric(
 TICK_S = 0.1  # supervision resolution: wedge detection lands within hang_timeout_s + TICK_S
 DIAGNOSE_TIMEOUT_S = 0.5  # one probe to say why a worker missed its readiness deadline
 RETIRED_HISTORY = 32
-MAX_EXIT_DETAIL_CHARS = 500
 SHUTDOWN_WAIT_S = 2.0  # for cancelled background tasks to unwind
 
 RetireCause = Literal["died", "wedged", "spawn_failed", "shrunk", "shutdown"]
@@ -62,15 +62,6 @@ RetireCause = Literal["died", "wedged", "spawn_failed", "shrunk", "shutdown"]
 async def resolve(ref: Any) -> Any:
     """Await an ObjectRef inside a task (so it can sit in `asyncio.wait` next to other futures)."""
     return await ref
-
-
-def exit_detail(exc: BaseException) -> str:
-    """The useful part of Ray's actor-death message: why the process ended."""
-    text = str(exc)
-    start = text.find("The actor is dead because")
-    text = text[start:] if start >= 0 else text
-    end = text.find(" Some common causes")  # Ray's generic troubleshooting advice follows
-    return " ".join((text[:end] if end >= 0 else text).split())[:MAX_EXIT_DETAIL_CHARS]
 
 
 @dataclass(eq=False)

@@ -46,6 +46,7 @@ from renderer_actors.calls import RendererLease
 from renderer_actors.config import RendererKeyStats, RendererPoolConfig, RendererPoolStats, RendererStats
 from renderer_actors.key import RendererKey
 from rollout_actors.kernel import new_id
+from rollout_actors.kernel.faults import CallerError, LoadFailed, Unavailable, remote_cause
 from rollout_actors.kernel.metric import Metric
 from rollout_actors.kernel.supervision import Liveness, RestartBudget
 
@@ -62,9 +63,13 @@ LEASES = Metric(
 )
 
 
-class RendererStartupError(RuntimeError):
-    """A renderer for this key failed to start recently (the message carries its traceback), or its key
-    spent its restart budget."""
+class RendererStartupError(LoadFailed):
+    """A renderer for this key failed to load recently (the message carries its traceback): every lease
+    of the key fails at once with it for `failure_hold_s` (`caller` when the load refused the key itself)."""
+
+
+class RendererBudgetSpent(Unavailable):
+    """The key's renderers died, wedged or failed to start more often than its restart budget allows."""
 
 
 @dataclass
@@ -87,6 +92,8 @@ class _KeyPool:
     budget: RestartBudget
     renderers: dict[str, _Renderer] = field(default_factory=dict)
     startup_failure: str | None = None
+    startup_kind: str = "infrastructure"
+    """`caller` when the load refused what the key names (a `CallerError` on the renderer's side)."""
     failed_at: float = 0.0
     owed: int = 0
     """Renderers of this key that died, wedged or failed to start and are not respawned yet: the next
@@ -146,6 +153,11 @@ class RendererPool:
             self._replace(dead_renderer_id, "reported dead by a session")
         self._check_owner(owner)
         return self._lease_one(self._key_pool(key_json, multiplex), owner)
+
+    async def renderer_lost(self, renderer_id: str) -> None:
+        """A session saw this renderer die on a call: replace it now, not at the next health check (a
+        notice: nobody waits for its answer)."""
+        self._replace(renderer_id, "reported dead by a session")
 
     async def lease_many(
         self, key_json: str, multiplex: int, count: int, owner: str | None = None
@@ -246,7 +258,7 @@ class RendererPool:
         live = list(pool.renderers.values())
         if pool.startup_failure and now - pool.failed_at < self._config.failure_hold_s:
             if not any(r.ready for r in live):
-                raise RendererStartupError(pool.startup_failure)
+                raise RendererStartupError(pool.startup_failure, kind=pool.startup_kind)
         free = [r for r in live if len(r.leases) < pool.multiplex]
         renderer = None
         if free:
@@ -254,7 +266,7 @@ class RendererPool:
         elif len(live) < self._config.max_renderers_per_key:
             try:
                 renderer = self._spawn(pool)
-            except RendererStartupError:
+            except RendererBudgetSpent:
                 if not live:
                     raise
         if renderer is None:  # at the size limit, or the key's restart budget is spent: overfill
@@ -270,11 +282,11 @@ class RendererPool:
 
     def _spawn(self, pool: _KeyPool) -> _Renderer:
         """Start one renderer for the key. A spawn that replaces a lost one spends a restart; with the
-        budget spent it raises `RendererStartupError` and starts nothing."""
+        budget spent it raises `RendererBudgetSpent` and starts nothing."""
         if pool.owed:
             if not pool.budget.try_spend():
                 self._counters["budget_denials"] += 1
-                raise RendererStartupError(
+                raise RendererBudgetSpent(
                     f"renderer for {pool.key_json} is not restarted: {pool.budget.spent_message()}; "
                     f"last: {pool.last_death}"
                 )
@@ -312,6 +324,7 @@ class RendererPool:
                 else str(exc)
             )
             pool.startup_failure = f"renderer for {pool.key_json} failed to start: {what}"
+            pool.startup_kind = "caller" if isinstance(remote_cause(exc), CallerError) else "infrastructure"
             pool.failed_at = time.monotonic()
             self._counters["startup_failures"] += 1
             log.warning("%s", pool.startup_failure)
@@ -347,7 +360,7 @@ class RendererPool:
                 return
             try:
                 self._spawn(pool)
-            except RendererStartupError as exc:
+            except RendererBudgetSpent as exc:
                 log.error("%s", exc)
                 return
             self._counters["replaced"] += 1

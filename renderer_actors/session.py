@@ -16,10 +16,14 @@ The session keeps the trajectory (prompt ids, messages, branch) in this process 
 only what a turn adds, so a call costs the same at turn 100 as at turn 1. The whole history travels only
 when a renderer asks for it (the library cannot bridge the turn, or `fork_on_rewrite`).
 
-Renderers hold no rollout state: when the renderer a call went to has died, the session re-leases (the
-pool replaces the dead one) and retries the call once, within the caller's timeout. Anything else that
-keeps a call from answering raises `RendererUnavailable` (classified `infrastructure`, with the
-renderer-side traceback); a request the renderer rejects raises `RendererCallerError` (`caller`).
+Every failure is a kernel fault (`rollout_actors.kernel.faults`), and none is retried here: a renderer
+that died or did not answer is a `PartLost` naming the call and the step (the plane re-dispatches the
+rollout, and answers it as poison if that happens twice at the same point); a renderer that could not
+load what the key names is a `RendererLoadFailed` (`caller` for a name the request got wrong,
+`infrastructure` otherwise; never re-dispatched: it would fail the same way); a call the renderer
+failed outright, or a pool that cannot place a lease, is a `RendererUnavailable` (`infrastructure`); a
+request the renderer rejects is a `RendererCallerError` (`caller`). Each carries the renderer-side
+traceback.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import ray
-from ray.exceptions import RayActorError, RayTaskError
+from ray.exceptions import RayTaskError
 
 from renderer_actors.batching import RenderCallFailed, batched_calls
 from renderer_actors.calls import BridgeReply, BridgeRequest, History, RendererInfo, StartReply
@@ -38,29 +42,31 @@ from renderer_actors.config import RendererConfig
 from renderer_actors.key import RendererKey
 from renderer_actors.parse import ParsedCompletion
 from renderer_actors.renderer import check_new_messages
-from rollout_actors.kernel import CallerError, Failure, process_owner
+from rollout_actors.kernel import CallerError, Loss, Part
+from rollout_actors.kernel.faults import (
+    Fault,
+    LoadFailed,
+    PartLost,
+    Unavailable,
+    exit_detail,
+    ray_loss,
+    remote_cause,
+)
 
 CLOSE_TIMEOUT_S = 5.0  # returning a lease must not hold a finished rollout hostage
 
 
-class RendererUnavailable(Exception):
-    """No renderer answered in time (or its replacement died too, or it failed to start)."""
+class RendererUnavailable(Unavailable):
+    """A renderer failed a call outright, or the pool could place no lease (its key's restart budget is
+    spent, the pool is shut down): `infrastructure`, not re-dispatched."""
 
-    kind = "infrastructure"
 
-    def __init__(self, message: str, traceback: str | None = None) -> None:
-        super().__init__(message)
-        self.failure = Failure(type="RendererUnavailable", message=message, traceback=traceback)
+class RendererLoadFailed(LoadFailed):
+    """A renderer for the key could not load it (tokenizer, template kwargs, renderer class)."""
 
 
 class RendererCallerError(CallerError):
     """The renderer refused the request itself (an assistant message to bridge, a bad message shape)."""
-
-    kind = "caller"
-
-    def __init__(self, message: str, traceback: str | None = None) -> None:
-        super().__init__(message)
-        self.failure = Failure(type="RendererCallerError", message=message, traceback=traceback)
 
 
 @dataclass(frozen=True)
@@ -111,6 +117,8 @@ class RendererSession:
         self._parsed: tuple[list[int], dict[str, Any]] | None = None
         """The last `parse` answer, handed to the next `bridge` of the same completion."""
         self.branch = 0
+        self.step = 0
+        """Bridges done: the point (`Loss.step`) a lost renderer is reported at."""
         self._history_roles: set[str] = set()
         """Roles of new messages whose bridge needed the history: sent up front for them from now on."""
 
@@ -124,10 +132,7 @@ class RendererSession:
         session = cls(pool, key, config.multiplex)
         deadline = time.monotonic() + timeout
         try:
-            try:
-                await session._acquire(deadline)
-            except RayActorError as exc:  # the renderer died while starting: one more, on a replacement
-                await session._recover(exc, deadline)
+            await session._acquire(deadline)
         except BaseException:
             await session.close()
             raise
@@ -211,6 +216,7 @@ class RendererSession:
             reply = await self._call("bridge", deadline - time.monotonic(), request)
             if reply.needs_history:
                 raise RendererUnavailable("renderer asked for the history although it was sent")
+        self.step += 1
         if reply.forked:
             assert reply.prompt_ids is not None
             self._prompt = list(reply.prompt_ids)
@@ -257,72 +263,40 @@ class RendererSession:
             return True
         return bool(self._history_roles) and not self._history_roles.isdisjoint(_roles(new_messages))
 
-    async def _acquire(self, deadline: float, dead_renderer_id: str | None = None) -> None:
+    async def _acquire(self, deadline: float) -> None:
         calls = batched_calls()
-        try:
-            if dead_renderer_id is None and self._lease_id is None:
-                # The common case, batched with every other session this process opens in this tick.
-                left = deadline - time.monotonic()
-                lease = await self._remote(
-                    calls.lease(self._pool, self._key_json, self._multiplex, left),
-                    deadline,
-                    "lease from the renderer pool",
-                )
-            else:
-                ref = self._pool.lease.remote(
-                    self._key_json,
-                    self._multiplex,
-                    dead_renderer_id=dead_renderer_id,
-                    release_lease_id=self._lease_id,
-                    owner=process_owner(),
-                )
-                lease = await self._remote(ref, deadline, "lease from the renderer pool")
-        except RayActorError as exc:
-            raise RendererUnavailable(f"the renderer pool is unavailable: {exc}") from exc
+        # Batched with every other session this process opens in this tick.
+        lease = await self._remote(
+            calls.lease(self._pool, self._key_json, self._multiplex, deadline - time.monotonic()),
+            deadline,
+            "renderer pool",
+            "lease",
+        )
         self._lease_id = lease.lease_id
         self._renderer = lease.renderer
         self.renderer_id = lease.renderer_id
-        # A startup failure is infrastructure (or a model name nobody can load), never a bad request.
         self._info = await self._remote(
             calls.ready(lease.renderer_id, lease.renderer, deadline - time.monotonic()),
             deadline,
-            f"renderer {self.renderer_id} startup",
-            caller_errors=False,
+            "renderer",
+            "ready",
         )
 
-    async def _recover(self, exc: RayActorError, deadline: float) -> None:
-        """The renderer died: re-lease (the pool replaces it) and wait for the new one. A second death
-        here is not retried: the caller gets `RendererUnavailable`."""
-        dead = self.renderer_id
-        try:
-            await self._acquire(deadline, dead_renderer_id=dead)
-        except RayActorError as again:
-            raise RendererUnavailable(
-                f"renderer {dead} died ({exc}) and its replacement {self.renderer_id} died too: {again}"
-            ) from again
-
     async def _call(self, method: str, timeout: float | int, *args: Any) -> Any:
-        """One renderer call; if the renderer died, once more on a replacement, within the same deadline."""
+        """One renderer call within the deadline. Not retried here: a lost renderer is the plane's to
+        re-dispatch (contract 5), so a request that loses renderers every time is seen as poison."""
         deadline = time.monotonic() + timeout
-        for attempt in range(2):
-            if self._renderer is None or self.renderer_id is None:
-                raise RendererUnavailable("renderer session is closed")
-            left = deadline - time.monotonic()
-            call = batched_calls().call(self.renderer_id, self._renderer, method, args, left)
-            try:
-                return await self._remote(call, deadline, f"renderer {method}")
-            except RayActorError as exc:
-                if attempt:
-                    raise RendererUnavailable(
-                        f"renderer {self.renderer_id} died during {method} after a retry: {exc}"
-                    ) from exc
-                await self._recover(exc, deadline)
-        raise AssertionError("unreachable")
+        if self._renderer is None or self.renderer_id is None:
+            raise RendererUnavailable("renderer session is closed")
+        left = deadline - time.monotonic()
+        call = batched_calls().call(self.renderer_id, self._renderer, method, args, left)
+        return await self._remote(call, deadline, "renderer", method)
 
-    async def _remote(self, call: Any, deadline: float, what: str, caller_errors: bool = True) -> Any:
+    async def _remote(self, call: Any, deadline: float, part: Part, method: str) -> Any:
         """Await one remote call (an ObjectRef, or a batched call's coroutine, which was given the same
-        deadline and keeps it) within the deadline and classify what went wrong. RayActorError (the actor
-        died) propagates for the caller to recover."""
+        deadline and keeps it) within the deadline, every failure a kernel fault."""
+        name = self.renderer_id if part == "renderer" else None
+        what = f"{part} {name} {method}" if name else f"{part} {method}"
         left = deadline - time.monotonic()
         try:
             if left <= 0:
@@ -331,25 +305,53 @@ class RendererSession:
                 return await call
             async with asyncio.timeout(left):  # a scope, not `wait_for`: no task per call
                 return await call
-        except TimeoutError as exc:
+        except TimeoutError:
             _cancel(call)
-            raise RendererUnavailable(f"{what} did not answer within its deadline") from exc
-        except RayActorError:
-            raise
+            if method == "ready":  # still loading at the rollout's deadline: not a loss to dispatch again
+                raise RendererLoadFailed(f"{what}: not loaded within the rollout's deadline") from None
+            lost = Loss(part=part, how="wedged", call=method, step=self.step, name=name)
+            raise PartLost(f"{what} did not answer within its deadline", lost=lost) from None
         except RenderCallFailed as exc:
             failure = exc.failure
-            if caller_errors and exc.rejected:
+            if exc.rejected:
                 raise RendererCallerError(f"{what}: {failure.message}", traceback=failure.traceback) from None
             raise RendererUnavailable(
                 f"{what} failed: {failure.type}: {failure.message}", traceback=failure.traceback
             ) from None
-        except RayTaskError as exc:
-            cause = exc.cause if getattr(exc, "cause", None) is not None else exc
-            if caller_errors and isinstance(cause, ValueError):
-                raise RendererCallerError(f"{what}: {cause}", traceback=str(exc)) from None
-            raise RendererUnavailable(
-                f"{what} failed: {type(cause).__name__}: {cause}", traceback=str(exc)
-            ) from None
+        except Exception as exc:
+            how = ray_loss(exc)
+            if how is not None:  # the renderer (or the pool) died or cannot be reached
+                lost = Loss(part=part, how=how, call=method, step=self.step, name=name)
+                if part == "renderer" and how == "died" and name is not None:
+                    _notice_dead(self._pool, name)
+                raise PartLost(f"{what}: {lost.describe()}: {exit_detail(exc)}", lost=lost) from None
+            if not isinstance(exc, RayTaskError):
+                raise
+            raise _far_fault(exc, what, method) from None
+
+
+def _far_fault(exc: RayTaskError, what: str, method: str) -> Fault:
+    """The fault a call raised on the renderer's (or the pool's) side, typed as it was raised there."""
+    cause = remote_cause(exc)
+    if isinstance(cause, Fault):  # typed on the far side (the pool's startup hold, a load's CallerError)
+        if method == "ready" and isinstance(cause, CallerError):
+            return RendererLoadFailed(f"{what}: {cause}", traceback=str(exc), kind="caller")
+        fault = Fault.from_failure(cause.failure, kind=cause.kind)
+        fault.traceback = fault.traceback or str(exc)
+        return fault
+    message = f"{what} failed: {type(cause).__name__}: {cause}"
+    if method == "ready":  # the load itself raised: the renderer could not load the key
+        return RendererLoadFailed(message, traceback=str(exc))
+    if method != "lease" and isinstance(cause, ValueError):
+        return RendererCallerError(message, traceback=str(exc))
+    return RendererUnavailable(message, traceback=str(exc))
+
+
+def _notice_dead(pool: Any, renderer_id: str) -> None:
+    try:
+        pool.renderer_lost.remote(renderer_id)  # a notice: the pool replaces it; nobody waits
+    except Exception:  # the pool is gone: nothing to tell
+        pass
 
 
 def _roles(messages: list[dict[str, Any]]) -> set[str]:

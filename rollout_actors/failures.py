@@ -12,19 +12,20 @@ from typing import Any
 import openai
 from pydantic import ValidationError
 
+from rollout_actors.kernel.faults import Fault, ModelError
 from rollout_actors.wire import CallerError, Failure, ResultKind
 
 
-class MalformedResponse(Exception):
+class MalformedResponse(ModelError):
     """The server answered 200 with a body that is not the protocol (not JSON, missing ids, bad shapes,
     token ids outside the vocabulary)."""
 
 
-class CallDeadlineExceeded(Exception):
+class CallDeadlineExceeded(ModelError):
     """A model call ran past its total deadline (`ClientConfig.call_deadline`): the server's fault."""
 
 
-class TurnAborted(Exception):
+class TurnAborted(ModelError):
     """The server ended a turn early (`finish_reason` "abort" or "error") and the plane did not ask for
     it: what it sampled is not a finished turn, never bridged on or trained on as one."""
 
@@ -49,23 +50,24 @@ MODEL_FAILURES = (
 def classify(exc: Exception) -> tuple[ResultKind, Failure]:
     """Map an exception raised while running a rollout to (result kind, failure). Cancellation is not an
     exception here: the rollout answers `cancelled` itself (`rollout.py`)."""
-    kind_attr = getattr(exc, "kind", None)
-    failure_attr = getattr(exc, "failure", None)
-    if isinstance(failure_attr, Failure) and kind_attr in ("infrastructure", "caller", "model"):
-        # Already classified on the side that failed (env pool, renderer pool).
-        return kind_attr, failure_attr
+    if isinstance(exc, Fault):  # typed where it was raised (env session, renderer session, model call)
+        return exc.kind, exc.failure  # type: ignore[return-value]
     if isinstance(exc, openai.APIStatusError):
-        return "model", Failure.from_exception(exc, status_code=exc.status_code)
-    if isinstance(exc, openai.APITimeoutError):
-        return "model", Failure.from_exception(exc)
-    if isinstance(exc, MODEL_FAILURES):
-        return "model", Failure.from_exception(exc)
+        return "model", _model_failure(exc, exc.status_code)
+    if isinstance(exc, (openai.APITimeoutError, *MODEL_FAILURES)):
+        return "model", _model_failure(exc)
     if isinstance(exc, (CallerError, ValidationError)):
         return "caller", Failure.from_exception(exc)
     return "infrastructure", Failure.from_exception(exc)
 
 
-FAILED_KINDS = ("model", "infrastructure", "caller")
+def _model_failure(exc: Exception, status_code: int | None = None) -> Failure:
+    failure = Failure.from_exception(exc, status_code=status_code)
+    failure.fault = "model"
+    return failure
+
+
+FAILED_KINDS = ("model", "env", "infrastructure", "caller")
 
 
 def log_failure(logger: logging.Logger, result: Any) -> None:

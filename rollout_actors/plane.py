@@ -34,7 +34,8 @@ from rollout_actors.config import PlaneConfig
 from rollout_actors.failures import log_failure
 from rollout_actors.inference.load import LoadReader
 from rollout_actors.inference.weights import WeightUpdater, WeightUpdateReport
-from rollout_actors.kernel import RefResolver
+from rollout_actors.kernel import Loss, RefResolver
+from rollout_actors.kernel.faults import Unavailable, ray_loss
 from rollout_actors.lanes import Lane, Lanes
 from rollout_actors.lora import AdapterLimits
 from rollout_actors.metrics import PlaneMetrics
@@ -43,6 +44,7 @@ from rollout_actors.plane_stats import PlaneStats, WorkerStats
 from rollout_actors.pool_lookup import PoolRoute
 from rollout_actors.pool_supervisor import PoolUnavailable
 from rollout_actors.publish import PolicyPublisher, PublishHandle
+from rollout_actors.redispatch import RedispatchRule
 from rollout_actors.rollout import LoopLimits
 from rollout_actors.shared_pools import SharedPools
 from rollout_actors.staleness import OffPolicyGuard
@@ -119,6 +121,7 @@ class RolloutPlane(Submission):
         )
         self._streams = ResultStreams()
         self._guard = OffPolicyGuard(self.config.max_off_policy_steps)
+        self._rule = RedispatchRule(max_dispatches=self.config.max_dispatches)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._answered: set[str] = set()
         self._open_leases: set[str] = set()
@@ -349,11 +352,7 @@ class RolloutPlane(Submission):
         except Exception as exc:
             # The env's own failure (import error, bad Ref) says whose fault it was; keep its traceback.
             failure = getattr(exc, "failure", None) or Failure.from_exception(exc)
-            kind = (
-                "caller"
-                if isinstance(exc, CallerError) or failure.type == "CallerError"
-                else "infrastructure"
-            )
+            kind = "caller" if isinstance(exc, CallerError) or failure.fault == "caller" else "infrastructure"
             return Result.failed(request, kind, failure)
         try:
             request, checked_out = self._with_policy(request)
@@ -402,79 +401,84 @@ class RolloutPlane(Submission):
         self, request: RolloutRequest, cancelled: asyncio.Event, deadline: float
     ) -> Result:
         """Dispatch until a result stands. A lost rollout worker, env server or renderer (contract 5) is
-        re-dispatched under the same lease, at most `max_dispatches` times in all, within the deadline."""
-        losses: list[str] = []
-        """What each lost dispatch lost (a worker's cause, or the part a result names), oldest first."""
-        for attempt in range(1, self.config.max_dispatches + 1):
+        re-dispatched under the same lease as `self._rule` says (`redispatch.py`), within the deadline:
+        at most `max_dispatches` times in all, and not again once the losses show a poison request."""
+        losses: list[Loss] = []
+        """What each lost dispatch lost, oldest first: the chain every answer after a loss carries."""
+        rule = self._rule
+        for attempt in range(1, rule.max_dispatches + 1):
             if cancelled.is_set():
                 return _cancelled(request, "before dispatch")
             left = deadline - time.monotonic()
             if left <= 0:
-                return _deadline_exceeded(
-                    request, f"after {attempt - 1} dispatch(es) lost: {_listed(losses)}"
-                )
+                return _deadline_exceeded(request, f"after {attempt - 1} dispatch(es) lost", losses)
             try:  # a pool being restarted is waited for; after a loss (attempt > 1) each is checked first
                 route = await self._pools.route(request, left, verify=attempt > 1)
             except PoolUnavailable as exc:
                 return Result.failed(request, "infrastructure", exc.failure, attempts=attempt - 1)
             slot = await self._workers.pick_or_wait(timeout=max(0.0, deadline - time.monotonic()))
             if slot is None:
-                return Result.failed(
-                    request, "infrastructure", Failure(type="NoLiveWorker", message="no live rollout worker")
-                )
+                failure = Unavailable("no live rollout worker", type_name="NoLiveWorker", losses=losses)
+                return Result.failed(request, "infrastructure", failure.failure, attempts=attempt - 1)
             left = deadline - time.monotonic()
             if left <= 0:
-                return _deadline_exceeded(request, "while waiting for a rollout worker")
+                return _deadline_exceeded(request, "while waiting for a rollout worker", losses)
             outcome = await self._attempt(
                 request.model_copy(update={"deadline_s": left}), slot, cancelled, route
             )
+            last: Failure | None = None
             if isinstance(outcome, Result):
-                part = lost_part(outcome)
-                if part is None:
+                if not rule.redispatches(outcome.error):
                     outcome.attempts = attempt
+                    if losses and outcome.error is not None:
+                        outcome.error.losses = [*losses, *outcome.error.losses]
                     return outcome
-                losses.append(f"{part} ({outcome.error.type if outcome.error else '?'})")
-                if attempt == self.config.max_dispatches:
-                    # The budget is spent: the last loss's own result, saying what every dispatch lost.
-                    outcome.attempts = attempt
-                    if outcome.error is not None:
-                        outcome.error.message = (
-                            f"{attempt} dispatches lost ({_listed(losses)}); last: {outcome.error.message}"
-                        )
-                    return outcome
+                last = outcome.error
+                assert last is not None and last.lost is not None
+                losses.append(last.lost)
             else:
-                losses.append(f"rollout worker ({outcome})")
-            if attempt < self.config.max_dispatches:
-                self.counters["redispatched"] += 1
+                losses.append(outcome)
+            decision = rule.decide(losses)
+            if decision == "poison":
+                self.counters["poisoned"] += 1
+                kind, failure = rule.poison(losses, last)
                 log.warning(
-                    "re-dispatching rollout %s (lease %s, worker %s): %s",
+                    "rollout %s (lease %s) is poison: %s",
                     request.request_id,
                     request.lease_id,
-                    slot.name,
-                    losses[-1],
+                    failure.message,
                 )
-                # Spread re-dispatches over a moment: a node's workers are reported dead one by one over
-                # tens of milliseconds, and a lost worker's rollouts re-dispatched in the same tick would
-                # pile onto a worker whose death is not known yet, then onto the one survivor.
-                spread = random.uniform(0.0, REDISPATCH_SPREAD_S)
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(
-                        cancelled.wait(), min(spread, max(0.0, deadline - time.monotonic()))
-                    )
-        return Result.failed(
-            request,
-            "infrastructure",
-            Failure(
-                type="WorkerLost",
-                message=f"{self.config.max_dispatches} dispatches lost: {_listed(losses)}",
-            ),
-            attempts=self.config.max_dispatches,
-        )
+                return Result.failed(request, kind, failure, attempts=attempt)  # type: ignore[arg-type]
+            if decision == "spent":
+                # The budget is spent: what every dispatch lost, the last one's traceback.
+                chain = "; ".join(loss.describe() for loss in losses)
+                spent = Unavailable(
+                    f"{attempt} dispatches lost ({chain})" + (f"; last: {last.message}" if last else ""),
+                    type_name="WorkerLost" if last is None else last.type,
+                    traceback=last.traceback if last is not None else None,
+                    losses=losses,
+                )
+                return Result.failed(request, "infrastructure", spent.failure, attempts=attempt)
+            self.counters["redispatched"] += 1
+            log.warning(
+                "re-dispatching rollout %s (lease %s, worker %s): %s",
+                request.request_id,
+                request.lease_id,
+                slot.name,
+                losses[-1].describe(),
+            )
+            # Spread re-dispatches over a moment: a node's workers are reported dead one by one over
+            # tens of milliseconds, and a lost worker's rollouts re-dispatched in the same tick would
+            # pile onto a worker whose death is not known yet, then onto the one survivor.
+            spread = random.uniform(0.0, REDISPATCH_SPREAD_S)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(cancelled.wait(), min(spread, max(0.0, deadline - time.monotonic())))
+        raise AssertionError("the rule answers `spent` by max_dispatches")
 
     async def _attempt(
         self, request: RolloutRequest, slot: WorkerSlot, cancelled: asyncio.Event, route: PoolRoute
-    ) -> Result | str:
-        """One dispatch. Returns the worker's result, or why the worker was lost."""
+    ) -> Result | Loss:
+        """One dispatch. Returns the worker's result, or the loss of its worker."""
         if cancelled.is_set():
             # Cancelled while this dispatch was being placed (route, worker pick): `cancel` found no slot
             # to tell, so nothing would stop the worker. From here to `_running` nothing awaits, so a later
@@ -503,23 +507,20 @@ class RolloutPlane(Submission):
             if answer in done:
                 try:
                     return Result.model_validate_json(answer.result())  # the worker answers JSON
-                except ray.exceptions.RayActorError as exc:
-                    self._workers.declare_lost(slot, f"actor died: {type(exc).__name__}")
-                    return slot.cause
                 except Exception as exc:
+                    how = ray_loss(exc)
+                    if how is not None:
+                        self._workers.declare_lost(slot, f"actor {how}: {type(exc).__name__}", how)
+                        return _worker_loss(slot)
                     return Result.failed(request, "infrastructure", Failure.from_exception(exc))
             if cancelled.is_set():
                 return _cancelled(request, "worker did not confirm within cancel_grace_s")
             if lost in done or not slot.alive:
-                return slot.cause
-            return Result.failed(
-                request,
-                "infrastructure",
-                Failure(
-                    type="DeadlineExceeded",
-                    message=f"no answer within deadline_s + answer_grace_s = {deadline:g} s",
-                ),
+                return _worker_loss(slot)
+            late = Unavailable(
+                f"no answer within deadline_s + answer_grace_s = {deadline:g} s", type_name="DeadlineExceeded"
             )
+            return Result.failed(request, "infrastructure", late.failure)
         finally:
             self._workers.finished(slot)
             self._running.pop(request.request_id, None)
@@ -563,28 +564,14 @@ class RolloutPlane(Submission):
         self._metrics.answered(result)
 
 
-LOST_PARTS = {
-    "EnvWorkerLost": "env server",
-    "EnvWorkerUnreachable": "env server",
-    "PoolUnreachable": "env pool",
-    "RendererUnavailable": "renderer",
-}
-"""`Failure.type`s that mean a part of ours a rollout depended on was lost (dead, or wedged past its hang
-timeout), not that the rollout itself failed: nothing it did is lost that cannot be redone, so the plane
-re-dispatches it under its lease like a rollout whose worker was lost (contract 5)."""
+def _worker_loss(slot: WorkerSlot) -> Loss:
+    """A rollout worker's loss: never poison (a worker carries many rollouts; its loss strikes them all)."""
+    return Loss(part="worker", how=slot.how, name=slot.name)
 
 
-def lost_part(result: Result) -> str | None:
-    """Which part of ours the result says was lost, or None when the result stands."""
-    if result.kind != "infrastructure" or result.error is None:
-        return None
-    return LOST_PARTS.get(result.error.type)
-
-
-def _listed(losses: list[str]) -> str:
-    return "; ".join(losses) or "none"
-
-
-def _deadline_exceeded(request: RolloutRequest, when: str) -> Result:
+def _deadline_exceeded(request: RolloutRequest, when: str, losses: list[Loss] | None = None) -> Result:
     message = f"the request's deadline_s={request.deadline_s:g} passed {when}"
-    return Result.failed(request, "infrastructure", Failure(type="DeadlineExceeded", message=message))
+    if losses:
+        message += f": {'; '.join(loss.describe() for loss in losses)}"
+    failure = Unavailable(message, type_name="DeadlineExceeded", losses=losses or ())
+    return Result.failed(request, "infrastructure", failure.failure)

@@ -21,7 +21,8 @@ from typing import Any
 
 import ray
 
-from rollout_actors.kernel import Failure
+from rollout_actors.kernel import Loss, Part
+from rollout_actors.kernel.faults import PartLost
 from rollout_actors.rollout import PoolHandles
 
 LOOKUP_TIMEOUT_S = 10.0  # one GCS name lookup; a GCS that cannot answer this fast is itself in trouble
@@ -64,12 +65,9 @@ class PoolRoute:
         return cls(PoolName.parse(env_pool), PoolName.parse(renderer_pool) if renderer_pool else None)
 
 
-class PoolLookupFailed(Exception):
-    """A pool the dispatch names could not be found: it was lost after the plane named it."""
-
-    def __init__(self, failure: Failure) -> None:
-        super().__init__(failure.message)
-        self.failure = failure
+class PoolLookupFailed(PartLost):
+    """A pool the dispatch names could not be found: it was lost after the plane named it (a lost part,
+    so the plane re-dispatches the rollout rather than fail it)."""
 
 
 class PoolLookup:
@@ -89,7 +87,7 @@ class PoolLookup:
             )
         return PoolHandles(renderer=renderer, env=env)
 
-    async def _handle(self, name: PoolName, timeout: float, failure_type: str, what: str) -> Any:
+    async def _handle(self, name: PoolName, timeout: float, failure_type: str, what: Part) -> Any:
         known = self._known.get(name.base)
         if known is None or known[0] < name.incarnation:  # first ask, or a replacement: look it up
             lookup = asyncio.ensure_future(self._lookup(name.actor_name))
@@ -97,15 +95,13 @@ class PoolLookup:
             self._known[name.base] = known = (name.incarnation, lookup)
         elif known[0] > name.incarnation:
             # An older incarnation than one already seen here: it was lost after this dispatch was sent.
-            raise PoolLookupFailed(_lost(failure_type, f"{what} {name.actor_name} was replaced meanwhile"))
+            raise _lost(failure_type, what, name, "was replaced meanwhile")
         try:
             return await asyncio.wait_for(asyncio.shield(known[1]), timeout)
         except Exception as exc:
             if self._known.get(name.base) is known:  # a failed lookup is not kept: the next ask retries
                 del self._known[name.base]
-            raise PoolLookupFailed(
-                _lost(failure_type, f"{what} {name.actor_name} not found: {exc!r}")
-            ) from exc
+            raise _lost(failure_type, what, name, f"not found: {exc!r}") from exc
 
     async def _lookup(self, actor_name: str) -> Any:
         return await asyncio.wait_for(
@@ -119,6 +115,6 @@ def _retrieve(future: asyncio.Future[Any]) -> None:
         future.exception()
 
 
-def _lost(failure_type: str, message: str) -> Failure:
-    # Typed as the pool's loss, so the plane re-dispatches the rollout rather than fail it.
-    return Failure(type=failure_type, message=message)
+def _lost(failure_type: str, part: Part, name: PoolName, why: str) -> PoolLookupFailed:
+    loss = Loss(part=part, how="died", call="lookup", name=name.actor_name)
+    return PoolLookupFailed(f"{part} {name.actor_name} {why}", lost=loss, type_name=failure_type)

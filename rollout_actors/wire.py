@@ -248,7 +248,7 @@ class RolloutRequest(BaseModel):
 
 # ------------------------------------------------------------------------------------------- Result
 
-ResultKind = Literal["ok", "model", "infrastructure", "caller", "cancelled"]
+ResultKind = Literal["ok", "model", "env", "infrastructure", "caller", "cancelled"]
 
 
 class VersionChange(BaseModel):

@@ -73,7 +73,7 @@ class RolloutWorker:
             pools = await self._pools.resolve(PoolRoute.from_wire(env_pool, renderer_pool))
             result = await run_rollout(request, pools, self._limits, policy=self)
         except PoolLookupFailed as exc:  # lost after the plane named it: a lost part, re-dispatched
-            result = Result.failed(request, "infrastructure", exc.failure)
+            result = Result.failed(request, exc.kind, exc.failure)
         except asyncio.CancelledError:
             result = Result.failed(
                 request, "cancelled", Failure(type="Cancelled", message="rollout was cancelled")

@@ -24,6 +24,7 @@ from typing import Any
 import ray
 
 from rollout_actors.config import WORKER_RESTARTS
+from rollout_actors.kernel import How
 from rollout_actors.kernel.supervision import Liveness, RestartBudget, RestartIntensity
 from rollout_actors.naming import PoolNames
 from rollout_actors.rollout import LoopLimits
@@ -45,6 +46,8 @@ class WorkerSlot:
     alive: bool = True
     lost: asyncio.Event = field(default_factory=asyncio.Event)
     cause: str = ""
+    how: How = "died"
+    """How it was lost, once `cause` is set: `died` (Ray said so) or `wedged` (judged silent)."""
     owner: str | None = None
     """The worker's actor id: the owner tag of the env sessions and renderer leases its rollouts take."""
     life: Liveness = field(default_factory=lambda: Liveness(hang_timeout_s=float("inf")))
@@ -228,15 +231,17 @@ class WorkerSet:
                         slot,
                         f"no sign of life for {silent:.1f} s (hang_timeout_s={self._hang_timeout_s:g}; "
                         f"{heard}): frozen, its rollout loop blocked, or its node gone",
+                        how="wedged",
                     )
 
-    def declare_lost(self, slot: WorkerSlot, cause: str) -> None:
+    def declare_lost(self, slot: WorkerSlot, cause: str, how: How = "died") -> None:
         """Retire a worker from dispatch at once, wake everything waiting on it, kill it, have what its
         rollouts held released, replace it."""
         if not slot.alive:
             return
         slot.alive = False
         slot.cause = cause
+        slot.how = how
         slot.lost.set()
         self.lost_count += 1
         log.warning("rollout worker %s lost: %s", slot.name, cause)

@@ -14,8 +14,10 @@ from waiting import eventually
 from renderer_actors.config import RendererKeyStats
 from renderer_actors.key import RendererKey
 from renderer_actors.pool import get_or_create_renderer_pool
-from renderer_actors.session import BridgeStep, RendererCallerError, RendererSession, RendererUnavailable
+from renderer_actors.session import BridgeStep, RendererCallerError, RendererLoadFailed, RendererSession
 from renderer_actors.tokenizer import BUNDLED_MODEL
+from rollout_actors.kernel import Loss
+from rollout_actors.kernel.faults import PartLost, Unavailable
 from rollout_actors.wire import RendererConfig
 
 FAST = {"idle_timeout_s": 600.0, "reap_interval_s": 0.2, "health_interval_s": 0.5, "health_timeout_s": 10.0}
@@ -233,7 +235,9 @@ def test_a_session_sends_the_history_up_front_once_a_bridge_of_that_kind_needed_
     run(scenario())
 
 
-def test_killed_renderer_is_replaced_and_the_rollout_using_it_finishes(make_pool):
+def test_a_killed_renderer_is_a_lost_part_naming_its_call_and_a_new_session_gets_its_replacement(make_pool):
+    """No retry hides in the session: the loss goes to the plane, which re-dispatches (or, the second
+    time at the same point, answers poison); the pool has replaced the renderer for the next session."""
     pool = make_pool()
 
     async def scenario():
@@ -242,16 +246,21 @@ def test_killed_renderer_is_replaced_and_the_rollout_using_it_finishes(make_pool
             prompt = await session.start([{"role": "user", "content": "hi"}], None, timeout=10)
             completion = await encode(session, "hello") + [IM_END]
             dead = session.renderer_id
-            ray.kill(session._renderer, no_restart=True)
-            step = await session.bridge(completion, "stop", [{"role": "user", "content": "again"}], None, 40)
-            assert step.prompt_ids[: len(prompt) + 2] == prompt + completion
-            assert session.renderer_id != dead
-            stats = await pool.stats.remote()
-            assert stats.replaced >= 1 and stats.leases == 1
-            ids = [r.renderer_id for r in stats.keys[session.key.to_json()].renderers]
-            assert dead not in ids and session.renderer_id in ids
+            await killed(session._renderer)
+            with pytest.raises(PartLost) as lost:
+                await session.bridge(completion, "stop", [{"role": "user", "content": "again"}], None, 40)
+            assert lost.value.lost == Loss(part="renderer", how="died", call="bridge", step=0, name=dead)
+            assert lost.value.failure.lost == lost.value.lost  # as data, for the plane
         finally:
             await session.close()
+        again = await RendererSession.open(pool, BUNDLED_MODEL, RendererConfig(multiplex=4), timeout=40)
+        try:
+            assert await again.start([{"role": "user", "content": "hi"}], None, timeout=30) == prompt
+            assert again.renderer_id != dead
+        finally:
+            await again.close()
+        stats = await pool.stats.remote()
+        assert stats.replaced >= 1 and stats.leases == 0
 
     run(scenario())
 
@@ -260,13 +269,16 @@ def test_startup_failure_reaches_the_caller_within_seconds_with_the_renderer_tra
     pool = make_pool()
 
     async def scenario():
-        with pytest.raises(RendererUnavailable) as failure:
+        with pytest.raises(RendererLoadFailed) as failure:
             await RendererSession.open(pool, "/nonexistent/tokenizer", RendererConfig(), timeout=30)
         assert "/nonexistent/tokenizer" in str(failure.value)
         assert failure.value.kind == "infrastructure" and failure.value.failure.traceback
+        assert (
+            failure.value.failure.fault == "load" and failure.value.failure.lost is None
+        )  # never re-dispatched
         # Within the hold, the next lease fails at once instead of spawning another doomed renderer.
         await asyncio.sleep(0.5)
-        with pytest.raises(RendererUnavailable, match="failed to start"):
+        with pytest.raises(RendererLoadFailed, match="failed to start"):
             await RendererSession.open(pool, "/nonexistent/tokenizer", RendererConfig(), timeout=30)
         assert (await pool.stats.remote()).startup_failures == 1
 
@@ -280,14 +292,14 @@ def test_a_renderer_that_fails_on_every_start_is_respawned_only_within_its_resta
     async def scenario():
         errors: list[str] = []
         for _ in range(10):  # a lease may land on a doomed renderer still warming: not one spawn per lease
-            with pytest.raises(RendererUnavailable) as failure:
+            with pytest.raises((RendererLoadFailed, Unavailable)) as failure:
                 await RendererSession.open(pool, "/nonexistent/tokenizer", RendererConfig(), timeout=30)
             errors.append(str(failure.value))
             if "restart budget spent" in errors[-1]:
                 break
         assert "restart budget spent (2 restarts in 600 s)" in errors[-1], errors
         assert "/nonexistent/tokenizer" in errors[-1]  # and why the last one died
-        with pytest.raises(RendererUnavailable, match="restart budget spent"):
+        with pytest.raises(Unavailable, match="restart budget spent"):
             await RendererSession.open(pool, "/nonexistent/tokenizer", RendererConfig(), timeout=30)
         stats = await pool.stats.remote()
         assert stats.spawned == 3, stats  # the first renderer, then two restarts: not one per lease
@@ -314,22 +326,26 @@ async def killed(handle, within_s: float = 30.0) -> None:
 def test_a_killed_renderer_is_not_replaced_once_its_keys_restart_budget_is_spent(make_pool):
     pool = make_pool(restart={"max_restarts": 1, "window_s": 600})
 
-    async def scenario():
-        session = await RendererSession.open(pool, BUNDLED_MODEL, RendererConfig(multiplex=4), timeout=30)
+    async def start_and_kill() -> None:
+        session = await RendererSession.open(pool, BUNDLED_MODEL, RendererConfig(multiplex=4), timeout=40)
         try:
-            await session.start([{"role": "user", "content": "hi"}], None, timeout=10)
+            await session.start([{"role": "user", "content": "hi"}], None, timeout=30)
             await killed(session._renderer)
-            await session.start([{"role": "user", "content": "again"}], None, timeout=40)  # on the restart
-            await killed(session._renderer)
-            with pytest.raises(RendererUnavailable, match="restart budget spent"):
-                await session.start([{"role": "user", "content": "once more"}], None, timeout=40)
+            with pytest.raises(PartLost):
+                await session.start([{"role": "user", "content": "again"}], None, timeout=10)
         finally:
             await session.close()
+
+    async def scenario():
+        await start_and_kill()
+        await start_and_kill()  # on the one restart the budget allows
+        with pytest.raises(Unavailable, match="restart budget spent"):
+            await RendererSession.open(pool, BUNDLED_MODEL, RendererConfig(multiplex=4), timeout=40)
         stats = await pool.stats.remote()
         assert stats.spawned == 2 and stats.replaced == 1 and stats.budget_denials >= 1
-        assert stats.keys[session.key.to_json()].restarts_left == 0
+        assert stats.keys[key_json()].restarts_left == 0
 
-    run(scenario())
+    run(scenario(), timeout=120)
 
 
 def test_a_renderer_killed_while_it_starts_is_replaced_not_held_as_a_startup_failure(make_pool):

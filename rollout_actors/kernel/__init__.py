@@ -26,7 +26,7 @@ import re
 import threading
 import traceback as traceback_module
 import uuid
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -65,10 +65,6 @@ def process_owner() -> str | None:
     return _owner
 
 
-class CallerError(ValueError):
-    """The request itself is invalid (bad Ref, bad task, bad sampling args): a `caller` result."""
-
-
 # ------------------------------------------------------------------------------------------ secrets
 
 _secrets: set[str] = set()
@@ -105,8 +101,46 @@ field refuses. `rollouts run` writes the same JSON."""
 # ------------------------------------------------------------------------------------------ failure
 
 
+Part = Literal["worker", "env server", "renderer", "env pool", "renderer pool"]
+"""A part of ours a rollout depends on (a rollout worker, an env server, a renderer, or a pool actor)."""
+How = Literal["died", "wedged", "unreachable"]
+"""How a part was lost: Ray says it died, it was judged wedged (alive, no progress past its hang
+timeout), or its node cannot be reached."""
+FaultName = Literal["caller", "model", "env", "lost", "load", "poison", "unavailable"]
+"""Which class of the kernel's hierarchy (`kernel.faults`) a failure is: what decisions read."""
+
+
+class Loss(BaseModel):
+    """One part of ours a rollout lost, and where in the rollout: the data the re-dispatch and poison
+    rules read (`Loss.point`), never a message string."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    part: Part
+    how: How
+    call: str | None = None
+    """The call in flight when it was lost (`reset`, `step`, `score`, `start`, `bridge`, `parse`, ...);
+    None when the part was lost between calls (a rollout worker)."""
+    step: int | None = None
+    """The rollout's step (0 = reset / first prompt, k = the k-th env step or bridge) the call belonged to."""
+    name: str | None = None
+    """Which actor (for people; no rule reads it: a replacement has another name)."""
+
+    def point(self) -> tuple[str, str, str | None, int | None]:
+        """What makes two losses "the same way at the same point": part, how, call, step."""
+        return (self.part, self.how, self.call, self.step)
+
+    def describe(self) -> str:
+        where = f" during {self.call}" if self.call else ""
+        where += f" of step {self.step}" if self.step is not None else ""
+        return f"{self.part}{f' {self.name}' if self.name else ''} {self.how}{where}"
+
+
 class Failure(BaseModel):
-    """Why a request failed, classified on the side where it failed. Registered secrets never appear in it."""
+    """Why a request failed, classified on the side where it failed. Registered secrets never appear in it.
+
+    `fault`, `lost` and `losses` are the typed half (`kernel.faults`): they survive the JSON hop, and
+    every decision (re-dispatch, poison, masking) reads them; `type` and `message` are for people."""
 
     type: str
     """Exception type name, e.g. `APITimeoutError`, `ActorDiedError`, `CallerError`."""
@@ -114,6 +148,12 @@ class Failure(BaseModel):
     status_code: int | None = None
     traceback: str | None = None
     """Traceback text from the failing side (Ray strips causes at actor boundaries)."""
+    fault: FaultName | None = None
+    """The class in the kernel's hierarchy this failure was raised as; None for one nobody typed."""
+    lost: Loss | None = None
+    """The part of ours this failure lost (`fault="lost"`): the request may be re-dispatched."""
+    losses: list[Loss] = Field(default_factory=list)
+    """Every loss of the request's dispatches, oldest first: the chain a poison or spent answer carries."""
 
     @model_validator(mode="after")
     def _redacted(self) -> Failure:
@@ -124,6 +164,8 @@ class Failure(BaseModel):
 
     @classmethod
     def from_exception(cls, exc: BaseException, status_code: int | None = None) -> Failure:
+        if isinstance(exc, Fault):  # typed where it was raised: its data, not its class name
+            return exc.failure
         return cls(
             type=type(exc).__name__,
             message=str(exc) or type(exc).__name__,
@@ -296,3 +338,8 @@ class RefResolver:
         if isinstance(value, dict):
             return {k: self._value(v, depth) for k, v in value.items()}
         return value
+
+
+# The hierarchy needs `Failure` above; re-exported here so `from rollout_actors.kernel import CallerError`
+# keeps working for every side.
+from rollout_actors.kernel.faults import CallerError, Fault  # noqa: E402

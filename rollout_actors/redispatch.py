@@ -1,0 +1,77 @@
+"""The re-dispatch rule, declared as data and matched on a failure's typed fields (DESIGN.md contract 5).
+
+    rule = RedispatchRule(max_dispatches=3)
+    losses.append(loss)
+    match rule.decide(losses):
+        case "redispatch": ...       # same lease, a fresh dispatch
+        case "poison": ...           # answer `rule.poison(losses)` now
+        case "spent": ...            # the dispatch budget is spent: `infrastructure`
+
+A dispatch whose result names a lost part (`Failure.lost`, set where the loss was seen: `kernel.faults`)
+is re-dispatched under its lease. Two losses of one of `poison_parts` the same way at the same point
+(`Loss.point`: part, how, call, step) mean the failure follows the request, not the part: it is a
+poison request, answered at once, so one bad task cannot spend a pool's restart budget. A lost rollout
+worker is never poison: a worker carries many rollouts, and the loss of a node or a killed worker strikes
+them all at once.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from rollout_actors.kernel import Failure, Loss, Part
+from rollout_actors.kernel.faults import PoisonRequest
+
+Decision = Literal["redispatch", "poison", "spent"]
+
+
+class RedispatchRule(BaseModel):
+    """Which losses are re-dispatched, how often, and when a request is poison."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    max_dispatches: int = Field(default=3, ge=1)
+    """Dispatches of one request in all (contract 5: re-dispatched at most twice)."""
+    parts: tuple[Part, ...] = ("worker", "env server", "renderer", "env pool", "renderer pool")
+    """Losses of these parts are re-dispatched; a loss of any other stands as the result."""
+    poison_parts: tuple[Part, ...] = ("env server", "renderer")
+    """Parts whose repeated loss at one point makes the request poison: they run the request's own
+    content (environment code, its messages). Not the worker or the pools: their losses are shared."""
+    poison_repeats: int = Field(default=2, ge=2)
+    """Losses at the same point that make a request poison: twice, as contract 5 says."""
+    poison_kind: dict[str, str] = {"env server": "env"}
+    """The result kind of a poison request by the part it kept losing (`infrastructure` otherwise): an
+    environment that wedges or kills its own server every time is the environment's fault."""
+
+    def redispatches(self, failure: Failure | None) -> bool:
+        """Whether this failure lost a part this rule re-dispatches."""
+        return failure is not None and failure.lost is not None and failure.lost.part in self.parts
+
+    def decide(self, losses: list[Loss]) -> Decision:
+        """What to do after the latest of `losses` (every loss so far, oldest first)."""
+        latest = losses[-1]
+        if latest.part in self.poison_parts:
+            same = sum(1 for loss in losses if loss.point() == latest.point())
+            if same >= self.poison_repeats:
+                return "poison"
+        return "spent" if len(losses) >= self.max_dispatches else "redispatch"
+
+    def poison(self, losses: list[Loss], last: Failure | None = None) -> tuple[str, Failure]:
+        """(result kind, failure) a poison request is answered with: the chain of its losses, the last
+        traceback."""
+        latest = losses[-1]
+        chain = "; ".join(loss.describe() for loss in losses)
+        fault = PoisonRequest(
+            f"poison request: it lost a {latest.part} {latest.how} at the same point "
+            f"{self.poison_repeats} times ({chain}); not dispatched again",
+            traceback=last.traceback if last is not None else None,
+            losses=losses,
+            kind=self.poison_kind.get(latest.part, "infrastructure"),
+        )
+        return fault.kind, fault.failure
+
+
+REDISPATCH = RedispatchRule()
+"""The production rule: three dispatches, poison after two identical losses of an env server or renderer."""

@@ -1,0 +1,98 @@
+"""Typed failures (DESIGN.md contracts 3 and 5): the kernel's hierarchy survives the JSON hop as data, Ray's
+exceptions are mapped in one place, and the re-dispatch rule reads types, never strings. No cluster."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayTaskError
+
+from rollout_actors.failures import MalformedResponse, classify
+from rollout_actors.kernel import Failure, Loss
+from rollout_actors.kernel.faults import (
+    CallerError,
+    EnvError,
+    Fault,
+    LoadFailed,
+    PartLost,
+    PoisonRequest,
+    ray_errors,
+    ray_loss,
+)
+from rollout_actors.redispatch import RedispatchRule
+from rollout_actors.wire import Result
+
+
+def test_a_fault_crosses_json_and_pickle_as_the_same_type_with_its_loss():
+    loss = Loss(part="env server", how="wedged", call="step", step=3, name="env-1")
+    raised = PartLost("lost it", lost=loss, type_name="EnvWorkerLost")
+    failure = Failure.model_validate_json(raised.failure.model_dump_json())
+    assert failure.fault == "lost" and failure.lost == loss and failure.type == "EnvWorkerLost"
+    rebuilt = Fault.from_failure(failure)
+    assert isinstance(rebuilt, PartLost) and rebuilt.lost == loss and rebuilt.kind == "infrastructure"
+    again = pickle.loads(pickle.dumps(LoadFailed("no tokenizer", kind="caller")))
+    assert isinstance(again, LoadFailed) and again.kind == "caller" and str(again) == "no tokenizer"
+
+
+def test_classify_reads_the_type_not_the_name():
+    assert classify(CallerError("bad task"))[0] == "caller"
+    assert classify(EnvError("env raised"))[0] == "env"
+    kind, failure = classify(MalformedResponse("ids outside the vocabulary"))
+    assert kind == "model" and failure.fault == "model" and failure.type == "MalformedResponse"
+    # A plain exception that happens to be named like a loss is not one: it stands.
+    imposter = type("EnvWorkerLost", (Exception,), {})("not really")
+    kind, failure = classify(imposter)
+    assert kind == "infrastructure" and failure.lost is None and not RedispatchRule().redispatches(failure)
+
+
+def test_ray_errors_maps_deaths_and_unreachable_actors_and_nothing_else():
+    assert ray_loss(ActorDiedError()) == "died"
+    assert ray_loss(ActorUnavailableError("node gone", b"\0" * 16)) == "unreachable"
+    assert ray_loss(TimeoutError()) is None
+    with pytest.raises(PartLost) as lost:
+        with ray_errors("renderer", "renderer-1", call="bridge", step=2):
+            raise ActorDiedError()
+    assert lost.value.lost == Loss(part="renderer", how="died", call="bridge", step=2, name="renderer-1")
+    with pytest.raises(ValueError):  # an application error is not a loss: it propagates as it is
+        with ray_errors("renderer"):
+            raise ValueError("bad message")
+    task_error = RayTaskError("f", "traceback text", ValueError("x"))
+    assert ray_loss(task_error) is None
+
+
+def loss(part="env server", how="wedged", call="step", step=1) -> Loss:
+    return Loss(part=part, how=how, call=call, step=step)
+
+
+def test_the_same_loss_at_the_same_point_twice_is_poison_and_says_its_chain():
+    rule = RedispatchRule(max_dispatches=3)
+    assert rule.decide([loss()]) == "redispatch"
+    assert rule.decide([loss(), loss()]) == "poison"
+    kind, failure = rule.poison([loss(), loss()])
+    assert kind == "env" and failure.fault == "poison" and failure.losses == [loss(), loss()]
+    assert isinstance(Fault.from_failure(failure), PoisonRequest)
+    renderer = [loss("renderer", "died", "bridge", 2)] * 2
+    assert rule.decide(renderer) == "poison" and rule.poison(renderer)[0] == "infrastructure"
+
+
+def test_losses_that_differ_or_strike_a_worker_are_redispatched_until_the_budget():
+    rule = RedispatchRule(max_dispatches=3)
+    assert rule.decide([loss(step=1), loss(step=2)]) == "redispatch"  # another step: not the same point
+    assert rule.decide([loss(how="died"), loss(how="wedged")]) == "redispatch"
+    assert rule.decide([loss(step=1), loss(step=2), loss(step=3)]) == "spent"
+    workers = [Loss(part="worker", how="died")] * 2  # a node or a killed worker: many rollouts at once
+    assert rule.decide(workers) == "redispatch"
+    assert RedispatchRule(max_dispatches=1).decide([loss()]) == "spent"
+
+
+def test_the_rule_is_declared_data_that_refuses_unknown_keys():
+    with pytest.raises(ValueError):
+        RedispatchRule(max_dispatches=3, retry_everything=True)  # type: ignore[call-arg]
+    with pytest.raises(ValueError):
+        RedispatchRule(poison_repeats=1)
+    lost = Result.model_validate(
+        {"request_id": "r", "lease_id": "l", "kind": "infrastructure", "error": PartLost(lost=loss()).failure}
+    )
+    assert RedispatchRule().redispatches(lost.error)
+    assert not RedispatchRule(parts=("worker",)).redispatches(lost.error)
