@@ -108,12 +108,12 @@ async def call_server(
             # session cannot go on. Whether the worker is dead is the supervisor's call (hang_timeout_s);
             # for the rollout it is a lost part, and the pool places nothing more on it.
             _notice_unreachable(pool, worker)
-            reason, type_name = exit_detail(exc), "EnvWorkerUnreachable"
+            reason, type_name, culprit = exit_detail(exc), "EnvWorkerUnreachable", None
         else:
             # The supervisor may have killed it as wedged: that, not Ray's "killed", is how it was lost.
-            reason, how = await _why_lost(pool, worker, exit_detail(exc))
+            reason, how, culprit = await _why_lost(pool, worker, exit_detail(exc), session_id)
             type_name = "EnvWorkerLost"
-        lost = Loss(part="env server", how=how, call=method, step=step, name=worker)
+        lost = Loss(part="env server", how=how, call=method, step=step, name=worker, culprit=culprit)
         message = f"env worker {worker} was lost during {method}: {reason}"
         failure = Failure(type=type_name, message=message, fault="lost", lost=lost)
         raise EnvCallFailed(failure, worker_exit=reason) from None
@@ -161,15 +161,16 @@ def _notice_unreachable(pool: Any, worker: str) -> None:
         pass
 
 
-async def _why_lost(pool: Any, worker: str, detail: str) -> tuple[str, Any]:
-    """(why, how) the worker ended, as its pool's supervisor judged it (`died` or `wedged`)."""
+async def _why_lost(pool: Any, worker: str, detail: str, session_id: str) -> tuple[str, Any, bool | None]:
+    """(why, how, culprit) the worker ended, as its pool's supervisor judged it: `died` or `wedged`, and
+    whether this session's own call was the one that wedged it."""
     try:
-        reason, how = await asyncio.wait_for(
-            resolve(pool.worker_lost.remote(worker, detail)), POOL_NOTICE_TIMEOUT_S
+        reason, how, culprit = await asyncio.wait_for(
+            resolve(pool.worker_lost.remote(worker, detail, session_id)), POOL_NOTICE_TIMEOUT_S
         )
-        return reason, how
+        return reason, how, culprit
     except Exception:  # the pool is gone or busy: Ray's word is all there is
-        return f"died: {detail}", "died"
+        return f"died: {detail}", "died", None
 
 
 async def _send_calls(batch: TickBatch) -> None:

@@ -64,8 +64,9 @@ class EnvPool:
         self._name, self._config = name, config
         self._sessions = OpenSessions()
         """The one pool-side record of open sessions; the supervisor reads its per-worker counts."""
-        self._retired: OrderedDict[str, tuple[str, str]] = OrderedDict()
-        """Retired worker -> (why, how: `died` or `wedged`), for sessions that find it gone."""
+        self._retired: OrderedDict[str, tuple[str, str, str | None]] = OrderedDict()
+        """Retired worker -> (why, how: `died` or `wedged`, the session whose call wedged it), for the
+        sessions that find it gone."""
         """Worker name -> why it was retired, for sessions whose direct call found it dead."""
         self._lost_owners: OrderedDict[str, None] = OrderedDict()
         self._supervisor = Supervisor(name, env, config, self._sessions, self._on_retire)
@@ -148,14 +149,17 @@ class EnvPool:
             self._forget(session_id)
         return len(known)
 
-    async def worker_lost(self, worker: str, detail: str) -> tuple[str, str]:
+    async def worker_lost(self, worker: str, detail: str, session_id: str | None = None) -> tuple:
         """A session's direct call found `worker` dead: retire it now if the supervisor has not yet (its
-        replacement starts at once), and say why and how it ended: `wedged` where the supervisor judged
-        it so (and killed it), else `died`."""
+        replacement starts at once), and say why and how it ended: (why, `wedged` where the supervisor
+        judged it so and killed it, else `died`, whether `session_id`'s own call wedged it: None when the
+        worker named no call)."""
         slot = self._supervisor.workers.get(worker)
         if slot is not None:
             self._supervisor.retire(slot, f"died: {detail}", "died")
-        return self._retired.get(worker, (f"died: {detail}", "died"))
+        reason, how, blocking = self._retired.get(worker, (f"died: {detail}", "died", None))
+        culprit = None if blocking is None or session_id is None else blocking == session_id
+        return reason, how, culprit
 
     async def worker_unreachable(self, worker: str) -> None:
         """A session's direct call could not reach `worker` (its node lost or cut off): place nothing more
@@ -245,8 +249,8 @@ class EnvPool:
         return EnvResponse.failed(Failure.from_exception(exc), worker=slot.name)
 
     def _on_retire(self, slot: ServerSlot, reason: str) -> None:
-        cause = slot.gone.result()[1] if slot.gone.done() else "died"
-        self._retired[slot.name] = (reason, "wedged" if cause == "wedged" else "died")
+        wedged = slot.gone.done() and slot.gone.result()[1] == "wedged"
+        self._retired[slot.name] = (reason, "wedged" if wedged else "died", slot.blocking if wedged else None)
         while len(self._retired) > RETIRED_WORKER_MEMORY:
             self._retired.popitem(last=False)
         # Their calls fail on the dead worker; `end_session` finds them gone.

@@ -17,6 +17,8 @@ import itertools
 import logging
 import math
 import os
+import sys
+import threading
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Iterator
@@ -38,6 +40,7 @@ BATCH_LINGER_S = 0.02
 """Once one call of a batch has answered, how long the others may take to join its reply. Slower ones are
 answered by a later `collect`, so a slow step never holds a fast one back by more than this."""
 ENDED_MEMORY = 10_000  # ids of sessions closed before they started, oldest forgotten first
+BLOCKING_AFTER_S = 0.5  # a stall this long is worth naming the call that holds the loop
 UNCOLLECTED_TTL_S = 60.0  # an answer nobody collected (its caller gave up) is dropped after this
 DEADLINE_FAILURE = "EnvDeadline"
 """`Failure.type` of a call that missed its deadline (raised here or by the pool)."""
@@ -81,6 +84,8 @@ class EnvServer:
         self._sessions: dict[str, Any] = {}
         self._last_tick = time.monotonic()
         self._heartbeat: asyncio.Task | None = None
+        self._loop_thread: int | None = None
+        """The default loop's thread: where a probe looks for the env call that blocks it."""
 
     async def start(self) -> EnvResponse:
         """Construct the environment from its Ref and load it. Idempotent once ready."""
@@ -116,6 +121,7 @@ class EnvServer:
         }
 
     async def _beat(self) -> None:
+        self._loop_thread = threading.get_ident()
         while True:
             self._last_tick = time.monotonic()
             await asyncio.sleep(HEARTBEAT_S)
@@ -128,10 +134,22 @@ class EnvServer:
         return {
             "phase": self._phase,
             "loop_stall_s": max(0.0, stall) if self._heartbeat is not None else 0.0,
+            "blocking": self._blocking_session() if stall > BLOCKING_AFTER_S else None,
             "sessions": len(self._sessions),
             "calls": sum(self._busy.values()),
             "pid": os.getpid(),
         }
+
+    def _blocking_session(self) -> str | None:
+        """The session whose env call holds the default loop now: its reset, step or score frame is on that
+        thread's stack. The supervisor keeps it when it retires the server as wedged, so the one request
+        that wedged it is told apart from the sessions that only shared its server (`Loss.culprit`)."""
+        frame = sys._current_frames().get(self._loop_thread) if self._loop_thread is not None else None
+        while frame is not None:
+            if frame.f_code in _ENV_CALL_CODES:
+                return frame.f_locals.get("session_id")
+            frame = frame.f_back
+        return None
 
     # ------------------------------------------------------------------------------ session calls
 
@@ -320,6 +338,9 @@ class EnvServer:
             logger.warning(
                 "env worker %s: close of scored session %s raised", self._worker, session_id, exc_info=True
             )
+
+
+_ENV_CALL_CODES = {EnvServer._reset.__code__, EnvServer._step.__code__, EnvServer._score.__code__}
 
 
 async def _answer(response: EnvResponse) -> EnvResponse:

@@ -79,6 +79,8 @@ class ServerSlot:
     life: Liveness = field(default_factory=lambda: Liveness(hang_timeout_s=0.0))
     """When the worker last showed life (readiness, then probe answers dated back by its loop stall)."""
     idle_since: float = 0.0
+    blocking: str | None = None
+    """The session whose env call held its loop at the last probe (the one that wedged it, if it was)."""
     unreachable_at: float | None = None
     """When a session last found it unreachable; it takes no new session until it shows life after that."""
 
@@ -314,6 +316,7 @@ class Supervisor:
                     resolve(slot.handle.health.remote()), self.config.probe_timeout_s
                 )
                 slot.life.heard(float(health["loop_stall_s"]))
+                slot.blocking = health.get("blocking")
             except ActorDiedError as exc:
                 self.retire(slot, f"died: {exit_detail(exc)}", "died")
                 return

@@ -6,6 +6,13 @@ temporary directory and renames it into place, so concurrent first uses (several
 safely: one rename wins, the others find the finished cache. The `renderers` library renders the Qwen3
 family on it directly; `FastTokenizer` is the surface the library is handed (any tokenizer, not only
 this one).
+
+Any other tokenizer loads from local files first (a path, or the Hugging Face cache), and only then from
+the hub, for at most `RAY_ROLLOUTS_HUB_TIMEOUT_S` seconds (`DEFAULT_HUB_TIMEOUT_S`; 0: never): on a
+machine without hub access the hub client retries for minutes, and every rollout of the key would wait
+with it (DESIGN.md contract 8). A name the hub says does not exist is the request's fault
+(`TokenizerNotFound`, a `caller` failure); anything else that keeps it from loading is ours
+(`TokenizerUnavailable`, `infrastructure`).
 """
 
 from __future__ import annotations
@@ -18,6 +25,9 @@ import threading
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
+from typing import Any
+
+from rollout_actors.kernel.faults import CallerError, LoadFailed
 
 BUNDLED_MODEL = "ray-rollouts/qwen3-bundled"
 """The model name that means "the bundled tokenizer" to renderers and the stand-in server."""
@@ -62,6 +72,10 @@ FIRST_SPECIAL_ID = 151643
 # Tokens the template uses as plain markers but which Qwen3 does not mark "special" for decoding.
 NON_SPECIAL = {"<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"}
 BUILD_VERSION = "1"
+HUB_TIMEOUT_ENV = "RAY_ROLLOUTS_HUB_TIMEOUT_S"
+DEFAULT_HUB_TIMEOUT_S = 8.0
+"""A tokenizer's few files come from a working hub in a second or two; past this the hub is not there,
+and a wave of rollouts must not wait on it (the hub client alone retries for minutes)."""
 
 _build_lock = threading.Lock()
 
@@ -224,8 +238,126 @@ class FastTokenizer:
         return self.hf.apply_chat_template(*args, **kwargs)
 
 
+class TokenizerNotFound(CallerError):
+    """The hub says no tokenizer has this name (no such repository, or not a valid id)."""
+
+
+class TokenizerUnavailable(LoadFailed):
+    """The tokenizer is not in local files and the hub did not deliver it in time (or failed to)."""
+
+
+def hub_timeout_s() -> float:
+    """The longest a load waits on the hub: `RAY_ROLLOUTS_HUB_TIMEOUT_S`, else `DEFAULT_HUB_TIMEOUT_S`."""
+    value = os.environ.get(HUB_TIMEOUT_ENV)
+    try:
+        return max(0.0, float(value)) if value else DEFAULT_HUB_TIMEOUT_S
+    except ValueError:
+        return DEFAULT_HUB_TIMEOUT_S
+
+
+def _looks_like_path(name: str) -> bool:
+    return name.startswith(("/", ".", "~")) or os.path.isdir(os.path.expanduser(name))
+
+
+def local_tokenizer_dir(name: str) -> str | None:
+    """Where the tokenizer `name` is on this machine without asking any network: the path itself, or its
+    snapshot in the Hugging Face cache (under the source the library loads it from); None if nowhere."""
+    if _looks_like_path(name):
+        path = os.path.expanduser(name)
+        return path if os.path.isdir(path) else None
+    try:
+        from huggingface_hub import snapshot_download
+        from renderers import base
+
+        source = getattr(base, "_tokenizer_source_for", lambda n: n)(name)
+        return snapshot_download(source, local_files_only=True)
+    except Exception:  # not cached (LocalEntryNotFoundError), or not a valid id: nothing local
+        return None
+
+
 def _load_library_tokenizer(name: str):
+    """The library's loader (its trust policy), on local files when they are there; else the hub, for at
+    most `hub_timeout_s()`."""
     from renderers.base import load_tokenizer as library_load
 
-    with _build_lock:
-        return library_load(name)
+    local = local_tokenizer_dir(name)
+    if local is not None:
+        with _build_lock:
+            tokenizer = library_load(local)
+        if local != name:
+            tokenizer.name_or_path = name  # the family is resolved from the name, not the cache path
+        return tokenizer
+    if _looks_like_path(name):
+        raise TokenizerUnavailable(f"tokenizer {name!r}: no such directory on this machine")
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(name)
+    except HFValidationError as exc:  # no hub could ever serve it: the request named nothing
+        raise TokenizerNotFound(f"{name!r} is neither a local path nor a valid hub id: {exc}") from None
+    return _from_hub(name, library_load, hub_timeout_s())
+
+
+def _from_hub(name: str, library_load: Any, timeout_s: float):
+    """`library_load(name)` in a daemon thread, waited on for `timeout_s`: the hub client's own retries
+    cannot be bounded from outside, so a load past the bound is abandoned (its thread ends with its
+    retries) and this one fails. Not under `_build_lock`: an abandoned load must not hold it."""
+    if timeout_s <= 0:
+        raise TokenizerUnavailable(
+            f"tokenizer {name!r} is not in local files and hub loads are off ({HUB_TIMEOUT_ENV}=0)"
+        )
+    outcome: dict[str, Any] = {}
+
+    def fetch() -> None:
+        try:
+            outcome["tokenizer"] = library_load(name)
+        except BaseException as exc:  # handed to the waiting caller
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=fetch, name=f"hub-load {name}", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise TokenizerUnavailable(
+            f"tokenizer {name!r} is not in local files and the hub did not deliver it within {timeout_s:g} s "
+            f"({HUB_TIMEOUT_ENV}); put it in the Hugging Face cache or name a local path"
+        )
+    error = outcome.get("error")
+    if error is not None:
+        from huggingface_hub.errors import HFValidationError, RepositoryNotFoundError
+
+        if isinstance(error, (RepositoryNotFoundError, HFValidationError)):
+            raise TokenizerNotFound(f"no tokenizer named {name!r}: {error}") from error
+        raise TokenizerUnavailable(
+            f"tokenizer {name!r} could not be loaded: {type(error).__name__}: {error}"
+        ) from error
+    return outcome["tokenizer"]
+
+
+_vocab_sizes: dict[str, int | None] = {}
+
+
+def known_vocab_size(name: str) -> tuple[bool, int | None]:
+    """(known, vocabulary size) of a tokenizer this process has looked up: `load_vocab_size` fills it."""
+    return (name in _vocab_sizes, _vocab_sizes.get(name))
+
+
+def load_vocab_size(name: str) -> int | None:
+    """The vocabulary size (added tokens included, as a renderer reports it) of the tokenizer `name` from
+    local files only, or None when there are none: a rollout worker never waits on the hub for it.
+    Blocking (a file read, once per process and name)."""
+    if name not in _vocab_sizes:
+        from tokenizers import Tokenizer
+
+        if name == BUNDLED_MODEL:
+            path: str | None = str(bundled_tokenizer_dir())
+        else:
+            path = local_tokenizer_dir(name)
+        file = os.path.join(path, "tokenizer.json") if path else None
+        try:
+            size = Tokenizer.from_file(file).get_vocab_size(with_added_tokens=True) if file else None
+        except Exception:  # no fast tokenizer file: the bound stays the int32 range
+            size = None
+        _vocab_sizes[name] = size
+    return _vocab_sizes[name]

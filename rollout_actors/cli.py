@@ -18,11 +18,11 @@ import time
 from collections import Counter
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 from rollout_actors.kernel import DEFAULT_ALLOWED_PREFIXES
 from rollout_actors.run_config import ConfigError, RunConfig, load_run_config, to_toml
-from rollout_actors.wire import Ref, Result, RolloutRequest
+from rollout_actors.wire import Ref, Result, ResultKind, RolloutRequest
 
 STATUS_EVERY_S = 5.0  # the plain status line of `--no-progress`
 
@@ -323,7 +323,7 @@ def _print_summary(results: list[Result], elapsed: float, output: Path) -> None:
     table = Table(title=f"{summary['rollouts']} rollouts in {elapsed:.1f} s -> {output}")
     table.add_column("metric")
     table.add_column("value", justify="right")
-    for kind in ("ok", "model", "infrastructure", "caller", "cancelled"):
+    for kind in get_args(ResultKind):
         table.add_row(f"kind={kind}", str(summary["kinds"].get(kind, 0)))
     mean = summary["mean_reward"]
     table.add_row("mean reward", "n/a" if mean is None else f"{mean:.3f}")

@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Coroutine, Generator
+from collections.abc import AsyncIterator, Awaitable, Coroutine, Generator, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from rollout_actors.samples import TrainerSample, trainer_samples
+from rollout_actors.samples import OK_ONLY, TrainerSample, Use, trainer_samples
 from rollout_actors.wire import Result
 
 STRAGGLER = "Straggler"
@@ -66,9 +66,15 @@ class Group:
         """The distinct start versions of the members that reached a policy, ascending."""
         return sorted({r.policy_version_start for r in self.results if r.policy_version_start is not None})
 
-    def samples(self) -> list[TrainerSample]:
-        """Trainer samples of the `ok` members (one per branch), in member order."""
-        return [sample for r in self.ok for sample in trainer_samples(r)]
+    def by_kind(self, kind: str) -> list[Result]:
+        """The members whose result is of this kind (`env`, `infrastructure`, ...), in member order."""
+        return [r for r in self.results if r.kind == kind]
+
+    def samples(self, use: Mapping[str, Use] = OK_ONLY) -> list[TrainerSample]:
+        """Trainer samples of the members (one per branch), in member order: by default of the `ok`
+        ones only; `use` decides each kind (`{"ok": "train", "infrastructure": "mask"}`: see
+        `trainer_samples`)."""
+        return [sample for r in self.results for sample in trainer_samples(r, use)]
 
 
 class GroupOwner(Protocol):

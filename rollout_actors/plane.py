@@ -25,7 +25,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import ray
 
@@ -54,6 +54,7 @@ from rollout_actors.wire import (
     CallerError,
     Failure,
     Result,
+    ResultKind,
     RolloutRequest,
 )
 from rollout_actors.worker_set import WorkerSet, WorkerSlot
@@ -189,7 +190,9 @@ class RolloutPlane(Submission):
     def stats(self) -> PlaneStats:
         return PlaneStats(
             counters=dict(self.counters),
+            kinds={kind: self.counters[f"kind.{kind}"] for kind in get_args(ResultKind)},
             redispatched=self.counters["redispatched"],
+            poisoned=self.counters["poisoned"],
             duplicates_dropped=self.counters["duplicates_dropped"],
             lanes=self.lanes.snapshot(),
             workers=tuple(

@@ -34,8 +34,13 @@ class PlaneStats(BaseModel):
     counters: dict[str, int]
     """Every counter of the plane: `submitted`, `redispatched`, `duplicates_dropped`, `kind.<kind>` per
     delivered result, `cancelled.<reason>` per cancellation."""
+    kinds: dict[str, int] = {}
+    """Results delivered per kind, every kind named (`ok`, `model`, `env`, `infrastructure`, `caller`,
+    `cancelled`), zeros included."""
     redispatched: int
-    """Rollouts re-dispatched under their lease after their worker was lost."""
+    """Rollouts re-dispatched under their lease after a part of theirs was lost."""
+    poisoned: int = 0
+    """Requests answered as poison: their dispatches lost a part the same way at the same point twice."""
     duplicates_dropped: int
     """Late answers for leases already answered (never delivered)."""
     lanes: dict[str, LaneStats]

@@ -9,7 +9,8 @@
 
 A dispatch whose result names a lost part (`Failure.lost`, set where the loss was seen: `kernel.faults`)
 is re-dispatched under its lease. Two losses of one of `poison_parts` the same way at the same point
-(`Loss.point`: part, how, call, step) mean the failure follows the request, not the part: it is a
+(`Loss.point`: part, how, call, step), neither of them collateral (`Loss.culprit` False: the part named
+another request's call as the one that wedged it), mean the failure follows the request: it is a
 poison request, answered at once, so one bad task cannot spend a pool's restart budget. A lost rollout
 worker is never poison: a worker carries many rollouts, and the loss of a node or a killed worker strikes
 them all at once.
@@ -52,8 +53,8 @@ class RedispatchRule(BaseModel):
     def decide(self, losses: list[Loss]) -> Decision:
         """What to do after the latest of `losses` (every loss so far, oldest first)."""
         latest = losses[-1]
-        if latest.part in self.poison_parts:
-            same = sum(1 for loss in losses if loss.point() == latest.point())
+        if latest.part in self.poison_parts and latest.culprit is not False:
+            same = sum(1 for loss in losses if loss.point() == latest.point() and loss.culprit is not False)
             if same >= self.poison_repeats:
                 return "poison"
         return "spent" if len(losses) >= self.max_dispatches else "redispatch"

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-KINDS = ("ok", "model", "infrastructure", "caller", "cancelled")
+KINDS = ("ok", "model", "env", "infrastructure", "caller", "cancelled")
 FAILURE_KINDS = KINDS[1:]
 MAX_TIME_BINS = 60  # panels over time: up to this many bins across the run, ~10 rollouts per bin
 

@@ -12,9 +12,17 @@ the result's reward.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import Literal
 
 from rollout_actors.wire import Result, Turn
+
+Use = Literal["train", "mask", "drop"]
+"""What a trainer does with a result of one kind: train on its samples, keep them with the loss mask all
+zero (in the batch, contributing nothing), or drop them."""
+OK_ONLY: Mapping[str, Use] = {"ok": "train"}
+"""Train on `ok` results only; every other kind (a kind not named) is dropped."""
 
 NOT_SAMPLED = -1
 """`TrainerSample.policy_versions` of a token the model did not sample (prompt, synthetic close)."""
@@ -47,13 +55,24 @@ class TrainerSample:
         return self.loss_mask.index(1) if 1 in self.loss_mask else len(self.loss_mask)
 
 
-def trainer_samples(result: Result) -> list[TrainerSample]:
+def trainer_samples(result: Result, use: Mapping[str, Use] | None = None) -> list[TrainerSample]:
     """One `TrainerSample` per branch, in branch order. Any result kind works (a cancelled rollout gives
-    what it sampled), but only an `ok` result has a reward."""
+    what it sampled), but only an `ok` result has a reward.
+
+    `use` says, per result kind, what to do with it, so a trainer decides each kind explicitly (an `env`
+    failure is a bug in the environment; an `infrastructure` one is ours; they are not the same to
+    train on): `{"ok": "train", "cancelled": "mask"}` trains on `ok`, masks `cancelled` (loss mask all
+    zero) and drops every kind not named. None: every kind as it is."""
+    decision = "train" if use is None else use.get(result.kind, "drop")
+    if decision == "drop":
+        return []
     by_branch: dict[int, list[int]] = {}
     for index, turn in enumerate(result.turns):
         by_branch.setdefault(turn.branch, []).append(index)
-    return [_branch_sample(result, branch, indices) for branch, indices in sorted(by_branch.items())]
+    samples = [_branch_sample(result, branch, indices) for branch, indices in sorted(by_branch.items())]
+    if decision == "mask":
+        return [replace(sample, loss_mask=[0] * len(sample.loss_mask)) for sample in samples]
+    return samples
 
 
 def _branch_sample(result: Result, branch: int, indices: list[int]) -> TrainerSample:

@@ -14,12 +14,14 @@ what it added to its branch (`Turn.new_prompt_ids`), never the whole prompt (con
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from typing import Any, Protocol
 
 import openai
 
 from renderer_actors.session import RendererSession
+from renderer_actors.tokenizer import known_vocab_size, load_vocab_size
 from rollout_actors.failures import TurnAborted
 from rollout_actors.model_call import (
     CallTags,
@@ -242,10 +244,18 @@ class ChatTurns:
         self._seen: list[int] | None = None
         """The previous turn's prompt + completion: what the next prompt should extend."""
         self._branch = 0
+        self._vocab_size: int | None = None
         self.forked = False
 
     async def open(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> None:
         self._tools = tools
+        # The ids the server samples are checked against the model's vocabulary exactly as in token mode
+        # (an id outside it is `MalformedResponse`, never recorded as sampled): its size from local files,
+        # once per process (never from the hub: unknown, the bound is the int32 range).
+        name = self._request.renderer.tokenizer or self._request.client.model
+        known, self._vocab_size = known_vocab_size(name)
+        if not known:
+            self._vocab_size = await asyncio.to_thread(load_vocab_size, name)
 
     async def sample(self, messages: list[dict[str, Any]]) -> tuple[Turn, dict[str, Any]]:
         request = self._request
@@ -258,6 +268,7 @@ class ChatTurns:
             self._tools,
             request.sampling,
             deadline_s=request.client.call_deadline,
+            vocab_size=self._vocab_size,
             tags=tags,
         )
         version, changes = turn_versions(sampled, sent_under)

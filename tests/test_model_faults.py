@@ -179,14 +179,16 @@ def _holds(path: str, secret: str) -> bool:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("mode", ["token", "chat"])
 def test_a_rollout_whose_server_samples_an_id_past_the_vocabulary_ends_model_without_recording_it(
-    ray_session, standin
+    ray_session, standin, mode
 ):
-    """Token mode: the bound is the renderer's vocabulary (ids 0..vocab_size-1); the server sent exactly
-    `vocab_size`, which no tokenizer of this model can decode."""
+    """Both modes: the bound is the model's vocabulary (ids 0..vocab_size-1: the renderer's in token mode,
+    the tokenizer's local files in chat mode); the server sent exactly `vocab_size`, which no tokenizer of
+    this model can decode."""
     client = ClientConfig(base_url=standin.base_url, model=BUNDLED_MODEL, headers={"X-Standin-Fault": "oov"})
     request = RolloutRequest(
-        env=Ref(target="env_actors.examples.math_env:MathEnv"), task_index=0, client=client
+        env=Ref(target="env_actors.examples.math_env:MathEnv"), task_index=0, client=client, mode=mode
     )
     vocab_size = len(load_tokenizer(BUNDLED_MODEL))
 

@@ -241,7 +241,7 @@ def test_a_killed_renderer_is_a_lost_part_naming_its_call_and_a_new_session_gets
     pool = make_pool()
 
     async def scenario():
-        session = await RendererSession.open(pool, BUNDLED_MODEL, RendererConfig(multiplex=4), timeout=30)
+        session = await RendererSession.open(pool, BUNDLED_MODEL, RendererConfig(multiplex=4), timeout=60)
         try:
             prompt = await session.start([{"role": "user", "content": "hi"}], None, timeout=10)
             completion = await encode(session, "hello") + [IM_END]
@@ -262,7 +262,7 @@ def test_a_killed_renderer_is_a_lost_part_naming_its_call_and_a_new_session_gets
         stats = await pool.stats.remote()
         assert stats.replaced >= 1 and stats.leases == 0
 
-    run(scenario())
+    run(scenario(), timeout=150)
 
 
 def test_startup_failure_reaches_the_caller_within_seconds_with_the_renderer_traceback(make_pool):

@@ -183,19 +183,22 @@ class ExitsAfterAnsweringEnv(EchoEnv):
 
 
 class BlocksLoopEnv(EchoEnv):
-    """Each step blocks the worker's event loop (a synchronous call where an await belonged)."""
+    """Each step blocks the worker's event loop (a synchronous call where an await belonged); with
+    `blocking_tasks`, only the steps of tasks below that index do (the rest are healthy echoes)."""
 
-    def __init__(self, block_s: float = FOREVER_S, **kwargs: Any):
+    def __init__(self, block_s: float = FOREVER_S, blocking_tasks: int | None = None, **kwargs: Any):
         super().__init__(**kwargs)
         self.block_s = block_s
+        self.blocking_tasks = blocking_tasks
 
     async def step(self, state: _Episode, assistant_message: Message) -> StepOut:
-        time.sleep(self.block_s)
+        if self.blocking_tasks is None or state.index < self.blocking_tasks:
+            time.sleep(self.block_s)
         return await super().step(state, assistant_message)
 
 
 class StepRaisesEnv(EchoEnv):
-    """Each step raises an ordinary exception: a bug in environment code (an `infrastructure` failure)."""
+    """Each step raises an ordinary exception: a bug in environment code (an `env` failure)."""
 
     async def step(self, state: _Episode, assistant_message: Message) -> StepOut:
         raise KeyError("reward_model_url")

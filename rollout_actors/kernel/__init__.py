@@ -125,6 +125,10 @@ class Loss(BaseModel):
     """The rollout's step (0 = reset / first prompt, k = the k-th env step or bridge) the call belonged to."""
     name: str | None = None
     """Which actor (for people; no rule reads it: a replacement has another name)."""
+    culprit: bool | None = None
+    """Whether this request's own call wedged the part: True when the part named it, False when it named
+    another request's call (this one was collateral), None when nobody can tell (a death, a frozen
+    process). The poison rule never counts a collateral loss."""
 
     def point(self) -> tuple[str, str, str | None, int | None]:
         """What makes two losses "the same way at the same point": part, how, call, step."""
