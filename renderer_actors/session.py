@@ -334,8 +334,10 @@ def _far_fault(exc: RayTaskError, what: str, method: str) -> Fault:
     """The fault a call raised on the renderer's (or the pool's) side, typed as it was raised there."""
     cause = remote_cause(exc)
     if isinstance(cause, Fault):  # typed on the far side (the pool's startup hold, a load's CallerError)
-        if method == "ready" and isinstance(cause, CallerError):
-            return RendererLoadFailed(f"{what}: {cause}", traceback=str(exc), kind="caller")
+        if method == "ready" and isinstance(cause, CallerError):  # the load refused what the key names
+            return RendererLoadFailed(
+                f"{what}: {cause}", type_name=cause.type_name, traceback=str(exc), kind="caller"
+            )
         fault = Fault.from_failure(cause.failure, kind=cause.kind)
         fault.traceback = fault.traceback or str(exc)
         return fault

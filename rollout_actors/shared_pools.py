@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from typing import Any
 
@@ -36,6 +37,9 @@ from rollout_actors.wire import Ref, RolloutRequest
 log = logging.getLogger(__name__)
 
 POOL_SHUTDOWN_TIMEOUT_S = 10.0  # a pool that cannot stop in this long is killed regardless
+START_RETRY_S = 60.0
+"""How long an environment whose pool failed to start is remembered as failed: requests naming it fail at
+once meanwhile (its load failed the same way for every server it tried), then the next starts it again."""
 RELEASE_TIMEOUT_S = 30.0  # telling a pool to release a lost worker's holdings; it ends them in parallel
 POOL_READY_TIMEOUT_S = 60.0  # the renderer pool's own process start (it loads nothing until asked)
 
@@ -48,6 +52,8 @@ class SharedPools:
         self._renderer: SupervisedPool | None = None
         self._env: dict[str, tuple[SupervisedPool, asyncio.Future[Any]]] = {}
         """Env key -> its supervisor and the first start (shared by every request that waits for it)."""
+        self._env_failed_at: dict[str, float] = {}
+        """Env key -> when its pool's start failed: the failure answers every request until `START_RETRY_S`."""
         self._releases: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
@@ -63,9 +69,13 @@ class SharedPools:
 
     async def ensure_env_pool(self, env: Ref) -> None:
         """Start the environment's pool on first use and wait until it is ready; raises its startup
-        failure (every later call for the Ref raises the same one at once)."""
+        failure (every later call for the Ref raises the same one at once, until `START_RETRY_S` after
+        the failure: then the next request starts the pool afresh)."""
         key = env_key(env)
         entry = self._env.get(key)
+        if entry is not None and self._env_failed_at.get(key, math.inf) < time.monotonic() - START_RETRY_S:
+            entry = None
+            self._env_failed_at.pop(key, None)
         if entry is None:
             pool = SupervisedPool(
                 f"env pool {env.target} ({key})",
@@ -75,7 +85,12 @@ class SharedPools:
                 self._config.pool_supervision,
             )
             entry = self._env[key] = (pool, asyncio.ensure_future(pool.start()))
+            entry[1].add_done_callback(lambda done, key=key: self._stamp_failure(key, done))
         await asyncio.shield(entry[1])
+
+    def _stamp_failure(self, key: str, start: asyncio.Future[Any]) -> None:
+        if not start.cancelled() and start.exception() is not None:
+            self._env_failed_at[key] = time.monotonic()
 
     def env_pool_started(self, env: Ref) -> bool:
         """The environment's pool has started (so `ensure_env_pool` would return at once)."""

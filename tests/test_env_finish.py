@@ -140,7 +140,7 @@ def test_a_raising_score_fails_the_finishing_step_as_infrastructure_and_close_st
             with pytest.raises(EnvCallFailed) as failed:
                 await session.step(assistant(), timeout=10, score_if_done=True)
 
-            assert failed.value.kind == "infrastructure" and failed.value.failure.type == "ConnectionError"
+            assert failed.value.kind == "env" and failed.value.failure.type == "ConnectionError"
             assert "reward-model:8000" in failed.value.failure.traceback
             assert "in score" in failed.value.failure.traceback  # the environment's own frame
             assert not session.closed

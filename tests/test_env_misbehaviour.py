@@ -17,34 +17,28 @@ DEADLINE_S = 300
 STEP_TIMEOUT_S = 3.0
 SCORE_TIMEOUT_S = 2.0
 HANG_TIMEOUT_S = 2.0
-MAX_DISPATCHES = 2
+MAX_DISPATCHES = 3
 FAULTS = "env_actors.faults.envs"
 
 # name -> (env Ref config, kind, failure type, seconds it may take at most beyond the env's start)
 CASES = {
-    "step-raises": ("StepRaisesEnv", {}, "infrastructure", "KeyError", 10),
-    "step-returns-a-string": ("WrongTypesEnv", {}, "infrastructure", "ValidationError", 10),
-    "reward-nan": ("BadRewardEnv", {"reward": "nan", "turns": 1}, "infrastructure", "ValidationError", 10),
-    "reward-inf": ("BadRewardEnv", {"reward": "-inf", "turns": 1}, "infrastructure", "ValidationError", 10),
-    "assistant-message": ("BadMessagesEnv", {"kind": "assistant"}, "infrastructure", "ValidationError", 10),
-    "role-robot": ("BadMessagesEnv", {"kind": "robot"}, "infrastructure", "ValidationError", 10),
-    "integer-content": ("BadMessagesEnv", {"kind": "int_content"}, "infrastructure", "ValidationError", 10),
+    "step-raises": ("StepRaisesEnv", {}, "env", "KeyError", 10),
+    "step-returns-a-string": ("WrongTypesEnv", {}, "env", "ValidationError", 10),
+    "reward-nan": ("BadRewardEnv", {"reward": "nan", "turns": 1}, "env", "ValidationError", 10),
+    "reward-inf": ("BadRewardEnv", {"reward": "-inf", "turns": 1}, "env", "ValidationError", 10),
+    "assistant-message": ("BadMessagesEnv", {"kind": "assistant"}, "env", "ValidationError", 10),
+    "role-robot": ("BadMessagesEnv", {"kind": "robot"}, "env", "ValidationError", 10),
+    "integer-content": ("BadMessagesEnv", {"kind": "int_content"}, "env", "ValidationError", 10),
     # A rollout's steps also score the episode when it ends: the call's limit is step + score timeouts.
     "step-never-returns": (
         "NeverReturnsEnv",
         {},
-        "infrastructure",
+        "env",
         "EnvDeadline",
         STEP_TIMEOUT_S + SCORE_TIMEOUT_S + 10,
     ),
-    # A wedged env server is a lost part: re-dispatched, then given up after max_dispatches.
-    "step-blocks-its-loop": (
-        "BlocksLoopEnv",
-        {},
-        "infrastructure",
-        "EnvWorkerLost",
-        MAX_DISPATCHES * (HANG_TIMEOUT_S + 15),
-    ),
+    # It wedges its env server at the same step of every dispatch: poison after two, not three.
+    "step-blocks-its-loop": ("BlocksLoopEnv", {}, "env", "PoisonRequest", 2 * (HANG_TIMEOUT_S + 15)),
 }
 
 
@@ -94,11 +88,11 @@ def test_a_misbehaving_environment_ends_in_one_result_of_its_documented_kind(out
     result, took_s = outcomes[name]
     assert (result.kind, result.error.type if result.error else None) == (kind, failure_type), result.error
     assert result.reward is None
-    if failure_type not in ("EnvDeadline", "EnvWorkerLost"):
+    if failure_type not in ("EnvDeadline", "PoisonRequest"):
         assert "env_actors/" in result.error.traceback  # the traceback of the side that failed
     assert took_s <= budget_s, f"{name} took {took_s:.1f} s, documented budget {budget_s} s"
-    if failure_type == "EnvWorkerLost":
-        assert result.attempts == MAX_DISPATCHES
+    if failure_type == "PoisonRequest":
+        assert result.attempts == 2 and len(result.error.losses) == 2  # two servers lost, not three
     else:
         assert result.attempts == 1  # the environment's own bug is not re-dispatched
 

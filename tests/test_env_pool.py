@@ -85,7 +85,7 @@ def test_caller_mistakes_fail_as_caller_and_env_bugs_as_infrastructure():
             session = await EnvSession.open(pool, task_index=1, timeout=10)
             with pytest.raises(EnvCallFailed) as bug:
                 await session.step(assistant("hi"), timeout=10)
-            assert bug.value.kind == "infrastructure" and bug.value.failure.type == "KeyError"
+            assert bug.value.kind == "env" and bug.value.failure.type == "KeyError"
             assert "reward_model_url" in bug.value.failure.traceback
             await session.close()
             await session.close()  # idempotent
@@ -104,7 +104,7 @@ def test_a_call_past_its_deadline_fails_naming_it_and_the_worker_keeps_serving()
             session = await EnvSession.open(pool, task_index=0, timeout=10)
             with pytest.raises(EnvCallFailed) as late:
                 await session.step(assistant("hi"), timeout=30)  # the pool's 0.5 s wins
-            assert late.value.kind == "infrastructure" and late.value.failure.type == "EnvDeadline"
+            assert late.value.kind == "env" and late.value.failure.type == "EnvDeadline"
             assert "0.5 s deadline" in late.value.failure.message
             stats = await pool.stats.remote()
             assert stats.ready == 1 and stats.deaths == 0

@@ -46,7 +46,7 @@ TERM_GRACE_S = 5.0  # gcs_server and raylet ignore SIGTERM for 10 s+ here; the a
 MARKER_VAR = "RAY_ROLLOUTS_JOB_TEST_HEAD"
 CLIENT_ONLY_VARS = ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS", "RAY_AUTH_TOKEN", "RAY_AUTH_MODE")
 """Dropped from the head's environment: a caller's cluster address or token must not leak into it."""
-KINDS = ("ok", "model", "infrastructure", "caller", "cancelled")
+KINDS = ("ok", "model", "env", "infrastructure", "caller", "cancelled")
 README_ADDRESS = "http://127.0.0.1:8265"
 """The job API address the README's commands use; this test's head listens elsewhere."""
 

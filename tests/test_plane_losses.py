@@ -138,9 +138,11 @@ def test_a_rollout_whose_env_server_died_is_redispatched_under_its_lease(ray_ses
     assert pool_stats.deaths == 1 and pool_stats.sessions == 0
 
 
-def test_env_server_losses_are_redispatched_at_most_max_dispatches_times(ray_session, standin):
-    """An env server that dies in every step: the rollout is tried `max_dispatches` times, then ends
-    `infrastructure` naming the lost env server."""
+def test_an_env_server_that_dies_at_the_same_step_of_every_dispatch_makes_the_rollout_poison(
+    ray_session, standin
+):
+    """An environment that kills its server in every step: the rollout is dispatched twice, not
+    `max_dispatches` times, and ends `env` (`PoisonRequest`) with the chain of both losses."""
     dies = Ref(target="env_actors.faults.envs:ExitsMidCallEnv", config={"turns": 1})
 
     async def scenario():
@@ -150,10 +152,11 @@ def test_env_server_losses_are_redispatched_at_most_max_dispatches_times(ray_ses
             return await p.next_result(timeout=120), p.stats()
 
     result, stats = run(scenario())
-    assert result.kind == "infrastructure"
-    assert result.error.type == "EnvWorkerLost"
-    assert result.attempts == 3
-    assert stats.redispatched == 2
+    assert result.kind == "env" and result.error.type == "PoisonRequest", result.error
+    assert [(loss.part, loss.how, loss.call, loss.step) for loss in result.error.losses] == [
+        ("env server", "died", "step", 1)
+    ] * 2
+    assert result.attempts == 2 and stats.redispatched == 1 and stats.poisoned == 1
 
 
 def test_a_rollout_whose_renderer_stays_unavailable_is_redispatched(ray_session, standin):
