@@ -336,6 +336,7 @@ class RolloutPlane(Submission):
         # The request's deadline covers everything from here: its env pool's start, waiting for a
         # worker, and every attempt (a re-dispatch gets what is left, not a fresh budget).
         deadline = time.monotonic() + request.deadline_s
+        started = time.time()
         try:
             result = await self._dispatch(request, deadline)
         except Exception as exc:  # a bug of ours must still answer the request
@@ -343,6 +344,8 @@ class RolloutPlane(Submission):
             result = Result.failed(request, "infrastructure", Failure.from_exception(exc))
         finally:
             await lane.release()
+        if result.started_at is None:  # answered here, not by a worker: timed from its dispatch
+            result.started_at, result.finished_at = started, time.time()
         self._answer(result)
 
     async def _dispatch(self, request: RolloutRequest, deadline: float) -> Result:
@@ -408,13 +411,17 @@ class RolloutPlane(Submission):
         at most `max_dispatches` times in all, and not again once the losses show a poison request."""
         losses: list[Loss] = []
         """What each lost dispatch lost, oldest first: the chain every answer after a loss carries."""
+        base: Result | None = None
+        """The last attempt's own result (its turns, its times): what a poison or spent answer builds on."""
         rule = self._rule
-        for attempt in range(1, rule.max_dispatches + 1):
+        for attempt in range(1, rule.most_dispatches + 1):
             if cancelled.is_set():
                 return _cancelled(request, "before dispatch")
             left = deadline - time.monotonic()
             if left <= 0:
-                return _deadline_exceeded(request, f"after {attempt - 1} dispatch(es) lost", losses)
+                return _deadline_exceeded(
+                    request, f"after {attempt - 1} dispatch(es) lost", losses, attempt - 1
+                )
             try:  # a pool being restarted is waited for; after a loss (attempt > 1) each is checked first
                 route = await self._pools.route(request, left, verify=attempt > 1)
             except PoolUnavailable as exc:
@@ -425,12 +432,13 @@ class RolloutPlane(Submission):
                 return Result.failed(request, "infrastructure", failure.failure, attempts=attempt - 1)
             left = deadline - time.monotonic()
             if left <= 0:
-                return _deadline_exceeded(request, "while waiting for a rollout worker", losses)
+                return _deadline_exceeded(request, "while waiting for a rollout worker", losses, attempt - 1)
             outcome = await self._attempt(
                 request.model_copy(update={"deadline_s": left}), slot, cancelled, route
             )
             last: Failure | None = None
             if isinstance(outcome, Result):
+                base = outcome
                 if not rule.redispatches(outcome.error):
                     outcome.attempts = attempt
                     if losses and outcome.error is not None:
@@ -451,7 +459,7 @@ class RolloutPlane(Submission):
                     request.lease_id,
                     failure.message,
                 )
-                return Result.failed(request, kind, failure, attempts=attempt)  # type: ignore[arg-type]
+                return _answered_after_losses(request, base, kind, failure, attempt)
             if decision == "spent":
                 # The budget is spent: what every dispatch lost, the last one's traceback.
                 chain = "; ".join(loss.describe() for loss in losses)
@@ -461,7 +469,7 @@ class RolloutPlane(Submission):
                     traceback=last.traceback if last is not None else None,
                     losses=losses,
                 )
-                return Result.failed(request, "infrastructure", spent.failure, attempts=attempt)
+                return _answered_after_losses(request, base, "infrastructure", spent.failure, attempt)
             self.counters["redispatched"] += 1
             log.warning(
                 "re-dispatching rollout %s (lease %s, worker %s): %s",
@@ -476,7 +484,7 @@ class RolloutPlane(Submission):
             spread = random.uniform(0.0, REDISPATCH_SPREAD_S)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(cancelled.wait(), min(spread, max(0.0, deadline - time.monotonic())))
-        raise AssertionError("the rule answers `spent` by max_dispatches")
+        raise AssertionError("the rule answers `spent` by its most_dispatches")
 
     async def _attempt(
         self, request: RolloutRequest, slot: WorkerSlot, cancelled: asyncio.Event, route: PoolRoute
@@ -567,14 +575,26 @@ class RolloutPlane(Submission):
         self._metrics.answered(result)
 
 
+def _answered_after_losses(
+    request: RolloutRequest, base: Result | None, kind: str, failure: Failure, attempts: int
+) -> Result:
+    """The answer of a request the plane stops dispatching: the last attempt's own result (its turns and
+    times) when a worker answered it, with the plane's verdict as its kind and failure."""
+    if base is None:
+        return Result.failed(request, kind, failure, attempts=attempts)  # type: ignore[arg-type]
+    return base.model_copy(update={"kind": kind, "error": failure, "attempts": attempts, "reward": None})
+
+
 def _worker_loss(slot: WorkerSlot) -> Loss:
     """A rollout worker's loss: never poison (a worker carries many rollouts; its loss strikes them all)."""
     return Loss(part="worker", how=slot.how, name=slot.name)
 
 
-def _deadline_exceeded(request: RolloutRequest, when: str, losses: list[Loss] | None = None) -> Result:
+def _deadline_exceeded(
+    request: RolloutRequest, when: str, losses: list[Loss] | None = None, attempts: int = 1
+) -> Result:
     message = f"the request's deadline_s={request.deadline_s:g} passed {when}"
     if losses:
         message += f": {'; '.join(loss.describe() for loss in losses)}"
     failure = Unavailable(message, type_name="DeadlineExceeded", losses=losses or ())
-    return Result.failed(request, "infrastructure", failure.failure)
+    return Result.failed(request, "infrastructure", failure.failure, attempts=attempts)

@@ -8,7 +8,8 @@
         case "spent": ...            # the dispatch budget is spent: `infrastructure`
 
 A dispatch whose result names a lost part (`Failure.lost`, set where the loss was seen: `kernel.faults`)
-is re-dispatched under its lease. Two losses of one of `poison_parts` the same way at the same point
+is re-dispatched under its lease; a collateral loss (the part named another request as its culprit) does
+not spend the request's `max_dispatches` (it has its own bound). Two losses of one of `poison_parts` the same way at the same point
 (`Loss.point`: part, how, call, step), neither of them collateral (`Loss.culprit` False: the part named
 another request's call as the one that wedged it), mean the failure follows the request: it is a
 poison request, answered at once, so one bad task cannot spend a pool's restart budget. A lost rollout
@@ -34,7 +35,12 @@ class RedispatchRule(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     max_dispatches: int = Field(default=3, ge=1)
-    """Dispatches of one request in all (contract 5: re-dispatched at most twice)."""
+    """Dispatches of one request that may end in a loss of its own (contract 5: re-dispatched at most
+    twice)."""
+    max_collateral: int = Field(default=8, ge=0)
+    """Further dispatches for collateral losses (`Loss.culprit` False: the part named another request's
+    call as the one that wedged it): they say nothing of this request, so they do not spend its
+    `max_dispatches`; bounded all the same (and by the request's deadline)."""
     parts: tuple[Part, ...] = ("worker", "env server", "renderer", "env pool", "renderer pool")
     """Losses of these parts are re-dispatched; a loss of any other stands as the result."""
     poison_parts: tuple[Part, ...] = ("env server", "renderer")
@@ -45,6 +51,11 @@ class RedispatchRule(BaseModel):
     poison_kind: dict[str, str] = {"env server": "env"}
     """The result kind of a poison request by the part it kept losing (`infrastructure` otherwise): an
     environment that wedges or kills its own server every time is the environment's fault."""
+
+    @property
+    def most_dispatches(self) -> int:
+        """The bound on one request's dispatches, whatever it loses."""
+        return self.max_dispatches + self.max_collateral
 
     def redispatches(self, failure: Failure | None) -> bool:
         """Whether this failure lost a part this rule re-dispatches."""
@@ -57,7 +68,11 @@ class RedispatchRule(BaseModel):
             same = sum(1 for loss in losses if loss.point() == latest.point() and loss.culprit is not False)
             if same >= self.poison_repeats:
                 return "poison"
-        return "spent" if len(losses) >= self.max_dispatches else "redispatch"
+        collateral = sum(1 for loss in losses if loss.culprit is False)
+        own = len(losses) - collateral
+        if own >= self.max_dispatches or collateral > self.max_collateral:
+            return "spent"
+        return "redispatch"
 
     def poison(self, losses: list[Loss], last: Failure | None = None) -> tuple[str, Failure]:
         """(result kind, failure) a poison request is answered with: the chain of its losses, the last

@@ -30,7 +30,6 @@ import contextlib
 import logging
 import os
 import random
-import re
 import signal
 import sys
 import tempfile
@@ -61,14 +60,15 @@ WORKER_NODE_CPUS = 4  # logical: the actors mostly wait; the machine has two rea
 HELD_CHECK_AFTER_S = 10.0
 RUN_DEADLINE_S = 1800.0  # a run that has not answered everything by then is a failure, not a wait
 ENV_RESTARTS = RestartIntensity(max_restarts=6, window_s=60.0)
-REDISPATCHABLE = (
-    "WorkerLost",
-    "EnvWorkerLost",
-    "EnvWorkerUnreachable",
-    "RendererUnavailable",
-    "PoolUnreachable",
-)
-"""Failure types of a rollout whose every dispatch lost a part of ours: its re-dispatch budget was spent."""
+
+
+def spent_losses(result: Result) -> bool:
+    """The result answers a request whose dispatches each lost a part of ours (the re-dispatch budget
+    spent, or a poison request): read from its typed failure, not its message."""
+    error = result.error
+    return error is not None and bool(error.losses) and len(error.losses) == result.attempts
+
+
 KILLS = [
     "worker SIGKILL",
     "worker SIGKILL",
@@ -378,12 +378,11 @@ def report(
     examples = {(r.kind, r.error.type): r.error.message for r in final if r.error is not None}
     for (kind, type_), count in sorted(by_type.items()):
         print(f"    {kind}/{type_:<28} {count:>5}   e.g. {examples[kind, type_][:150]}")
-    spent = [r for r in final if r.kind == "infrastructure" and r.error and r.error.type in REDISPATCHABLE]
+    spent = [r for r in final if spent_losses(r)]
     if spent:
-        print("  re-dispatch budget spent, by what each dispatch lost:")
+        print("  re-dispatch budget spent (or poison), by what each dispatch lost:")
         paths = Counter(
-            " -> ".join(re.findall(r"(rollout worker|env server|env pool|renderer) \(", r.error.message))
-            for r in spent
+            " -> ".join(f"{loss.part} {loss.how}" for loss in r.error.losses) for r in spent if r.error
         )
         for path, count in paths.most_common():
             print(f"    {count:>5}  {path}")
@@ -422,7 +421,7 @@ def report(
 
     once = sum(1 for answers in chaos.results.values() if len(answers) == 1)
     model = by_kind.get("model", 0)
-    budget_spent = sum(c for (k, t), c in by_type.items() if k == "infrastructure" and t in REDISPATCHABLE)
+    budget_spent = len(spent)
     other = len(final) - by_kind.get("ok", 0) - model - budget_spent
     print("\ntargets")
     print(f"  {'met ' if once == R else 'MISS'} every request answered exactly once: {once}/{R}")

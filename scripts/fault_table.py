@@ -119,7 +119,7 @@ async def startup_failure(
     except EnvStartupError as exc:
         failure = exc.failure
         detail = f"{failure.type}: {failure.message}" if failure else str(exc)
-        if failure and failure.type == "CallerError":  # an import error: its cause is at the end
+        if failure and failure.fault == "caller":  # an import error: its cause is at the end
             detail = "..." + failure.message[-70:]
         return [Row(case, f"EnvStartupError: {detail[:90]}", time.monotonic() - started, target)]
     await stop_env_pool(pool)

@@ -1,6 +1,7 @@
 """Plane fault table: each actor the plane holds one of, lost while rollouts run, and how fast it recovers.
 
-    python scripts/plane_fault_table.py          # starts a local Ray (or joins RAY_ADDRESS) and a stand-in
+    python scripts/plane_fault_table.py             # starts a local Ray (or joins RAY_ADDRESS) and a stand-in
+    python scripts/plane_fault_table.py --requests  # only the second table (failures that follow the request)
 
 One plane, two environments (so two env pools), a renderer pool. For each singleton, rollouts are put in
 flight (holding env sessions and renderer leases), then the singleton is killed (`ray.kill`) or frozen
@@ -10,6 +11,13 @@ replacement serving (`restart`; a frozen pool is first found by its hang timeout
 rollouts are submitted one after another from the moment of the loss until one is `ok`). A row whose
 requests were not each answered exactly once, or whose plane never served again, prints BROKEN and makes
 the script exit 1. Timings are reported, not asserted. The last line is `slowest recovery: <seconds> s`.
+
+A second table times failures that follow the request, not the part (DESIGN.md contracts 5 and 8): an
+environment that blocks its loop in every step (a poison request: answered after two env servers, within
+2 x `hang_timeout_s` + a spawn), sixteen of them among 64 healthy rollouts of one pool, and renderer keys
+that cannot load (every rollout of the key answered at once, not re-dispatched; the hub case waits at most
+`RAY_ROLLOUTS_HUB_TIMEOUT_S`). Each row: how the rollouts ended, dispatches, env servers lost, and the
+seconds from submit until the last of them was answered.
 """
 
 from __future__ import annotations
@@ -39,6 +47,21 @@ IN_FLIGHT = 8  # rollouts holding sessions and leases when the singleton is lost
 LATENCY_S = 1.5  # per model call: long enough that the loss lands mid-rollout
 HANG_TIMEOUT_S = 3.0  # the pools' hang timeout here (production: 30 s), so a frozen pool is found fast
 CASE_DEADLINE_S = 120.0  # a case that takes longer has a stalled future somewhere: the bug we hunt
+
+
+ENV_HANG_TIMEOUT_S = 2.0  # the env pools' hang timeout in the second table
+BLOCKS = "env_actors.faults.envs:BlocksLoopEnv"
+
+
+@dataclass
+class RequestRow:
+    case: str
+    ended: str
+    dispatches: str
+    servers_lost: int | None
+    answered_s: float
+    target_s: float
+    broken: str = ""
 
 
 @dataclass
@@ -153,6 +176,114 @@ async def run_cases(base_url: str) -> list[Row]:
     return rows
 
 
+async def answered(plane: RolloutPlane, requests: list[RolloutRequest]) -> tuple[list[Any], float]:
+    """Submit them all, then wait for every result: (results, seconds from the first submit to the last)."""
+    started = time.monotonic()
+    for one in requests:
+        await plane.submit(one)
+    results = [await plane.next_result(timeout=CASE_DEADLINE_S) for _ in requests]
+    return results, time.monotonic() - started
+
+
+def ended(results: list[Any]) -> str:
+    kinds = Counter(f"{r.kind}/{r.error.fault}" if r.error else r.kind for r in results)
+    return ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items()))
+
+
+async def env_deaths(plane: RolloutPlane, env: Ref) -> int:
+    return (await plane._pools.supervisor(env).current().stats.remote()).deaths
+
+
+async def run_request_cases(base_url: str) -> list[RequestRow]:
+    config = PlaneConfig(
+        lanes={"train": 128},
+        workers=2,
+        worker_num_cpus=0.25,
+        allowed_ref_prefixes=("env_actors.examples.", "env_actors.faults."),
+        env_pool={
+            "num_cpus": 0.1,
+            "hang_timeout_s": ENV_HANG_TIMEOUT_S,
+            "probe_interval_s": 0.2,
+            "probe_timeout_s": 1.0,
+            "restart": {"max_restarts": 12, "window_s": 120},
+        },
+    )
+    rows = []
+    spawn_s = 10.0  # a replacement env server's process start and load, on a loaded machine
+    async with RolloutPlane(config) as plane:
+        poison_alone = Ref(target=BLOCKS, config={"num_tasks": 2})
+        await plane._pools.ensure_env_pool(poison_alone)
+        results, took = await answered(plane, [request(base_url, poison_alone, 0.0, 0)])
+        ok = results[0].kind == "env" and results[0].error.fault == "poison"
+        rows.append(
+            RequestRow(
+                "env blocks its loop in every step",
+                ended(results),
+                str(results[0].attempts),
+                await env_deaths(plane, poison_alone),
+                took,
+                2 * ENV_HANG_TIMEOUT_S + spawn_s,
+                "" if ok else "not answered as poison",
+            )
+        )
+        mixed = Ref(target=BLOCKS, config={"blocking_tasks": 16, "num_tasks": 80})
+        await plane._pools.ensure_env_pool(mixed)
+        batch = [request(base_url, mixed, 0.0, i) for i in range(80)]
+        for i, one in enumerate(batch):
+            batch[i] = one.model_copy(update={"task_index": i})
+        results, took = await answered(plane, batch)
+        healthy = [r for r in results if r.task_index >= 16]
+        stats = await plane._pools.supervisor(mixed).current().stats.remote()
+        broken = "" if all(r.kind == "ok" for r in healthy) else "a healthy rollout failed"
+        broken = broken or ("" if stats.restarts_left > 0 else "restart budget exhausted")
+        rows.append(
+            RequestRow(
+                "  ... 16 of them among 64 healthy (one pool)",
+                ended(results),
+                "/".join(str(n) for n in sorted({r.attempts for r in results})),
+                stats.deaths,
+                took,
+                2 * ENV_HANG_TIMEOUT_S + 2 * spawn_s,
+                broken,
+            )
+        )
+        for case, tokenizer, target in (
+            ("renderer key cannot load (no such path), 64 rollouts", "/nonexistent/tokenizer", 10.0),
+            ("renderer key: a hub id not in local files, 64 rollouts", "Qwen/Qwen3-8B", 15.0),
+        ):
+            renderer = {"tokenizer": tokenizer}
+            batch = [
+                request(base_url, MATH, 0.0, i).model_copy(update={"renderer": renderer}) for i in range(64)
+            ]
+            batch = [RolloutRequest.model_validate(one.model_dump()) for one in batch]
+            results, took = await answered(plane, batch)
+            failed_once = all(r.kind != "ok" and r.attempts == 1 for r in results)
+            rows.append(
+                RequestRow(
+                    case,
+                    ended(results),
+                    "/".join(str(n) for n in sorted({r.attempts for r in results})),
+                    None,
+                    took,
+                    target,
+                    "" if failed_once else "re-dispatched, or served",
+                )
+            )
+    return rows
+
+
+def print_request_table(rows: list[RequestRow]) -> None:
+    width = max(len(r.case) for r in rows)
+    kinds = max(len("ended"), *(len(r.ended) for r in rows))
+    header = f"{'follows the request':<{width}}  {'ended':<{kinds}}  dispatches  servers lost  answered s  target s"
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        lost = f"{r.servers_lost:>12}" if r.servers_lost is not None else f"{'-':>12}"
+        line = f"{r.case:<{width}}  {r.ended:<{kinds}}  {r.dispatches:>10}  {lost}  {r.answered_s:10.1f}  {r.target_s:8.0f}"
+        print(line + (f"  BROKEN: {r.broken}" if r.broken else ""))
+
+
 def print_table(rows: list[Row]) -> None:
     width = max(len(r.case) for r in rows)
     flight = max(len("in flight at the loss ended"), *(len(r.in_flight) for r in rows))
@@ -176,12 +307,17 @@ def main() -> int:
         ray.init(
             address="local", num_cpus=8, include_dashboard=False, log_to_driver=False, configure_logging=False
         )
+    only_requests = "--requests" in sys.argv  # the second table alone
     with StandinServer(StandinOptions()) as standin:
-        rows = asyncio.run(run_cases(standin.base_url))
-    print_table(rows)
+        rows = [] if only_requests else asyncio.run(run_cases(standin.base_url))
+        request_rows = asyncio.run(run_request_cases(standin.base_url))
+    if rows:
+        print_table(rows)
+        print()
+    print_request_table(request_rows)
     recovered = [r.recover_s for r in rows if r.recover_s is not None]
     print(f"slowest recovery: {max(recovered):.2f} s" if recovered else "slowest recovery: n/a s")
-    return 1 if any(r.broken for r in rows) else 0
+    return 1 if any(r.broken for r in [*rows, *request_rows]) else 0
 
 
 if __name__ == "__main__":

@@ -86,6 +86,18 @@ def test_losses_that_differ_or_strike_a_worker_are_redispatched_until_the_budget
     assert RedispatchRule(max_dispatches=1).decide([loss()]) == "spent"
 
 
+def test_collateral_losses_never_make_poison_and_do_not_spend_the_dispatch_budget():
+    """A session that only shared a server another request wedged (`culprit` False) is re-dispatched:
+    its own budget untouched, a bound of its own all the same."""
+    rule = RedispatchRule(max_dispatches=3, max_collateral=2)
+    collateral = Loss(part="env server", how="wedged", call="step", step=1, culprit=False)
+    assert rule.decide([collateral, collateral]) == "redispatch"
+    assert rule.decide([collateral, collateral, collateral]) == "spent"  # its own bound
+    assert rule.decide([collateral, loss(), collateral, loss()]) == "poison"  # its own two, collateral aside
+    assert rule.decide([collateral, loss(step=1), loss(step=2)]) == "redispatch"
+    assert rule.most_dispatches == 5
+
+
 def test_the_rule_is_declared_data_that_refuses_unknown_keys():
     with pytest.raises(ValueError):
         RedispatchRule(max_dispatches=3, retry_everything=True)  # type: ignore[call-arg]
