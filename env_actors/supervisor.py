@@ -51,6 +51,7 @@ ENV_RESTARTS_USED = Metric(
     tag_keys=_POOL_TAGS,
 )
 
+BLOCKED_S = 0.5  # a probe reporting less loop stall than this says the loop runs: no call blocks it
 TICK_S = 0.1  # supervision resolution: wedge detection lands within hang_timeout_s + TICK_S
 DIAGNOSE_TIMEOUT_S = 0.5  # one probe to say why a worker missed its readiness deadline
 RETIRED_HISTORY = 32
@@ -316,7 +317,9 @@ class Supervisor:
                     resolve(slot.handle.health.remote()), self.config.probe_timeout_s
                 )
                 slot.life.heard(float(health["loop_stall_s"]))
-                slot.blocking = health.get("blocking")
+                # Kept through the stall (a later probe may go unanswered), forgotten once the loop runs.
+                if health.get("blocking") is not None or float(health["loop_stall_s"]) < BLOCKED_S:
+                    slot.blocking = health.get("blocking")
             except ActorDiedError as exc:
                 self.retire(slot, f"died: {exit_detail(exc)}", "died")
                 return

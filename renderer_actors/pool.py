@@ -54,6 +54,7 @@ log = logging.getLogger(__name__)
 
 LOST_OWNER_MEMORY = 1_000  # lost owners remembered, so a lease one asked for before dying is refused
 POOL_MAX_CONCURRENCY = 10_000  # leases are instant; this only bounds how many callers may queue at once
+FAILED_LOAD_LINGER_S = 5.0  # a renderer whose load failed answers its waiters with the failure this long
 RENDERER_MIN_CONCURRENCY = 64  # health checks and readiness waits on top of `multiplex` rollouts
 
 
@@ -328,13 +329,17 @@ class RendererPool:
             pool.failed_at = time.monotonic()
             self._counters["startup_failures"] += 1
             log.warning("%s", pool.startup_failure)
-            self._drop(pool, renderer, lost=pool.startup_failure)
+            # Killed a moment later, not now: sessions waiting on its `ready` get the load's own failure
+            # (not re-dispatched) rather than a death (a lost part, re-dispatched to fail the same way).
+            self._drop(pool, renderer, lost=pool.startup_failure, linger_s=FAILED_LOAD_LINGER_S)
             return
         renderer.ready = True
         renderer.life = Liveness(self._config.health_timeout_s)
         pool.startup_failure = None
 
-    def _drop(self, pool: _KeyPool, renderer: _Renderer, lost: str | None = None) -> None:
+    def _drop(
+        self, pool: _KeyPool, renderer: _Renderer, lost: str | None = None, linger_s: float = 0.0
+    ) -> None:
         """Forget a renderer and kill it. Its leases are orphaned: releasing them is a no-op. `lost`: why
         it died, wedged or failed to start (its respawn is a restart), None when it was retired."""
         if lost is not None and renderer.renderer_id in pool.renderers:
@@ -346,8 +351,10 @@ class RendererPool:
         renderer.leases.clear()
         if renderer.warm_task is not None and renderer.warm_task is not asyncio.current_task():
             renderer.warm_task.cancel()
-        with contextlib.suppress(Exception):
-            ray.kill(renderer.handle, no_restart=True)
+        if linger_s > 0 and not self._closed:
+            asyncio.get_running_loop().call_later(linger_s, _kill, renderer.handle)
+        else:
+            _kill(renderer.handle)
 
     def _replace(self, renderer_id: str, why: str) -> None:
         for pool in self._keys.values():
@@ -437,6 +444,11 @@ class RendererPool:
         except Exception:  # no answer in time, or unreachable for now: silence, judged below
             pass
         return f"wedged: {renderer.life.verdict()}" if renderer.life.wedged() else None
+
+
+def _kill(handle: Any) -> None:
+    with contextlib.suppress(Exception):
+        ray.kill(handle, no_restart=True)
 
 
 def get_or_create_renderer_pool(
