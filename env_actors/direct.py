@@ -92,13 +92,11 @@ async def call_server(
         async with asyncio.timeout(timeout + DIRECT_CALL_SLACK_S):  # a scope: no task per call
             response: EnvResponse = await _call(server, call)
     except TimeoutError:
-        # The server enforces the call's deadline itself (an `env` failure); no answer at all past it
-        # means its process cannot answer: wedged, whatever the supervisor has judged yet.
-        lost = Loss(part="env server", how="wedged", call=method, step=step, name=worker)
+        # The server enforces the call's deadline itself (an `env` failure). No answer at all past it:
+        # the rollout's own time ran out, or the server cannot answer; the supervisor judges the server
+        # (a wedge it kills reaches the sessions on it as a loss), the rollout stops here.
         message = f"env worker {worker} gave no answer to {method} within {timeout + DIRECT_CALL_SLACK_S:g} s"
-        raise EnvCallFailed(
-            Failure(type=DEADLINE_FAILURE, message=message, fault="lost", lost=lost)
-        ) from None
+        raise EnvCallFailed(Failure(type=DEADLINE_FAILURE, message=message, fault="unavailable")) from None
     except RayError as exc:
         how = ray_loss(exc)
         if how is None:  # anything else Ray says of the call: not judged here
