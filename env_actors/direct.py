@@ -41,6 +41,7 @@ DIRECT_CALL_SLACK_S = 0.5
 """The worker enforces each call's deadline itself; waiting this much longer only matters when it cannot
 answer at all (a frozen process the supervisor has not retired yet)."""
 POOL_NOTICE_TIMEOUT_S = 5.0  # asking the pool for a handle or why a worker died; forgetting sessions
+WHY_LOST_TIMEOUT_S = 15.0  # the pool's verdict on a lost worker: worth waiting for, it decides poison
 MAX_PLACE_WAIT_S = 60.0  # a placement waits at most this for a replacement worker: a spawn's order of time
 
 
@@ -164,11 +165,12 @@ async def _why_lost(pool: Any, worker: str, detail: str, session_id: str) -> tup
     whether this session's own call was the one that wedged it."""
     try:
         reason, how, culprit = await asyncio.wait_for(
-            resolve(pool.worker_lost.remote(worker, detail, session_id)), POOL_NOTICE_TIMEOUT_S
+            resolve(pool.worker_lost.remote(worker, detail, session_id)), WHY_LOST_TIMEOUT_S
         )
         return reason, how, culprit
-    except Exception:  # the pool is gone or busy: Ray's word is all there is
-        return f"died: {detail}", "died", None
+    except Exception:  # the pool is gone or busy: Ray's word is all there is, and no verdict on the
+        # request: the loss is not held against it (it cannot make it poison; its own bound still holds)
+        return f"died: {detail} (its pool did not say why)", "died", False
 
 
 async def _send_calls(batch: TickBatch) -> None:

@@ -38,6 +38,7 @@ def test_summary_counts_kinds_rewards_latency_and_groups_failures_by_type(tmp_pa
         "ok=36" in text
         and "model/ModelError: boom 10" in text
         and "infrastructure/InfrastructureError" in text
+        and "env=0" in text  # every kind is named, environment faults apart from ours
     )
     assert percentile([], 50) is None
 

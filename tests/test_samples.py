@@ -119,3 +119,26 @@ def test_a_result_read_back_from_its_json_is_the_result_non_finite_floats_includ
     assert math.isnan(back.turns[0].tool_calls[0].arguments["x"])
     assert back.model_dump_json() == result.model_dump_json()
     assert back.metrics == result.metrics and back.turns[0].version_changes == turn.version_changes
+
+
+def test_a_trainer_trains_masks_or_drops_each_result_kind_as_it_says():
+    """`env` (the environment is broken) and `infrastructure` (ours lost it) are not the same to train on:
+    `use` decides each kind; a kind it does not name is dropped, and None keeps every kind as it is."""
+    turn = _turn([1, 2], [10, 11])
+    env_bug = _result(turn, kind="env", reward=None)
+    lost = _result(turn, kind="infrastructure", reward=None)
+    use = {"ok": "train", "infrastructure": "mask"}
+    assert trainer_samples(env_bug, use) == []
+    (masked,) = trainer_samples(lost, use)
+    assert masked.token_ids == [1, 2, 10, 11] and masked.loss_mask == [0, 0, 0, 0]
+    assert trainer_samples(_result(turn), use)[0].loss_mask == [0, 0, 1, 1]
+    assert trainer_samples(env_bug)[0].loss_mask == [0, 0, 1, 1]  # no policy: every kind as it is
+
+
+def test_a_group_gives_ok_samples_by_default_and_any_kind_on_request():
+    from rollout_actors.groups import Group
+
+    turn = _turn([1], [10])
+    group = Group("g", "train", [_result(turn), _result(turn, kind="env", reward=None)], 0.0, 1.0)
+    assert len(group.samples()) == 1 and len(group.by_kind("env")) == 1
+    assert [s.loss_mask for s in group.samples({"ok": "train", "env": "mask"})] == [[0, 1], [0, 0]]
