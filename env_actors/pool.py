@@ -23,7 +23,6 @@ from collections import OrderedDict
 from typing import Any
 
 import ray
-from ray.exceptions import ActorDiedError
 
 from env_actors.config import EnvPoolConfig, EnvPoolStats
 from env_actors.interface import EnvResponse
@@ -31,6 +30,7 @@ from env_actors.server import DEADLINE_FAILURE
 from env_actors.sessions import OpenSessions
 from env_actors.supervisor import ServerSlot, Supervisor, exit_detail, resolve
 from rollout_actors.kernel import Failure, Ref
+from rollout_actors.kernel.faults import ray_loss
 
 __all__ = ["EnvPool", "EnvPoolConfig", "EnvStartupError", "get_env_pool", "start_env_pool", "stop_env_pool"]
 
@@ -239,7 +239,7 @@ class EnvPool:
         exc = call.exception()
         if exc is None:
             return call.result()
-        if isinstance(exc, ActorDiedError):
+        if ray_loss(exc) == "died":
             detail = exit_detail(exc)
             self._supervisor.retire(slot, f"died: {detail}", "died")
             failure = Failure(

@@ -27,13 +27,12 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import ray
-from ray.exceptions import ActorDiedError
 
 from env_actors.config import EnvPoolConfig, WorkerInfo
 from env_actors.server import create_env_server
 from env_actors.sessions import OpenSessions
 from rollout_actors.kernel import Failure, Ref
-from rollout_actors.kernel.faults import exit_detail
+from rollout_actors.kernel.faults import exit_detail, ray_loss
 from rollout_actors.kernel.metric import Metric
 from rollout_actors.kernel.supervision import Liveness, RestartBudget
 
@@ -252,14 +251,15 @@ class Supervisor:
             reason = f"not ready within {ready_timeout:.1f} s: {await self._diagnose(slot)}"
             self._spawn_failed(slot, reason)
             return SpawnOutcome("timeout", Failure(type="EnvReadinessTimeout", message=reason))
-        except ActorDiedError as exc:
-            reason = f"died while loading: {exit_detail(exc)}"
-            self._spawn_failed(slot, reason)
-            return SpawnOutcome("died", Failure(type="EnvWorkerDied", message=reason))
         except asyncio.CancelledError:
             self.retire(slot, "cancelled while starting", "shutdown")
             raise
-        except Exception as exc:  # ActorUnavailableError and the like: not ready is not ready
+        except Exception as exc:
+            if ray_loss(exc) == "died":
+                reason = f"died while loading: {exit_detail(exc)}"
+                self._spawn_failed(slot, reason)
+                return SpawnOutcome("died", Failure(type="EnvWorkerDied", message=reason))
+            # Unreachable and the like: not ready is not ready.
             self._spawn_failed(slot, f"failed its readiness handshake: {exc}")
             return SpawnOutcome("load_error", Failure.from_exception(exc))
         if not response.success:
@@ -320,11 +320,11 @@ class Supervisor:
                 # Kept through the stall (a later probe may go unanswered), forgotten once the loop runs.
                 if health.get("blocking") is not None or float(health["loop_stall_s"]) < BLOCKED_S:
                     slot.blocking = health.get("blocking")
-            except ActorDiedError as exc:
-                self.retire(slot, f"died: {exit_detail(exc)}", "died")
-                return
-            except Exception:  # timeout or unavailable: silence is judged against hang_timeout_s
-                pass
+            except Exception as exc:
+                if ray_loss(exc) == "died":
+                    self.retire(slot, f"died: {exit_detail(exc)}", "died")
+                    return
+                # A timeout, or unreachable: silence, judged against hang_timeout_s.
             await asyncio.sleep(max(0.0, self.config.probe_interval_s - (time.monotonic() - sent)))
 
     async def _supervise(self) -> None:

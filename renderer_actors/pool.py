@@ -39,14 +39,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import ray
-from ray.exceptions import ActorDiedError, RayActorError
 
 from renderer_actors.actor import RendererActor
 from renderer_actors.calls import RendererLease
 from renderer_actors.config import RendererKeyStats, RendererPoolConfig, RendererPoolStats, RendererStats
 from renderer_actors.key import RendererKey
 from rollout_actors.kernel import new_id
-from rollout_actors.kernel.faults import CallerError, LoadFailed, Unavailable, remote_cause
+from rollout_actors.kernel.faults import CallerError, LoadFailed, Unavailable, ray_loss, remote_cause
 from rollout_actors.kernel.metric import Metric
 from rollout_actors.kernel.supervision import Liveness, RestartBudget
 
@@ -313,7 +312,7 @@ class RendererPool:
         except Exception as exc:
             if renderer.renderer_id not in pool.renderers:
                 return  # retired or replaced meanwhile: not a startup failure
-            if isinstance(exc, RayActorError):
+            if ray_loss(exc) is not None:
                 # Its process died while loading (killed, its node lost): a death, replaced under the key's
                 # restart budget, not a startup failure that would fail every lease for failure_hold_s. A
                 # load that kills its process every time spends the budget and then fails loudly.
@@ -439,10 +438,10 @@ class RendererPool:
         try:
             await asyncio.wait_for(renderer.handle.health.remote(), self._config.health_timeout_s)
             renderer.life.heard()
-        except ActorDiedError as exc:
-            return f"died: {type(exc).__name__}"
-        except Exception:  # no answer in time, or unreachable for now: silence, judged below
-            pass
+        except Exception as exc:
+            if ray_loss(exc) == "died":
+                return f"died: {type(exc).__name__}"
+            # No answer in time, or unreachable for now: silence, judged below.
         return f"wedged: {renderer.life.verdict()}" if renderer.life.wedged() else None
 
 

@@ -37,6 +37,7 @@ from pydantic import BaseModel
 
 from rollout_actors.config import PoolSupervision
 from rollout_actors.kernel import Failure
+from rollout_actors.kernel.faults import ray_loss
 from rollout_actors.kernel.supervision import Liveness, LossCause, RestartBudget
 from rollout_actors.pool_lookup import PoolName
 
@@ -210,11 +211,12 @@ class SupervisedPool:
             try:
                 health = await asyncio.wait_for(handle.health.remote(), settings.hang_timeout_s)
                 life.heard(float(health.get("loop_stall_s", 0.0)))
-            except ray.exceptions.ActorDiedError as exc:
-                self._lost(handle, "died", _death_detail(exc))
-                return
-            except Exception:  # no answer in time, or unreachable for now (its node may be going, which
-                pass  # the GCS decides within its health checks): silence, judged below
+            except Exception as exc:
+                if ray_loss(exc) == "died":
+                    self._lost(handle, "died", _death_detail(exc))
+                    return
+                # No answer in time, or unreachable for now (its node may be going, which the GCS
+                # decides within its health checks): silence, judged below.
             if life.wedged():
                 self._lost(handle, "wedged", life.verdict())
                 return
@@ -229,10 +231,11 @@ class SupervisedPool:
             try:
                 await asyncio.wait_for(handle.health.remote(), VERIFY_TIMEOUT_S)
                 return
-            except ray.exceptions.ActorDiedError as exc:
-                self._lost(handle, "died", _death_detail(exc))
-                return
-            except Exception:  # unreachable or slow: not dead yet; ask again while the probe judges
+            except Exception as exc:
+                if ray_loss(exc) == "died":
+                    self._lost(handle, "died", _death_detail(exc))
+                    return
+                # Unreachable or slow: not dead yet; ask again while the probe judges.
                 await asyncio.sleep(max(0.0, self._settings.probe_interval_s - (time.monotonic() - sent)))
 
     # ---------------------------------------------------------------------------------- restarts

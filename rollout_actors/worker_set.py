@@ -25,6 +25,7 @@ import ray
 
 from rollout_actors.config import WORKER_RESTARTS
 from rollout_actors.kernel import How
+from rollout_actors.kernel.faults import ray_loss
 from rollout_actors.kernel.supervision import Liveness, RestartBudget, RestartIntensity
 from rollout_actors.naming import PoolNames
 from rollout_actors.rollout import LoopLimits
@@ -196,12 +197,13 @@ class WorkerSet:
                     slot.last_stall_s = float(await beat)
                     slot.last_answer = time.monotonic()
                     slot.life.heard(slot.last_stall_s, now=slot.last_answer)
-            except ray.exceptions.RayActorError as exc:
-                self.declare_lost(slot, f"actor died: {type(exc).__name__}")
-                return
             except asyncio.CancelledError:
                 return
-            except Exception as exc:  # the stream broke without a death: silence meanwhile, judged as such
+            except Exception as exc:
+                if ray_loss(exc) is not None:
+                    self.declare_lost(slot, f"actor died: {type(exc).__name__}")
+                    return
+                # The stream broke without a death: silence meanwhile, judged as such.
                 log.warning("heartbeat stream of %s broke (%s); reopening", slot.name, exc)
             await asyncio.sleep(self._probe_interval_s)
 
