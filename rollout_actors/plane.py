@@ -408,7 +408,8 @@ class RolloutPlane(Submission):
     ) -> Result:
         """Dispatch until a result stands. A lost rollout worker, env server or renderer (contract 5) is
         re-dispatched under the same lease as `self._rule` says (`redispatch.py`), within the deadline:
-        at most `max_dispatches` times in all, and not again once the losses show a poison request."""
+        `max_dispatches` dispatches for losses of its own (collateral ones have a bound of their own), and
+        not again once its losses show a poison request."""
         losses: list[Loss] = []
         """What each lost dispatch lost, oldest first: the chain every answer after a loss carries."""
         base: Result | None = None
@@ -447,7 +448,8 @@ class RolloutPlane(Submission):
                 last = outcome.error
                 assert last is not None and last.lost is not None
                 losses.append(last.lost)
-            else:
+            else:  # its worker was lost: nothing of this attempt came back
+                base = None
                 losses.append(outcome)
             decision = rule.decide(losses)
             if decision == "poison":
