@@ -6,11 +6,17 @@ result the README documents ("Agent mode"), and nothing of the agent outlives it
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import signal
+import time
 
 import openai
+import psutil
 import pytest
 from env_pools import TEST_REF_PREFIXES
 
+from env_actors.examples.calculator_env import CalculatorEnv
 from renderer_actors.tokenizer import BUNDLED_MODEL
 from rollout_actors.plane import PlaneConfig, RolloutPlane
 from rollout_actors.samples import trainer_samples, turn_prompts
@@ -40,11 +46,24 @@ def plane() -> RolloutPlane:
     )
 
 
-def program(behaviour: str = "normal", **config) -> Ref:
-    return Ref(target="env_actors.faults.agents:ProgramAgentEnv", config={"behaviour": behaviour, **config})
+PROGRAM = Ref(target="env_actors.faults.agents:ProgramAgentEnv")
 
 
-def request(standin, env: Ref, mode: str = "agent", headers=RIGHT, **overrides) -> RolloutRequest:
+def program_task(behaviour: str = "normal", **where) -> dict:
+    """Task 4 of the calculator (as `task_index=4` gives the token-mode twin), and how the agent behaves."""
+    env = CalculatorEnv()
+    asyncio.run(env.load())
+    return {**env.task(4), "behaviour": behaviour, **{key: str(value) for key, value in where.items()}}
+
+
+def program(behaviour: str = "normal", **where) -> dict:
+    """Request fields for the subprocess agent: one env pool serves every behaviour (the task says which)."""
+    return {"env": PROGRAM, "task_index": None, "task": program_task(behaviour, **where)}
+
+
+def request(
+    standin, env: Ref | None = None, mode: str = "agent", headers=RIGHT, **overrides
+) -> RolloutRequest:
     fields = dict(
         env=env,
         task_index=4,
@@ -95,7 +114,7 @@ def test_agents_reach_the_token_mode_reward_with_token_exact_turns(ray_session, 
     token, sdk, sub = (
         request(standin, TWIN, mode="token"),
         request(standin, SDK_AGENT),
-        request(standin, program()),
+        request(standin, **program()),
     )
 
     async def scenario():
@@ -124,3 +143,104 @@ def test_agents_reach_the_token_mode_reward_with_token_exact_turns(ray_session, 
         (sample,) = trainer_samples(agent)  # one branch, the loss mask on sampled tokens only
         assert sum(sample.loss_mask) == sum(len(t.completion_ids) for t in agent.turns)
     assert_nothing_held(left)
+
+
+def wait_for(predicate, what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"gave up waiting for {what}"
+        time.sleep(0.1)
+
+
+def pids_in(directory) -> list[int]:
+    return [int(path.stem) for path in directory.glob("*.pid")]
+
+
+def test_agent_failures_and_a_rewritten_history_give_their_documented_results(ray_session, standin, tmp_path):
+    killed_dir, waiting_dir, rewrite_dir = (tmp_path / name for name in ("killed", "waiting", "rewrite"))
+    for directory in (killed_dir, waiting_dir, rewrite_dir):
+        directory.mkdir()
+    slow = {**RIGHT, "X-Standin-Latency": "5"}
+    killed = request(standin, **program(pid_dir=killed_dir), headers=slow)
+    never = request(standin, **program("never_calls", pid_dir=waiting_dir), deadline_s=30)
+    rewrite = request(standin, **program("rewrite", pid_dir=rewrite_dir))
+    silent = request(standin, **program("no_calls"))
+
+    async def scenario():
+        async with plane() as p:
+            for r in (killed, never, rewrite, silent):
+                await p.submit(r)
+            # Kill the agent while its first call is being sampled (each model call takes 5 s here).
+            await asyncio.to_thread(wait_for, lambda: pids_in(killed_dir), "the agent to start")
+            await asyncio.sleep(1.5)
+            os.kill(pids_in(killed_dir)[0], signal.SIGKILL)
+            results = {}
+            for _ in range(4):
+                result = await p.next_result(timeout=DEADLINE_S)
+                results[result.request_id] = result
+            return [results[r.request_id] for r in (killed, never, rewrite, silent)], await held(p)
+
+    (by_killed, by_never, by_rewrite, by_silent), left = run(scenario())
+    # Killed mid-call: the environment's failure, with how it ended and its output tail; its call was
+    # cancelled with it, so no half-finished turn is recorded.
+    assert by_killed.kind == "infrastructure" and by_killed.error.type == "AgentFailed", by_killed.error
+    assert "signal 9" in by_killed.error.message
+    assert "calling the model (turn 0)" in by_killed.error.message
+    assert by_killed.turns == []
+    # Never calls: stopped before the rollout's deadline, reported with its output tail, its key redacted.
+    assert by_never.kind == "infrastructure" and by_never.error.type == "AgentFailed", by_never.error
+    assert "did not finish" in by_never.error.message
+    assert "agent waiting without calling, key=[redacted]" in by_never.error.message
+    # Finished without a single call: nothing to train on, reported as the environment's failure.
+    assert by_silent.kind == "infrastructure" and by_silent.error.type == "AgentMadeNoCalls", by_silent.error
+    assert "agent" in by_silent.error.message and by_silent.turns == []
+    # A rewritten history forks explicitly: the second call starts branch 1 from a full render, and both
+    # branches stay token-exact and trainable.
+    assert by_rewrite.kind == "ok" and by_rewrite.reward == 1.0, by_rewrite.error
+    assert by_rewrite.forked and [t.branch for t in by_rewrite.turns] == [0, 1]
+    first, second = turn_prompts(by_rewrite)
+    assert second == by_rewrite.turns[1].new_prompt_ids and second[: len(first)] != first
+    assert_token_exact(standin, by_rewrite)
+    assert [s.branch for s in trainer_samples(by_rewrite)] == [0, 1]
+    # Nothing of any agent outlives its rollout: processes, routes, connections.
+    for directory in (killed_dir, waiting_dir, rewrite_dir):
+        (pid,) = pids_in(directory)
+        assert not psutil.pid_exists(pid), f"agent process {pid} outlived its rollout"
+    assert_nothing_held(left)
+
+
+def test_a_cancelled_rollout_stops_its_agent_and_refuses_its_late_calls(ray_session, standin, tmp_path):
+    leak_file = tmp_path / "endpoint.json"
+    stuck = {**RIGHT, "X-Standin-Latency": "60"}
+    leaky = request(standin, **program("leak", pid_dir=tmp_path, leak_file=leak_file), headers=stuck)
+
+    async def late_call(leaked: dict):
+        """The agent's endpoint called with its own key after the end, as a surviving agent would."""
+        client = openai.AsyncOpenAI(base_url=leaked["base_url"], api_key=leaked["api_key"], max_retries=0)
+        try:
+            await client.chat.completions.create(
+                model=BUNDLED_MODEL, messages=[{"role": "user", "content": "hi"}]
+            )
+        except openai.APIStatusError as exc:
+            return exc.status_code, exc.code
+        finally:
+            await client.close()
+        return 200, None
+
+    async def scenario():
+        async with plane() as p:
+            await p.submit(leaky)
+            await asyncio.to_thread(wait_for, lambda: pids_in(tmp_path) and leak_file.exists(), "the agent")
+            await asyncio.sleep(1.0)  # its first call is in flight (a model call takes 60 s here)
+            assert await p.cancel(leaky.request_id)
+            result = await p.next_result(timeout=DEADLINE_S)
+            leaked = json.loads(leak_file.read_text())
+            return result, leaked, await late_call(leaked), await held(p)
+
+    result, leaked, refused, left = run(scenario())
+    assert result.kind == "cancelled"
+    assert refused == (410, "rollout_ended")
+    (pid,) = pids_in(tmp_path)
+    assert not psutil.pid_exists(pid), "the cancelled rollout's agent process is still running"
+    assert_nothing_held(left)
+    assert leaked["api_key"] not in result.model_dump_json()

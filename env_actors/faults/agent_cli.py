@@ -5,7 +5,8 @@ comes from the environment (`OPENAI_BASE_URL`, `OPENAI_API_KEY`, `OPENAI_MODEL`)
 written against the SDK. Prints `{"final", "tool_calls", "turns"}` as its last line. Behaviours:
 
 - `normal`: call, run the calculator, repeat until an answer without a tool call.
-- `never_calls`: print a line, then wait forever without calling.
+- `no_calls`: answer at once without calling the model.
+- `never_calls`: print a line (with its key: the failure must show it redacted), then wait forever.
 - `rewrite`: from the second call on, send a history whose system message is rewritten (a compaction).
 - `leak`: write its base URL and key to `leak_file` first (a test then calls with them after the end).
 """
@@ -29,8 +30,11 @@ def main() -> None:
         with open(os.path.join(job["pid_dir"], f"{os.getpid()}.pid"), "w") as file:
             file.write(str(os.getpid()))
     print(f"agent {os.getpid()} started ({behaviour})", flush=True)
+    if behaviour == "no_calls":
+        print(json.dumps({"final": "", "tool_calls": 0, "turns": 0}), flush=True)
+        return
     if behaviour == "never_calls":
-        print("agent waiting without calling", flush=True)
+        print(f"agent waiting without calling, key={os.environ['OPENAI_API_KEY']}", flush=True)
         time.sleep(3600)
     if behaviour == "leak":
         with open(job["leak_file"], "w") as file:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from env_actors.agent import AgentEndpoint, AgentEnvironment, last_json_line, python_program, run_program
+from env_actors.examples.calculator_agent import CalculatorAgentEnv
 from env_actors.examples.calculator_env import CalculatorEnv
 from env_actors.interface import Reset, ScoreOut
 
@@ -44,12 +45,21 @@ class TwoToolCalculatorEnv(CalculatorEnv):
         return super()._answer(state, call)
 
 
-class SdkAgentEnv(AgentEnvironment):
-    """An in-process agent: an `AsyncOpenAI` chat loop that runs the two tools itself (via the twin's
-    tool answers) until the model answers without a tool call."""
+class SdkAgentEnv(CalculatorAgentEnv):
+    """An in-process agent: the bundled example's `AsyncOpenAI` chat loop (it runs the tools itself, through
+    the twin's tool answers) with the two tools of `TwoToolCalculatorEnv`."""
 
-    def __init__(self, max_turns: int = 4, **config: Any) -> None:
-        self._twin = TwoToolCalculatorEnv(max_turns=max_turns, **config)
+    twin = TwoToolCalculatorEnv
+
+
+class ProgramAgentEnv(AgentEnvironment):
+    """A subprocess agent: `agent_cli.py` with the task's messages and tools on stdin; it prints its final
+    answer as a JSON line. A task may say how the agent behaves (one env pool serves every variant):
+    `behaviour` (`normal`, `never_calls`, `rewrite`, `leak`: see `agent_cli.py`), `pid_dir` and
+    `leak_file` (where it tells a test its pid and, for `leak`, its endpoint)."""
+
+    def __init__(self, max_turns: int = 4):
+        self._twin = TwoToolCalculatorEnv(max_turns=max_turns)
         self._max_turns = max_turns
 
     async def load(self) -> None:
@@ -63,57 +73,19 @@ class SdkAgentEnv(AgentEnvironment):
 
     async def reset(self, task: dict[str, Any]) -> Reset:
         start = await self._twin.reset(task)
-        return Reset(messages=start.messages, state={"twin": start.state, "start": start}, tools=start.tools)
-
-    async def run_agent(self, state: Any, endpoint: AgentEndpoint) -> None:
-        client = endpoint.client()
-        start: Reset = state["start"]
-        messages, tools = list(start.messages), start.tools
-        for _ in range(self._max_turns):
-            reply = await client.chat.completions.create(model=endpoint.model, messages=messages, tools=tools)
-            message = reply.choices[0].message.model_dump(exclude_none=True)
-            messages.append(message)
-            out = await self._twin.step(state["twin"], message)  # runs the tools, or takes the final answer
-            messages.extend(out.messages)
-            if out.done:
-                break
-
-    async def score(self, state: Any) -> ScoreOut:
-        return await self._twin.score(state["twin"])
-
-
-class ProgramAgentEnv(AgentEnvironment):
-    """A subprocess agent: `agent_cli.py` with the task's messages and tools on stdin; it prints its final
-    answer as a JSON line. `behaviour`: `normal`, `never_calls`, `rewrite`, `leak` (see `agent_cli.py`);
-    `pid_dir` / `leak_file`: where it tells the test its pid and (for `leak`) its endpoint."""
-
-    def __init__(self, behaviour: str = "normal", pid_dir: str = "", leak_file: str = "", max_turns: int = 4):
-        self._twin = TwoToolCalculatorEnv(max_turns=max_turns)
-        self._job = {
-            "behaviour": behaviour,
-            "pid_dir": pid_dir,
-            "leak_file": leak_file,
-            "max_turns": max_turns,
+        job = {
+            "behaviour": task.get("behaviour", "normal"),
+            "pid_dir": task.get("pid_dir", ""),
+            "leak_file": task.get("leak_file", ""),
+            "max_turns": self._max_turns,
+            "messages": start.messages,
+            "tools": start.tools,
         }
-
-    async def load(self) -> None:
-        await self._twin.load()
-
-    def num_tasks(self) -> int:
-        return self._twin.num_tasks()
-
-    def task(self, index: int) -> dict[str, Any]:
-        return self._twin.task(index)
-
-    async def reset(self, task: dict[str, Any]) -> Reset:
-        start = await self._twin.reset(task)
-        return Reset(messages=start.messages, state={"twin": start.state, "start": start}, tools=start.tools)
+        return Reset(messages=start.messages, state={"twin": start.state, "job": job}, tools=start.tools)
 
     async def run_agent(self, state: Any, endpoint: AgentEndpoint) -> None:
-        start: Reset = state["start"]
-        job = {**self._job, "messages": start.messages, "tools": start.tools}
         program = python_program(str(Path(__file__).with_name("agent_cli.py")))
-        run = await run_program(program, endpoint, stdin=json.dumps(job))
+        run = await run_program(program, endpoint, stdin=json.dumps(state["job"]))
         answer = last_json_line(run.stdout)
         twin = state["twin"]
         twin.final_text, twin.tool_calls, twin.turns = answer["final"], answer["tool_calls"], answer["turns"]
