@@ -176,8 +176,8 @@ async def _run(
         final: ScoreOut | None = None
         if request.mode == "agent":  # the environment's agent drives the turns (`rollout_actors.agent`)
             assert isinstance(turns, TokenTurns)
-            seconds_left = lambda: _budget(scope, request.deadline_s)  # noqa: E731
-            await run_agent_episode(request, env, turns, state.turns, state.messages, seconds_left)
+            left = lambda: _budget(scope, request.deadline_s)  # noqa: E731 - what remains of the rollout's deadline
+            await run_agent_episode(request, env, turns, state.turns, state.messages, left)
         else:
             await turns.open(state.messages, tools)
         for _ in range(request.max_turns if request.mode != "agent" else 0):

@@ -40,11 +40,20 @@ class Recorder:
         return {"object": "list", "data": []}
 
 
-async def ask(base_url: str, api_key: str) -> str:
+async def ask(base_url: str, api_key: str, stream: bool = False) -> str:
     client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    messages = [{"role": "user", "content": "hi"}]
     try:
-        reply = await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
-        return reply.choices[0].message.content
+        if not stream:
+            reply = await client.chat.completions.create(model="m", messages=messages)
+            return reply.choices[0].message.content
+        chunks = await client.chat.completions.create(model="m", messages=messages, stream=True)
+        parts, finish = [], None
+        async for chunk in chunks:
+            parts.append(chunk.choices[0].delta.content or "")
+            finish = chunk.choices[0].finish_reason or finish
+        assert finish == "stop"
+        return "".join(parts)
     finally:
         await client.close()
 
@@ -56,10 +65,10 @@ def test_a_route_serves_only_its_own_rollouts_key_and_refuses_calls_once_revoked
         grant_a, grant_b = await endpoint.register(a), await endpoint.register(b)
         try:
             assert await ask(grant_a.base_url, grant_a.api_key) == "a"
-            assert await ask(grant_b.base_url, grant_b.api_key) == "b"
+            assert await ask(grant_b.base_url, grant_b.api_key, stream=True) == "b"  # one delta, then the end
             with pytest.raises(openai.AuthenticationError):  # b's key on a's route: refused, a sees nothing
                 await ask(grant_a.base_url, grant_b.api_key)
-            assert len(a.bodies) == 1 and len(b.bodies) == 1
+            assert len(a.bodies) == 1 and len(b.bodies) == 1 and b.bodies[0]["stream"] is True
             assert endpoint.stats()["routes"] == 2
             await grant_a.revoke()
             with pytest.raises(openai.APIStatusError) as ended:

@@ -116,25 +116,31 @@ def test_agents_reach_the_token_mode_reward_with_token_exact_turns(ray_session, 
         request(standin, SDK_AGENT),
         request(standin, **program()),
     )
+    # Out of turns after one call: token mode scores what it has; so does agent mode, refusing the second.
+    short_token, short_sdk = (
+        request(standin, TWIN, mode="token", max_turns=1),
+        request(standin, SDK_AGENT, max_turns=1),
+    )
+    wave = (token, sdk, sub, short_token, short_sdk)
 
     async def scenario():
         async with plane() as p:
-            for r in (token, sdk, sub):
+            for r in wave:
                 await p.submit(r)
             results = {}
-            for _ in range(3):
+            for _ in wave:
                 result = await p.next_result(timeout=DEADLINE_S)
                 results[result.request_id] = result
-            return [results[r.request_id] for r in (token, sdk, sub)], await held(p)
+            return [results[r.request_id] for r in wave], await held(p)
 
-    (by_token, by_sdk, by_program), left = run(scenario())
+    (by_token, by_sdk, by_program, by_short_token, by_short_sdk), left = run(scenario())
     for result in (by_token, by_sdk, by_program):
         assert result.kind == "ok", result.error
         assert result.reward == 1.0 and not result.forked
     # Same task, same prompts: each agent's calls were the very turns token mode sampled, token for token.
-    for agent in (by_sdk, by_program):
-        assert len(agent.turns) == len(by_token.turns) == 2
-        for ours, theirs in zip(agent.turns, by_token.turns, strict=True):
+    for agent, twin in ((by_sdk, by_token), (by_program, by_token), (by_short_sdk, by_short_token)):
+        assert len(agent.turns) == len(twin.turns)
+        for ours, theirs in zip(agent.turns, twin.turns, strict=True):
             assert ours.new_prompt_ids == theirs.new_prompt_ids
             assert ours.completion_ids == theirs.completion_ids
             assert ours.logprobs == theirs.logprobs
@@ -142,6 +148,11 @@ def test_agents_reach_the_token_mode_reward_with_token_exact_turns(ray_session, 
         assert_token_exact(standin, agent)
         (sample,) = trainer_samples(agent)  # one branch, the loss mask on sampled tokens only
         assert sum(sample.loss_mask) == sum(len(t.completion_ids) for t in agent.turns)
+    assert len(by_token.turns) == 2
+    assert (
+        by_short_sdk.kind == by_short_token.kind == "ok"
+        and by_short_sdk.reward == by_short_token.reward == 0.0
+    )
     assert_nothing_held(left)
 
 
@@ -162,7 +173,7 @@ def test_agent_failures_and_a_rewritten_history_give_their_documented_results(ra
         directory.mkdir()
     slow = {**RIGHT, "X-Standin-Latency": "5"}
     killed = request(standin, **program(pid_dir=killed_dir), headers=slow)
-    never = request(standin, **program("never_calls", pid_dir=waiting_dir), deadline_s=30)
+    never = request(standin, **program("never_calls", pid_dir=waiting_dir), deadline_s=45)
     rewrite = request(standin, **program("rewrite", pid_dir=rewrite_dir))
     silent = request(standin, **program("no_calls"))
 

@@ -7,9 +7,10 @@ the renderer, recorded exactly as a token-mode turn, and answered in OpenAI's ch
 
 What an agent gets back, and what it means for the rollout:
 
-- 200: the turn (its `usage` counts the branch's prompt and the completion).
-- 400: the call asked for what token sampling cannot honour (`stream`, `n` > 1, a `tool_choice` other
-  than `auto`), or its messages cannot be rendered; or the turn budget (`max_turns`) is spent, which
+- 200: the turn (its `usage` counts the branch's prompt and the completion); with `stream`, the same
+  turn as server-sent events (the endpoint streams it once sampled).
+- 400: the call asked for what token sampling cannot honour (`n` > 1, a `tool_choice` other than
+  `auto`), or its messages cannot be rendered; or the turn budget (`max_turns`) is spent, which
   ends the episode (it is scored as it stands, like a token-mode rollout that ran out of turns).
 - 502 / 503: the model or one of our parts failed. The rollout ends with that failure (`model` or
   `infrastructure`), as a token-mode turn's failure would; the agent is stopped.
@@ -155,8 +156,6 @@ def _refusal(body: dict[str, Any]) -> tuple[str, str] | None:
     tools = body.get("tools")
     if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
         return "invalid_tools", "tools must be a list of function tools"
-    if body.get("stream"):
-        return "unsupported_stream", "streaming is not served: send stream=false"
     if body.get("n") not in (None, 1):
         return "unsupported_n", "one choice per call (n=1): each call is one turn"
     if body.get("tool_choice") not in (None, "auto"):

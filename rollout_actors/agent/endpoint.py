@@ -181,10 +181,45 @@ class AgentEndpoint:
             route.transports.add(request.transport)
         try:
             status, answer = await route.handler.chat_completion(body)
+            self.calls_served += 1
+            if status == 200 and body.get("stream"):
+                return await _stream(request, answer, _include_usage(body))
         finally:
             route.calls.discard(task)
-        self.calls_served += 1
         return _json(status, answer)
+
+
+async def _stream(request: web.BaseRequest, answer: dict[str, Any], usage: bool) -> web.StreamResponse:
+    """A sampled turn as server-sent events, for agents that stream: the whole message in one delta, then
+    the finish reason (and usage when asked), then `[DONE]`. The turn is sampled whole either way."""
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await response.prepare(request)
+    head = {key: answer[key] for key in ("id", "created", "model")} | {"object": "chat.completion.chunk"}
+    choice = answer["choices"][0]
+    delta = dict(choice["message"])
+    if delta.get("tool_calls"):
+        delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(delta["tool_calls"])]
+    chunks = [
+        {**head, "choices": [{"index": 0, "delta": delta, "finish_reason": None, "logprobs": None}]},
+        {
+            **head,
+            "choices": [
+                {"index": 0, "delta": {}, "finish_reason": choice["finish_reason"], "logprobs": None}
+            ],
+        },
+    ]
+    if usage:
+        chunks.append({**head, "choices": [], "usage": answer["usage"]})
+    for chunk in chunks:
+        await response.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
+    await response.write(b"data: [DONE]\n\n")
+    await response.write_eof()
+    return response
+
+
+def _include_usage(body: dict[str, Any]) -> bool:
+    options = body.get("stream_options")
+    return isinstance(options, dict) and bool(options.get("include_usage"))
 
 
 def _json(status: int, body: dict[str, Any]) -> web.Response:

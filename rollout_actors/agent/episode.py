@@ -4,7 +4,7 @@
                                       each call the agent makes is a turn (`calls.py`)
 
 It returns when the agent finished, or when the turn budget was spent (the agent is then stopped when the
-rollout closes its env session, after scoring). It raises when a turn failed (that failure is the
+rollout closes its env session, after scoring, whatever it made of its refused call). It raises when a turn failed (that failure is the
 rollout's), when the agent failed (`EnvCallFailed`: the environment's fault, with the agent's output tail),
 or when the agent finished without calling the model at all (misconfigured, nothing to train on). The
 route is revoked on every exit path before the rollout's client and renderer session close, so a late call
@@ -53,6 +53,8 @@ async def run_agent_episode(
         await asyncio.wait({run, stop}, return_when=asyncio.FIRST_COMPLETED)
         if calls.failure is not None:
             raise calls.failure
+        if calls.turns_spent:  # whatever the agent does about its refused call, the episode is over
+            return calls
         if run.done():
             tail = run.result()  # an agent that failed raises here (`EnvCallFailed`, with its output tail)
             if not recorded and not calls.turns_spent:
@@ -61,7 +63,7 @@ async def run_agent_episode(
                     type="AgentMadeNoCalls", message=f"{message}; output tail:\n{tail}" if tail else message
                 )
                 raise EnvCallFailed(failure, "infrastructure")
-        return calls  # done, or out of turns: the agent stops when the rollout closes its session
+        return calls
     finally:
         stop.cancel()
         if run is not None and not run.done():
