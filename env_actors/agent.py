@@ -41,8 +41,8 @@ from rollout_actors.kernel import REDACTED, CallerError
 OUTPUT_TAIL_CHARS = 4000  # of an agent's output, kept for its failure message: the end is what explains it
 KILL_GRACE_S = 2.0  # SIGTERM, then this long, then SIGKILL: an agent that ignores SIGTERM still ends
 AGENT_GUARD_SLACK_S = 1.0
-"""The server's own deadline on an agent run waits this much past the agent's, so the agent's failure (with
-its output tail) is what a rollout reports, not a bare deadline."""
+"""The agent's own deadline ends this long before its call's (the `EnvServer`'s guard), so the agent's
+failure, with its output tail, is what a rollout reports, not a bare deadline."""
 AGENT_CLIENT_TIMEOUT_S = 600.0  # what `AgentEndpoint.client()` waits per call: the endpoint bounds it too
 
 

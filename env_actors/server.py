@@ -163,10 +163,9 @@ class EnvServer:
     async def agent(self, session_id: str, endpoint: dict[str, Any], timeout: float) -> EnvResponse:
         """Run an agent environment's agent for the session against its rollout's endpoint (`agent.py`);
         ended early, like a step, when the session is closed."""
+        agent_timeout = max(0.0, timeout - AGENT_GUARD_SLACK_S)  # its own failure, with its tail, comes first
         with self._using(session_id):
-            return await self._guard(
-                "agent", timeout + AGENT_GUARD_SLACK_S, self._agent(session_id, endpoint, timeout)
-            )
+            return await self._guard("agent", timeout, self._agent(session_id, endpoint, agent_timeout))
 
     async def call_many(self, calls: list[EnvCall]) -> list[EnvAnswer]:
         """Several `reset` / `step` / `score` calls sent by one process in one Ray call (`direct.py`

@@ -26,9 +26,9 @@ from rollout_actors.turns import TokenTurns
 from rollout_actors.wire import RolloutRequest, Turn
 
 AGENT_MARGIN_S = 3.0
-"""The agent's deadline ends this long before the rollout's (at most half of what is left), so a hung
-agent comes back as the environment's failure with its output tail, not as the rollout's bare deadline:
-the env server's own guard waits 1 s past the agent's deadline (`env_actors.agent.AGENT_GUARD_SLACK_S`)."""
+"""The agent call's deadline ends this long before the rollout's (at most half of what is left), so a
+hung agent comes back as the environment's failure with its output tail, not as the rollout's bare
+deadline (the agent itself stops 1 s before its call's deadline: `env_actors.agent.AGENT_GUARD_SLACK_S`)."""
 
 
 async def run_agent_episode(
