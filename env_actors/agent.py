@@ -26,14 +26,22 @@ import contextlib
 import json
 import os
 import signal
+import ssl
 import sys
 import traceback
 from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
+from functools import cache
 from typing import Any
+from urllib.parse import urlsplit
 
 import openai
+
+try:  # openai >= 3 ships its own fork of httpx
+    import httpx2 as httpx
+except ImportError:  # pragma: no cover - openai 1.x / 2.x
+    import httpx
 
 from env_actors.interface import Environment, Message, StepOut
 from rollout_actors.kernel import REDACTED, CallerError
@@ -65,16 +73,32 @@ class AgentEndpoint:
 
     def client(self, **options: Any) -> openai.AsyncOpenAI:
         """An `AsyncOpenAI` client for this endpoint, closed when the agent's run ends (an in-process
-        agent need not close it; it may build its own instead)."""
+        agent need not close it; it may build its own instead). Cheap: no TLS state is built for it, and
+        no proxy from the environment stands between the agent and its endpoint."""
         options.setdefault("timeout", AGENT_CLIENT_TIMEOUT_S)
         options.setdefault("max_retries", 0)  # a retried call would be a second turn of the same prompt
+        if "http_client" not in options:
+            # A default client loads the CA bundle (~47 ms of CPU, DESIGN.md contract 6): per rollout, on
+            # the env server, that was most of agent mode's CPU per turn (scripts/bench_agent.py).
+            options["http_client"] = httpx.AsyncClient(
+                verify=_ssl_context(), timeout=options["timeout"], trust_env=False
+            )
         client = openai.AsyncOpenAI(base_url=self.base_url, api_key=self.api_key, **options)
         self._clients.append(client)
         return client
 
     def environ(self) -> dict[str, str]:
-        """The variables the official SDKs read: a subprocess agent's `OpenAI()` finds its endpoint."""
-        return {"OPENAI_BASE_URL": self.base_url, "OPENAI_API_KEY": self.api_key, "OPENAI_MODEL": self.model}
+        """The variables the official SDKs read: a subprocess agent's `OpenAI()` finds its endpoint (and
+        reaches it directly, whatever proxy the node's environment names)."""
+        host = urlsplit(self.base_url).hostname or ""
+        no_proxy = ",".join(filter(None, [os.environ.get("NO_PROXY", ""), host]))
+        return {
+            "OPENAI_BASE_URL": self.base_url,
+            "OPENAI_API_KEY": self.api_key,
+            "OPENAI_MODEL": self.model,
+            "NO_PROXY": no_proxy,
+            "no_proxy": no_proxy,
+        }
 
     def record_output(self, text: str) -> None:
         self._output.append(text)
@@ -98,6 +122,12 @@ class AgentEndpoint:
             with contextlib.suppress(Exception):
                 await client.close()
         self._clients.clear()
+
+
+@cache
+def _ssl_context() -> ssl.SSLContext:
+    """One client SSL context per process, never mutated (an endpoint is plain HTTP; a client insists)."""
+    return ssl.create_default_context()
 
 
 class AgentEnvironment(Environment):

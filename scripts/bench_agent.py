@@ -13,8 +13,10 @@ falls on both.
 Printed per mode: ms per turn (a rollout's wall time over its turns; median and p90), the latency agent
 mode adds per call (median per-turn difference), and CPU per turn: every process of this Ray (workers,
 env servers, renderers, pools, raylet, GCS; the stand-in excluded) and the rollout worker alone. Beside
-them, one Ray actor round trip (a no-op call, median): the floor a per-node proxy actor would add to every
-call on top of the HTTP hop, since it would forward each call to the rollout's worker and back.
+them: the HTTP hop alone (an SDK client calling the endpoint, both in this process, answered at once:
+latency and CPU per call, both sides), which any interception endpoint pays wherever it lives, and one
+Ray actor round trip (a no-op call, median), the least a per-node proxy actor would add to every call on
+top of that hop, since it would forward each call to the rollout's worker and back.
 """
 
 from __future__ import annotations
@@ -30,7 +32,9 @@ import psutil
 import ray
 
 import rollout_actors
+from env_actors.agent import AgentEndpoint as AgentAccess
 from renderer_actors.tokenizer import BUNDLED_MODEL
+from rollout_actors.agent.endpoint import AgentEndpoint
 from rollout_actors.inference.server_actor import ServerSpec, standin_options
 from rollout_actors.inference.standin import StandinServer
 from rollout_actors.plane import PlaneConfig, RolloutPlane
@@ -63,6 +67,39 @@ def process_cpu(pid: int) -> float:
     return times.user + times.system
 
 
+class Echo:
+    """A route's handler that answers at once: the HTTP hop alone, without a turn."""
+
+    async def chat_completion(self, body: dict) -> tuple[int, dict]:
+        message = {"role": "assistant", "content": "ok"}
+        choice = {"index": 0, "message": message, "finish_reason": "stop", "logprobs": None}
+        return 200, {"id": "x", "object": "chat.completion", "created": 0, "model": "m", "choices": [choice]}
+
+    def model_list(self) -> dict:
+        return {"object": "list", "data": []}
+
+
+async def http_hop(samples: int = 300) -> tuple[float, float]:
+    """(median ms, CPU ms) per call of an `AsyncOpenAI` client calling the endpoint, both in this process."""
+    endpoint = AgentEndpoint()
+    grant = await endpoint.register(Echo())
+    access = AgentAccess(base_url=grant.base_url, api_key=grant.api_key, model="m")
+    client = access.client()
+    messages = [{"role": "user", "content": "hi"}]
+    try:
+        await client.chat.completions.create(model="m", messages=messages)
+        times, cpu0 = [], time.process_time()
+        for _ in range(samples):
+            start = time.perf_counter()
+            await client.chat.completions.create(model="m", messages=messages)
+            times.append((time.perf_counter() - start) * 1000)
+        cpu = (time.process_time() - cpu0) * 1000 / samples
+    finally:
+        await access.aclose()
+        await endpoint.aclose()
+    return statistics.median(times), cpu
+
+
 @ray.remote(num_cpus=0)
 class NoOp:
     async def call(self) -> None:
@@ -81,7 +118,9 @@ async def ray_round_trip_ms(samples: int = 300) -> float:
     return statistics.median(times)
 
 
-async def wave(plane: RolloutPlane, server: StandinServer, mode: str, count: int, offset: int) -> list[Result]:
+async def wave(
+    plane: RolloutPlane, server: StandinServer, mode: str, count: int, offset: int
+) -> list[Result]:
     for i in range(count):
         await plane.submit(
             RolloutRequest(
@@ -104,7 +143,9 @@ def per_turn_ms(results: list[Result]) -> list[float]:
 
 
 async def run(args: argparse.Namespace) -> None:
-    server = StandinServer(standin_options(ServerSpec(kind="standin", model=BUNDLED_MODEL), latency_s=args.latency))
+    server = StandinServer(
+        standin_options(ServerSpec(kind="standin", model=BUNDLED_MODEL), latency_s=args.latency)
+    )
     server.start()
     plane = RolloutPlane(
         PlaneConfig(
@@ -124,7 +165,9 @@ async def run(args: argparse.Namespace) -> None:
             worker = plane._workers.live()[0].handle
             worker_pid = (await worker.debug_resources.remote())["pid"]
             exclude = {server.pid} if getattr(server, "pid", None) else set()
-            rows: dict[str, dict[str, list[float]]] = {m: {"turn_ms": [], "cpu": [], "wcpu": []} for m in MODES}
+            rows: dict[str, dict[str, list[float]]] = {
+                m: {"turn_ms": [], "cpu": [], "wcpu": []} for m in MODES
+            }
             for round_ in range(args.rounds):
                 for mode in MODES:
                     cpu0, w0 = tree_cpu(exclude), process_cpu(worker_pid)
@@ -137,10 +180,13 @@ async def run(args: argparse.Namespace) -> None:
                     rows[mode]["cpu"].append((cpu1 - cpu0) * 1000 / turns)
                     rows[mode]["wcpu"].append((w1 - w0) * 1000 / turns)
             hop = await ray_round_trip_ms()
+            http_ms, http_cpu = await http_hop()
     finally:
         server.stop()
-    print(f"\n{args.rollouts} rollouts x {args.rounds} rounds per mode, {args.concurrency} concurrent, "
-          f"model latency {args.latency:g} s; 2 model calls per rollout")
+    print(
+        f"\n{args.rollouts} rollouts x {args.rounds} rounds per mode, {args.concurrency} concurrent, "
+        f"model latency {args.latency:g} s; 2 model calls per rollout"
+    )
     print(f"{'mode':6} {'ms/turn p50':>12} {'p90':>8} {'CPU ms/turn (plane)':>20} {'(worker)':>9}")
     for mode, row in rows.items():
         ordered = sorted(row["turn_ms"])
@@ -153,6 +199,10 @@ async def run(args: argparse.Namespace) -> None:
     cpu_ratio = statistics.median(rows["agent"]["cpu"]) / statistics.median(rows["token"]["cpu"])
     print(f"agent mode adds {added:.1f} ms per call (median per-turn difference)")
     print(f"agent / token CPU per turn (plane): {cpu_ratio:.2f}")
+    print(
+        f"the HTTP hop alone (SDK client -> endpoint -> answer, one process): {http_ms:.2f} ms, "
+        f"{http_cpu:.2f} ms CPU per call"
+    )
     print(f"one Ray actor round trip (what a proxy actor would add per call, at least): {hop:.2f} ms")
 
 
