@@ -14,10 +14,12 @@ import time
 import openai
 import psutil
 import pytest
+import ray
 from env_pools import TEST_REF_PREFIXES
 
 from env_actors.examples.calculator_env import CalculatorEnv
 from renderer_actors.tokenizer import BUNDLED_MODEL
+from rollout_actors.naming import PoolNames
 from rollout_actors.plane import PlaneConfig, RolloutPlane
 from rollout_actors.samples import trainer_samples, turn_prompts
 from rollout_actors.wire import ClientConfig, Ref, Result, RolloutRequest, SamplingConfig
@@ -27,6 +29,7 @@ pytestmark = pytest.mark.slow
 DEADLINE_S = 120  # every test here answers well inside this, or fails instead of hanging
 TWIN = Ref(target="env_actors.faults.agents:TwoToolCalculatorEnv")
 SDK_AGENT = Ref(target="env_actors.faults.agents:SdkAgentEnv")
+PROGRAM = Ref(target="env_actors.faults.agents:ProgramAgentEnv")
 RIGHT = {"X-Standin-Correct-Rate": "1"}  # the stand-in answers right: both modes must reach reward 1
 
 
@@ -44,9 +47,6 @@ def plane() -> RolloutPlane:
             allowed_ref_prefixes=TEST_REF_PREFIXES,
         )
     )
-
-
-PROGRAM = Ref(target="env_actors.faults.agents:ProgramAgentEnv")
 
 
 def program_task(behaviour: str = "normal", **where) -> dict:
@@ -98,14 +98,19 @@ def assert_token_exact(standin, result: Result) -> None:
         assert run(resample(standin, prompt)) == turn.completion_ids
 
 
-async def held(plane: RolloutPlane) -> dict:
-    """What the (one) worker still holds: clients, connections, and its agent endpoint's routes."""
+async def held(plane: RolloutPlane, *envs: Ref) -> dict:
+    """What the (one) worker still holds (clients, connections, its agent endpoint's routes) and the env
+    sessions still open in the pools of `envs`."""
     worker = plane._workers.live()[0].handle
-    return await worker.debug_resources.remote()
+    resources = await worker.debug_resources.remote()
+    pools = [ray.get_actor(PoolNames(plane.names.prefix).env_pool(env)) for env in envs]
+    resources["env_sessions"] = [(await pool.stats.remote()).sessions for pool in pools]
+    return resources
 
 
 def assert_nothing_held(held: dict) -> None:
     assert held["open_clients"] == 0, held
+    assert not any(held["env_sessions"]), held  # every agent's env session ended
     assert held["agent"]["routes"] == 0, held  # every rollout's route revoked
     assert held["agent"]["connections"] == 0, held  # and the connections its agent opened closed
 
@@ -131,7 +136,7 @@ def test_agents_reach_the_token_mode_reward_with_token_exact_turns(ray_session, 
             for _ in wave:
                 result = await p.next_result(timeout=DEADLINE_S)
                 results[result.request_id] = result
-            return [results[r.request_id] for r in wave], await held(p)
+            return [results[r.request_id] for r in wave], await held(p, SDK_AGENT, PROGRAM)
 
     (by_token, by_sdk, by_program, by_short_token, by_short_sdk), left = run(scenario())
     for result in (by_token, by_sdk, by_program):
@@ -189,7 +194,7 @@ def test_agent_failures_and_a_rewritten_history_give_their_documented_results(ra
             for _ in range(4):
                 result = await p.next_result(timeout=DEADLINE_S)
                 results[result.request_id] = result
-            return [results[r.request_id] for r in (killed, never, rewrite, silent)], await held(p)
+            return [results[r.request_id] for r in (killed, never, rewrite, silent)], await held(p, PROGRAM)
 
     (by_killed, by_never, by_rewrite, by_silent), left = run(scenario())
     # Killed mid-call: the environment's failure, with how it ended and its output tail; its call was
@@ -246,7 +251,7 @@ def test_a_cancelled_rollout_stops_its_agent_and_refuses_its_late_calls(ray_sess
             assert await p.cancel(leaky.request_id)
             result = await p.next_result(timeout=DEADLINE_S)
             leaked = json.loads(leak_file.read_text())
-            return result, leaked, await late_call(leaked), await held(p)
+            return result, leaked, await late_call(leaked), await held(p, PROGRAM)
 
     result, leaked, refused, left = run(scenario())
     assert result.kind == "cancelled"

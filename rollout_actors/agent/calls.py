@@ -60,7 +60,6 @@ class AgentCalls:
         that failed part-way (the next one then forks: nothing half-bridged is ever extended)."""
         self._context = 0
         """Prompt + completion tokens on the current branch (`usage`)."""
-        self.fork_reasons: list[str] = []
         self.failure: BaseException | None = None
         """A turn's failure that ends the rollout (model, renderer, our parts)."""
         self.turns_spent = False
@@ -112,8 +111,7 @@ class AgentCalls:
             )
             if step.new_messages is not None:
                 await self._turns.advance(step.new_messages)
-            else:
-                self.fork_reasons.append(step.fork_reason or "")
+            else:  # `step.fork_reason` says why; the result marks the fork (`forked`, the turn's branch)
                 await self._turns.restart(messages, tools)
                 self._context = 0
         turn, assistant = await self._turns.sample(messages)

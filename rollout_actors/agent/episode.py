@@ -38,9 +38,9 @@ async def run_agent_episode(
     recorded: list[Turn],
     messages: list[dict[str, Any]],
     seconds_left: Callable[[], float],
-) -> AgentCalls:
+) -> None:
     """Serve the agent of `env`'s session until it is done; `seconds_left`: what remains of the rollout's
-    deadline. Returns the rollout's `AgentCalls` (fork reasons, calls made)."""
+    deadline. Turns are appended to `recorded`, the conversation kept in `messages`."""
     calls = AgentCalls(request, turns, recorded, messages)
     grant = await endpoint_for_loop().register(calls)
     run: asyncio.Future[str] | None = None
@@ -54,7 +54,7 @@ async def run_agent_episode(
         if calls.failure is not None:
             raise calls.failure
         if calls.turns_spent:  # whatever the agent does about its refused call, the episode is over
-            return calls
+            return
         if run.done():
             tail = run.result()  # an agent that failed raises here (`EnvCallFailed`, with its output tail)
             if not recorded and not calls.turns_spent:
@@ -63,7 +63,6 @@ async def run_agent_episode(
                     type="AgentMadeNoCalls", message=f"{message}; output tail:\n{tail}" if tail else message
                 )
                 raise EnvCallFailed(failure, "infrastructure")
-        return calls
     finally:
         stop.cancel()
         if run is not None and not run.done():
