@@ -192,7 +192,7 @@ class EnvResponse(BaseModel):
         return cls.failed(failure, kind, worker=worker)
 
 
-SessionMethod = Literal["reset", "step", "score"]
+SessionMethod = Literal["reset", "step", "score", "agent"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,7 +203,7 @@ class EnvCall:
     method: SessionMethod
     session_id: str
     args: tuple[Any, ...]
-    """`reset`: (task_index, task); `step`: (assistant message,); `score`: ()."""
+    """`reset`: (task_index, task); `step`: (assistant message,); `score`: (); `agent`: (endpoint,)."""
     timeout_s: float
     score_if_done: bool = False
     """`step` only: a step that ends the episode also scores it and ends the session."""

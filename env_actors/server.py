@@ -27,6 +27,7 @@ from typing import Any
 
 import ray
 
+from env_actors.agent import AGENT_GUARD_SLACK_S, AgentEndpoint, run_agent_session
 from env_actors.config import EnvCallLimits, EnvPoolConfig
 from env_actors.interface import EnvAnswer, EnvCall, EnvResponse, ResetOut, ScoreOut, StepOut, check_index
 from rollout_actors.kernel import DEFAULT_ALLOWED_PREFIXES, CallerError, Failure, Ref, RefResolver
@@ -177,6 +178,13 @@ class EnvServer:
         with self._using(session_id):
             return await self._guard("score", min(timeout, self._limits.score_s), self._score(session_id))
 
+    async def agent(self, session_id: str, endpoint: dict[str, Any], timeout: float) -> EnvResponse:
+        """Run an agent environment's agent for the session against its rollout's endpoint (`agent.py`);
+        ended early, like a step, when the session is closed."""
+        agent_timeout = max(0.0, timeout - AGENT_GUARD_SLACK_S)  # its own failure, with its tail, comes first
+        with self._using(session_id):
+            return await self._guard("agent", timeout, self._agent(session_id, endpoint, agent_timeout))
+
     async def call_many(self, calls: list[EnvCall]) -> list[EnvAnswer]:
         """Several `reset` / `step` / `score` calls sent by one process in one Ray call (`direct.py`
         batches a tick's worth). They run concurrently, each under its own deadline; the reply answers
@@ -197,7 +205,7 @@ class EnvServer:
     def _batched_call(self, call: EnvCall) -> Awaitable[EnvResponse]:
         if call.method == "step":
             return self.step(call.session_id, *call.args, call.timeout_s, score_if_done=call.score_if_done)
-        if call.method in ("reset", "score"):
+        if call.method in ("reset", "score", "agent"):
             return getattr(self, call.method)(call.session_id, *call.args, call.timeout_s)
         failure = Failure(type="CallerError", message=f"{call.method!r} cannot be batched")
         return _answer(EnvResponse.failed(failure, "caller", self._worker))
@@ -309,6 +317,10 @@ class EnvServer:
             await self._end_scored(session_id)
         # `score` is the server's to set: whatever the environment put there does not travel.
         return StepOut(messages=out.messages, done=out.done, score=score).model_dump()
+
+    async def _agent(self, session_id: str, endpoint: dict[str, Any], timeout: float) -> dict:
+        state = self._state(session_id)
+        return await run_agent_session(self._loaded(), state, AgentEndpoint.from_wire(endpoint), timeout)
 
     async def _score(self, session_id: str) -> dict:
         state = self._state(session_id)

@@ -108,6 +108,13 @@ class EnvSession:
             forget_later(self.pool, self.session_id)
         return out
 
+    async def run_agent(self, endpoint: dict[str, Any], timeout: float) -> str:
+        """Agent mode: the environment runs its agent against `endpoint` (`env_actors.agent`) within
+        `timeout`; returns the agent program's output tail. `close` stops the agent."""
+        self._check_open("agent")
+        value = await self._direct("agent", (endpoint,), timeout)
+        return str((value or {}).get("output_tail", ""))
+
     async def score(self, timeout: float) -> ScoreOut:
         self._check_open("score")
         return _answer_of(ScoreOut, await self._direct("score", (), timeout), "score")

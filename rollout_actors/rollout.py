@@ -14,10 +14,11 @@ from typing import Any, Protocol
 
 from env_actors.interface import ScoreOut
 from env_actors.session import EnvSession
+from rollout_actors.agent.episode import run_agent_episode
 from rollout_actors.client import build_client
 from rollout_actors.failures import classify
 from rollout_actors.kernel.coalescer import DEFAULT_BATCH_WINDOW_S
-from rollout_actors.turns import TurnStrategy, strategy_for
+from rollout_actors.turns import TokenTurns, TurnStrategy, strategy_for
 from rollout_actors.wire import CallerError, Failure, Result, RolloutRequest, Turn
 
 CLEANUP_TIMEOUT_S = 5.0  # releasing a lease or ending a session must not hold a finished rollout hostage
@@ -173,8 +174,13 @@ async def _run(
         tools = env.tools or None
         state.messages = list(env.messages)
         final: ScoreOut | None = None
-        await turns.open(state.messages, tools)
-        for _ in range(request.max_turns):
+        if request.mode == "agent":  # the environment's agent drives the turns (`rollout_actors.agent`)
+            assert isinstance(turns, TokenTurns)
+            left = lambda: _budget(scope, request.deadline_s)  # noqa: E731 - what remains of the rollout's deadline
+            await run_agent_episode(request, env, turns, state.turns, state.messages, left)
+        else:
+            await turns.open(state.messages, tools)
+        for _ in range(request.max_turns if request.mode != "agent" else 0):
             turn, assistant = await turns.sample(state.messages)
             state.turns.append(turn)
             state.messages.append(assistant)

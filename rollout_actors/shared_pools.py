@@ -104,7 +104,7 @@ class SharedPools:
         assert self._renderer is not None, "call `start` first"
         deadline = time.monotonic() + timeout
         env = await self._env[env_key(request.env)][0].serving(timeout, verify)
-        if request.mode == "token":
+        if request.mode != "chat":  # token and agent mode render every turn
             renderer = await self._renderer.serving(max(0.0, deadline - time.monotonic()), verify)
         else:  # a chat rollout never renders: it neither waits for the renderer pool nor checks it
             renderer = None

@@ -61,7 +61,7 @@ def strategy_for(
     request: RolloutRequest, client: openai.AsyncOpenAI, pools: Any, policy: Any, budget: Budget
 ) -> TurnStrategy:
     """`pools`: a `rollout.PoolDirectory`; `policy`: a `rollout.PolicyState`."""
-    if request.mode == "token":
+    if request.mode in ("token", "agent"):  # agent mode renders and samples each call as token mode does
         return TokenTurns(request, client, pools, policy, budget)
     return ChatTurns(request, client, policy)
 
@@ -229,6 +229,16 @@ class TokenTurns:
             self._prompt.extend(step.added_ids)
             self._synthetic = step.synthetic_ids
         self._branch = step.branch
+
+    async def restart(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> None:
+        """Start a new branch from a full render of `messages` (agent mode: the agent rewrote history or
+        changed its tools). Explicit and marked (`forked`); the old branch keeps what was sampled."""
+        assert self._renderer is not None
+        self._tools = tools
+        self._prompt = await self._renderer.start(messages, tools, timeout=self._budget())
+        self._added, self._synthetic, self._last = list(self._prompt), 0, None
+        self._branch += 1
+        self.forked = True
 
     async def close(self) -> None:
         if self._renderer is not None:

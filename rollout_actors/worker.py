@@ -22,6 +22,7 @@ from typing import Any
 
 import ray
 
+from rollout_actors.agent.endpoint import endpoint_stats
 from rollout_actors.client import open_client_count
 from rollout_actors.failures import log_failure
 from rollout_actors.kernel.coalescer import batch_counts, batch_window, set_batch_window
@@ -164,7 +165,8 @@ class RolloutWorker:
     async def debug_resources(self, port: int | None = None) -> dict[str, Any]:
         """Debug endpoint, not used by the plane: what this process holds (open clients, established TCP
         connections, optionally to one port, threads, RSS, rollouts running, batched calls sent: (calls,
-        items) by kind, the batch window, and what garbage collection cost: `kernel.collector`), for leak
+        items) by kind, the batch window, what garbage collection cost: `kernel.collector`, and the agent
+        endpoint's routes and connections: `agent.endpoint.endpoint_stats`), for leak
         checks in tests and `bench_plane.py`, and for an operator chasing a leak or a cost. It walks the
         heap: call it rarely."""
         import psutil
@@ -186,6 +188,7 @@ class RolloutWorker:
             "batches": batch_counts(),
             "batch_window_s": batch_window(),
             "collector": collector_stats(),
+            "agent": endpoint_stats(),
         }
 
 
