@@ -445,6 +445,11 @@ def test_the_load_reader_reads_vllms_series_with_the_key(bare):
         'vllm:num_requests_waiting{model_name="m",engine="0"} 1\n'
         'vllm:num_requests_waiting{model_name="m",engine="1"} 0\n'
     )
-    assert parse_load(two_engines).model_dump() == {"kv_cache_usage": 0.75, "running": 7, "waiting": 1}
+    assert parse_load(two_engines).model_dump() == {
+        "kv_cache_usage": 0.75,
+        "running": 7,
+        "waiting": 1,
+        "preemptions": 0,  # a server without the counter reads as one that never preempted
+    }
     with pytest.raises(MetricsMissing):
         parse_load("standin_requests_in_flight 0\n")
