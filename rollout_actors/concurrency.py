@@ -12,7 +12,9 @@ The controller polls every live server's `/metrics` (`vllm:kv_cache_usage_perc`,
   life, so the reading lags what the lane already admitted), nothing waits, no server preempted since the
   last poll, and the limit is what holds the lane back (it is nearly full): toward the limit that would put
   KV usage at `aim` at the current tokens per rollout, by a factor that tapers from `grow_factor` at an
-  empty cache to 1 at `aim` (prime-rl's gradient-gated AIMD does the same);
+  empty cache to 1 at `aim` (prime-rl's gradient-gated AIMD does the same), and only while the last growth
+  paid: the servers run more requests than before it (where the plane itself, an environment or a
+  renderer is what holds rollouts back, a higher limit only queues them in front of it);
 - **shrink** (x `shrink_factor`) when KV usage reaches `shrink_above`, a server preempted since the last
   poll (each preemption throws away a prefill and recomputes it), or requests wait two polls running;
 - **cut** when a server is about to preempt (KV usage at `preempt_at` with requests waiting): the limit
@@ -76,6 +78,9 @@ class ConcurrencyConfig(BaseModel):
     cancel_fraction: float = Field(default=0.0, ge=0, le=1)
     """Of the rollouts on a server about to preempt, the youngest this fraction (at least one) is
     cancelled; 0 (the default) only lowers the limit."""
+    pay_fraction: float = Field(default=0.25, ge=0, le=1)
+    """Growth continues only once the servers run at least this fraction of the last growth's new slots
+    more requests than when it was made."""
     binding_fraction: float = Field(default=0.9, gt=0, le=1)
     """The limit holds the lane back when in flight >= this fraction of it: only then does growing help."""
     settle_s: float = Field(default=5.0, ge=0, le=600)
@@ -146,6 +151,8 @@ class ConcurrencyController:
         """When the last shrink or cut was made, until the lane and the servers have settled after it."""
         self._kv: float | None = None
         """KV usage of the fullest server, smoothed over polls."""
+        self._last_growth: tuple[int, int] | None = None
+        """(requests the servers ran, slots added) at the last growth, until it has paid."""
         self._preemptions: dict[str, int] = {}
         """Each server's preemption counter at the last poll that read it."""
         self.last_load: dict[str, ServerLoad] = {}
@@ -174,6 +181,7 @@ class ConcurrencyController:
         self.last_load = loads
         endpoint, worst = max(loads.items(), key=lambda item: (item[1].kv_cache_usage, item[1].waiting))
         waiting = sum(load.waiting for load in loads.values())
+        running = sum(load.running for load in loads.values())
         preempted = self._new_preemptions(loads)
         config, limit, in_flight, now = self.config, self.limit, self._in_flight(), time.monotonic()
         if self._settling_since is not None and in_flight <= limit:
@@ -199,12 +207,16 @@ class ConcurrencyController:
             and preempted == 0
             and rise <= config.max_rise
             and in_flight >= config.binding_fraction * limit
+            and self._paid(running)
             and settled
         ):
             room = in_flight * config.aim / smooth if smooth > 0 else math.inf  # KV usage at `aim`
             step = 1 + (config.grow_factor - 1) * max(0.0, 1 - smooth / config.aim)
             action, target = "grow", self._clamp(max(limit + 1, min(step * limit, room)))
+        if action == "grow":
+            self._last_growth = (running, target - limit)
         if action in ("cut", "shrink"):
+            self._last_growth = None
             self._settling_since = now
         self._waited_last_poll = waiting > 0
         if target != limit:
@@ -214,6 +226,15 @@ class ConcurrencyController:
         self.history.append(decision)
         self.actions[action] += 1
         return decision
+
+    def _paid(self, running: int) -> bool:
+        if self._last_growth is None:
+            return True
+        before, added = self._last_growth
+        if running >= before + self.config.pay_fraction * added:
+            self._last_growth = None
+            return True
+        return False
 
     def _new_preemptions(self, loads: dict[str, ServerLoad]) -> int:
         """Preemptions since the last poll, over the servers read both times (a counter that went back

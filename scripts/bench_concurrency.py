@@ -2,7 +2,7 @@
 is finite.
 
     python scripts/bench_concurrency.py [--quick] [--limits 4,8,16,32,64,128] [--phase-s 30]
-                                        [--kv-tokens 8192] [--latency 0.3] [--per-token 0.03]
+                                        [--kv-tokens 4096] [--latency 0.3] [--per-token 0.1]
                                         [--prefill 0.001]
 
 Setup: a local Ray, one bundled stand-in server with a KV cache of `--kv-tokens` tokens in blocks of 16
@@ -157,7 +157,7 @@ class Bench:
     async def call_sizes(self) -> str:
         """What a model call of this workload held, from the server's counters."""
         async with httpx.AsyncClient(timeout=10, trust_env=False) as http:
-            text = (await http.get(f"{self.server.base_url}/metrics")).text
+            text = (await http.get(f"{self.server.url}/metrics")).text
         series = {name: float(value) for name, value in _SERIES.findall(text)}
         calls = sum(float(v) for v in _REQUESTS.findall(text)) or 1.0
         hits, queries = series["vllm:prefix_cache_hits_total"], series["vllm:prefix_cache_queries_total"]
@@ -250,9 +250,9 @@ if __name__ == "__main__":
     parser.add_argument("--quick", action="store_true", help="15 s phases, limits 4,16,64")
     parser.add_argument("--limits", default="4,8,16,32,64,128")
     parser.add_argument("--phase-s", type=float, default=30.0)
-    parser.add_argument("--kv-tokens", type=int, default=8192)
+    parser.add_argument("--kv-tokens", type=int, default=4096)
     parser.add_argument("--latency", type=float, default=0.3, help="seconds per model call")
-    parser.add_argument("--per-token", type=float, default=0.03, help="seconds per sampled token")
+    parser.add_argument("--per-token", type=float, default=0.1, help="seconds per sampled token")
     parser.add_argument("--prefill", type=float, default=0.001, help="seconds per uncached prompt token")
     arguments = parser.parse_args()
     if arguments.quick:

@@ -55,8 +55,8 @@ class FakePlane:
         return len(request_ids)
 
 
-def load(kv: float, waiting: int = 0, preemptions: int = 0) -> ServerLoad:
-    return ServerLoad(kv_cache_usage=kv, running=10, waiting=waiting, preemptions=preemptions)
+def load(kv: float, waiting: int = 0, preemptions: int = 0, running: int = 10) -> ServerLoad:
+    return ServerLoad(kv_cache_usage=kv, running=running, waiting=waiting, preemptions=preemptions)
 
 
 def controller(limit: int = 40, in_flight: int = 40, **config):
@@ -76,18 +76,21 @@ def test_grows_only_while_the_kv_cache_has_room_and_the_limit_is_what_holds_the_
         plane.lanes.get("train").in_flight = 48
         reader.loads = {A: load(0.3), B: load(0.7)}
         rising = await c.step()  # KV rose 0.6 in one poll: what was admitted has not shown yet
-        near = await c.step()  # steady at 0.7: x1.03, within the limit that would put KV at `aim`
+        unpaid = await c.step()  # steady, but the servers run no more requests than before the growth
+        reader.loads = {A: load(0.3), B: load(0.7, running=12)}  # 2 more: a quarter of the 8 new slots
+        near = await c.step()  # x1.03, within the limit that would put KV at `aim`
         plane.lanes.get("train").in_flight = 10  # far below the limit: more room would not be used
         reader.loads = {A: load(0.1)}
         idle = await c.step()
         plane.lanes.get("train").in_flight = 49
         reader.loads = {A: load(0.85)}  # between grow_below and shrink_above
         full = await c.step()
-        return grown, rising, near, idle, full, plane.lanes.get("eval").limit
+        return grown, rising, unpaid, near, idle, full, plane.lanes.get("eval").limit
 
-    grown, rising, near, idle, full, eval_limit = asyncio.run(scenario())
+    grown, rising, unpaid, near, idle, full, eval_limit = asyncio.run(scenario())
     assert (grown.action, grown.limit) == ("grow", 48)
     assert (rising.action, rising.limit) == ("hold", 48)
+    assert (unpaid.action, unpaid.limit) == ("hold", 48)
     assert (near.action, near.limit) == ("grow", 49)
     assert (idle.action, idle.limit) == ("hold", 49)
     assert (full.action, full.limit) == ("hold", 49)
