@@ -149,9 +149,14 @@ class Bench:
         await self.drained()
 
     async def drained(self) -> None:
+        """Until the lane is empty and the server idle: the stand-in, unlike vLLM, finishes a call whose
+        client went away, and the next phase must not start on the last one's queue."""
         lane = self.plane.lanes.get("train")
         deadline = time.monotonic() + DRAIN_TIMEOUT_S
-        while lane.in_flight > 0 and time.monotonic() < deadline:
+        while time.monotonic() < deadline:
+            load = await self.reader.read(self.server.base_url)
+            if lane.in_flight == 0 and load.running == 0 and load.waiting == 0:
+                break
             await asyncio.sleep(0.2)
 
     async def call_sizes(self) -> str:

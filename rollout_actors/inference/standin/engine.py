@@ -13,7 +13,9 @@ Modelled on vLLM's v1 scheduler (vLLM 0.33.0, `vllm/v1/core/sched/scheduler.py`,
   is itself the last one preempts itself. `vllm:num_preemptions` counts these.
 - **Prefill on one shared lane.** Computing a prompt's uncached tokens takes `prefill_token_latency_s`
   each, and prefills run one after another (a GPU's compute is shared): a recompute delays the first
-  token of every request admitted after it. Zero by default (prefill is free and instant).
+  token of every request admitted after it, and while the lane is busy every running request decodes at
+  half speed (vLLM's chunked prefill puts prefill chunks into the same steps as decodes). Zero by default
+  (prefill is free and instant).
 - **The call's own clock**: `latency_s` once, then `per_token_latency_s` per sampled token (all tokens at
   once at `latency_s` when that is zero). Time spent waiting or recomputing does not advance it.
 - **`max_loras`.** A batch holds at most `max_loras` distinct adapters: a request for another adapter is
@@ -43,6 +45,9 @@ from typing import Literal
 from rollout_actors.inference.standin.kv import BLOCK_SIZE, BlockPool, blocks_for, chain_hashes
 
 PauseMode = Literal["keep", "wait", "abort"]
+DECODE_SPEED_WHILE_PREFILLING = 0.5  # a step that carries a prefill chunk takes about two decode-only steps
+CLOCK_SLACK_S = 1e-3
+LANE_HISTORY = 100_000  # prefill spans kept: far more than any clock waits across
 DEFAULT_VERSION = "default"  # vLLM's label for the weights a server started with
 
 
@@ -119,6 +124,8 @@ class Engine:
         self.prefix_cache_hits = 0
         self._prefill_free_at = 0.0
         """When the shared prefill lane finishes what it was given (loop time)."""
+        self._lane_busy: deque[tuple[float, float]] = deque(maxlen=LANE_HISTORY)
+        """The prefill lane's busy spans (start, end), in order, that a running clock may still ask about."""
         self._resumed = asyncio.Event()
         self._resumed.set()
         self._paused = asyncio.Event()
@@ -172,10 +179,11 @@ class Engine:
         loop = asyncio.get_running_loop()
         while True:
             await slot.admitted.wait()
-            done_at = (
-                max(loop.time(), self._prefill_free_at) + slot.prefill_tokens * self.prefill_token_latency_s
-            )
+            start = max(loop.time(), self._prefill_free_at)
+            done_at = start + slot.prefill_tokens * self.prefill_token_latency_s
             self._prefill_free_at = done_at
+            if done_at > start:
+                self._lane_busy.append((start, done_at))
             if done_at <= loop.time():
                 return
             preempted = asyncio.ensure_future(slot.preempted.wait())
@@ -286,6 +294,15 @@ class Engine:
     def _extra(slot: Slot) -> tuple[str, ...]:
         return (slot.adapter,) if slot.adapter is not None else ()
 
+    def _prefilling(self, start: float, end: float) -> float:
+        """Seconds of [start, end] the prefill lane was busy."""
+        total = 0.0
+        for busy_start, busy_end in reversed(self._lane_busy):
+            if busy_end <= start:
+                break
+            total += max(0.0, min(end, busy_end) - max(start, busy_start))
+        return total
+
     # --------------------------------------------------------------------------------------- clock
     async def run_for(self, slot: Slot, seconds: float) -> float | None:
         """Spend `seconds` of the call's clock, taking blocks as its tokens fill them and riding out
@@ -303,27 +320,27 @@ class Engine:
                 return None
             block_at = slot.next_block_at()
             until = target if block_at is None else min(target, max(block_at, slot.progress))
-            started = loop.time()
+            started, need = loop.time(), until - slot.progress
             interrupts = [
                 asyncio.ensure_future(self._paused.wait()),
                 asyncio.ensure_future(slot.preempted.wait()),
             ]
             try:
-                await asyncio.wait(
-                    interrupts, timeout=until - slot.progress, return_when=asyncio.FIRST_COMPLETED
-                )
+                await asyncio.wait(interrupts, timeout=need, return_when=asyncio.FIRST_COMPLETED)
             finally:
                 for waiter in interrupts:
                     waiter.cancel()
-            ran = min(loop.time() - started, until - slot.progress)
+            now = loop.time()
+            ran = now - started - (1 - DECODE_SPEED_WHILE_PREFILLING) * self._prefilling(started, now)
+            if not (slot.preempted.is_set() or self._paused.is_set()) and ran > need - CLOCK_SLACK_S:
+                ran = need  # the timer may fire a hair early; the clock reads its own target
+            ran = max(0.0, min(ran, need))
             slot.progress += ran
             spent += ran
             if slot.preempted.is_set():
                 await self._computed(slot)
             elif self._paused.is_set():
                 return spent
-            else:
-                slot.progress = until  # the timer may fire a hair early; the clock reads its own target
 
     async def resumed(self) -> None:
         await self._resumed.wait()
