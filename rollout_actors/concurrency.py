@@ -5,17 +5,22 @@
 A fixed lane limit is either too low (the servers idle while KV cache is free) or too high (requests wait
 in the servers' queues and, on vLLM, running ones get preempted and recomputed when the KV cache fills).
 The controller polls every live server's `/metrics` (`vllm:kv_cache_usage_perc`,
-`vllm:num_requests_waiting`, through `inference.load.LoadReader`) and moves the lanes it steers with
-`set_limit`, judging by the fullest server:
+`vllm:num_requests_waiting` and the counter `vllm:num_preemptions_total`, through
+`inference.load.LoadReader`) and moves the lanes it steers with `set_limit`, judging by the fullest server:
 
-- **grow** while KV usage is below `grow_below`, nothing waits, and the limit is what holds the lane
-  back (it is nearly full): toward the limit that would put KV usage at `aim` at the current tokens per
-  rollout, at most x `grow_factor` per poll;
-- **shrink** (x `shrink_factor`) when KV usage reaches `shrink_above`, or requests wait two polls running;
+- **grow** while KV usage is below `grow_below` and has stopped rising (a rollout's KV grows over its
+  life, so the reading lags what the lane already admitted), nothing waits, no server preempted since the
+  last poll, and the limit is what holds the lane back (it is nearly full): toward the limit that would put
+  KV usage at `aim` at the current tokens per rollout, by a factor that tapers from `grow_factor` at an
+  empty cache to 1 at `aim` (prime-rl's gradient-gated AIMD does the same), and only while the last growth
+  paid: the servers run more requests than before it (where the plane itself, an environment or a
+  renderer is what holds rollouts back, a higher limit only queues them in front of it);
+- **shrink** (x `shrink_factor`) when KV usage reaches `shrink_above`, a server preempted since the last
+  poll (each preemption throws away a prefill and recomputes it), or requests wait two polls running;
 - **cut** when a server is about to preempt (KV usage at `preempt_at` with requests waiting): the limit
-  drops to `shrink_factor` x what is running, and the youngest rollouts on that server, `cancel_fraction`
-  of them, are cancelled (`error.type == "Overload"`): they have sampled least, so cancelling them frees
-  KV for the rest at the smallest loss.
+  drops to `shrink_factor` x what is running, and, if `cancel_fraction` > 0, the youngest rollouts on that
+  server are cancelled (`error.type == "Overload"`): they have sampled least, so cancelling them frees KV
+  for the rest at the smallest loss. Off by default: a lower limit drains the excess without losing work.
 
 After a shrink or a cut the controller lets the move show before the next one: no further move until the
 lane has drained below the new limit and the servers' queues are empty, or `settle_s` has passed (a
@@ -59,6 +64,8 @@ class ConcurrencyConfig(BaseModel):
     interval_s: float = Field(default=1.0, gt=0, le=60)
     """Seconds between polls: vLLM refreshes its gauges about once a second."""
     grow_below: float = Field(default=0.75, gt=0, le=1)
+    max_rise: float = Field(default=0.05, ge=0, le=1)
+    """Growth waits while KV usage rose more than this since the last poll (it has not caught up yet)."""
     aim: float = Field(default=0.8, gt=0, le=1)
     """A growth step goes no further than the limit that would put KV usage here."""
     shrink_above: float = Field(default=0.9, gt=0, le=1)
@@ -68,9 +75,12 @@ class ConcurrencyConfig(BaseModel):
     a cut reads the newest poll alone."""
     grow_factor: float = Field(default=1.25, gt=1, le=4)
     shrink_factor: float = Field(default=0.75, gt=0, lt=1)
-    cancel_fraction: float = Field(default=0.05, ge=0, le=1)
+    cancel_fraction: float = Field(default=0.0, ge=0, le=1)
     """Of the rollouts on a server about to preempt, the youngest this fraction (at least one) is
-    cancelled; 0 only lowers the limit."""
+    cancelled; 0 (the default) only lowers the limit."""
+    pay_fraction: float = Field(default=0.25, ge=0, le=1)
+    """Growth continues only once the servers run at least this fraction of the last growth's new slots
+    more requests than when it was made."""
     binding_fraction: float = Field(default=0.9, gt=0, le=1)
     """The limit holds the lane back when in flight >= this fraction of it: only then does growing help."""
     settle_s: float = Field(default=5.0, ge=0, le=600)
@@ -141,6 +151,10 @@ class ConcurrencyController:
         """When the last shrink or cut was made, until the lane and the servers have settled after it."""
         self._kv: float | None = None
         """KV usage of the fullest server, smoothed over polls."""
+        self._last_growth: tuple[int, int] | None = None
+        """(requests the servers ran, slots added) at the last growth, until it has paid."""
+        self._preemptions: dict[str, int] = {}
+        """Each server's preemption counter at the last poll that read it."""
         self.last_load: dict[str, ServerLoad] = {}
 
     @property
@@ -167,6 +181,8 @@ class ConcurrencyController:
         self.last_load = loads
         endpoint, worst = max(loads.items(), key=lambda item: (item[1].kv_cache_usage, item[1].waiting))
         waiting = sum(load.waiting for load in loads.values())
+        running = sum(load.running for load in loads.values())
+        preempted = self._new_preemptions(loads)
         config, limit, in_flight, now = self.config, self.limit, self._in_flight(), time.monotonic()
         if self._settling_since is not None and in_flight <= limit:
             if waiting == 0 or now - self._settling_since >= config.settle_s:
@@ -174,23 +190,33 @@ class ConcurrencyController:
         settled = self._settling_since is None
         kv = worst.kv_cache_usage
         smooth = kv if self._kv is None else config.smoothing * kv + (1 - config.smoothing) * self._kv
+        rise = 0.0 if self._kv is None else smooth - self._kv
         self._kv = smooth
         action, target, cancelled = "hold", limit, 0
         if kv >= config.preempt_at and worst.waiting > 0 and settled:
             action, target = "cut", self._clamp(config.shrink_factor * max(in_flight, config.min_limit))
             cancelled = await self._cancel_youngest(endpoint)
-        elif (smooth >= config.shrink_above or (waiting > 0 and self._waited_last_poll)) and settled:
+        elif (
+            smooth >= config.shrink_above or preempted > 0 or (waiting > 0 and self._waited_last_poll)
+        ) and settled:
             action, target = "shrink", self._clamp(config.shrink_factor * limit)
         elif (
             smooth < config.grow_below
             and kv < config.shrink_above  # not on a high poll, whatever the average says
             and waiting == 0
+            and preempted == 0
+            and rise <= config.max_rise
             and in_flight >= config.binding_fraction * limit
+            and self._paid(running)
             and settled
         ):
             room = in_flight * config.aim / smooth if smooth > 0 else math.inf  # KV usage at `aim`
-            action, target = "grow", self._clamp(max(limit + 1, min(config.grow_factor * limit, room)))
+            step = 1 + (config.grow_factor - 1) * max(0.0, 1 - smooth / config.aim)
+            action, target = "grow", self._clamp(max(limit + 1, min(step * limit, room)))
+        if action == "grow":
+            self._last_growth = (running, target - limit)
         if action in ("cut", "shrink"):
+            self._last_growth = None
             self._settling_since = now
         self._waited_last_poll = waiting > 0
         if target != limit:
@@ -200,6 +226,26 @@ class ConcurrencyController:
         self.history.append(decision)
         self.actions[action] += 1
         return decision
+
+    def _paid(self, running: int) -> bool:
+        if self._last_growth is None:
+            return True
+        before, added = self._last_growth
+        if running >= before + self.config.pay_fraction * added:
+            self._last_growth = None
+            return True
+        return False
+
+    def _new_preemptions(self, loads: dict[str, ServerLoad]) -> int:
+        """Preemptions since the last poll, over the servers read both times (a counter that went back
+        is a restarted server: its new count is all new)."""
+        new = 0
+        for url, load in loads.items():
+            before = self._preemptions.get(url)
+            if before is not None:
+                new += load.preemptions - before if load.preemptions >= before else load.preemptions
+            self._preemptions[url] = load.preemptions
+        return new
 
     async def _read_all(self) -> dict[str, ServerLoad]:
         endpoints = list(self._plane.live_endpoints())

@@ -55,8 +55,8 @@ class FakePlane:
         return len(request_ids)
 
 
-def load(kv: float, waiting: int = 0) -> ServerLoad:
-    return ServerLoad(kv_cache_usage=kv, running=10, waiting=waiting)
+def load(kv: float, waiting: int = 0, preemptions: int = 0, running: int = 10) -> ServerLoad:
+    return ServerLoad(kv_cache_usage=kv, running=running, waiting=waiting, preemptions=preemptions)
 
 
 def controller(limit: int = 40, in_flight: int = 40, **config):
@@ -71,24 +71,29 @@ def controller(limit: int = 40, in_flight: int = 40, **config):
 def test_grows_only_while_the_kv_cache_has_room_and_the_limit_is_what_holds_the_lane_back():
     async def scenario():
         c, plane, reader = controller(limit=40, in_flight=40)
-        reader.loads = {A: load(0.3), B: load(0.5)}
-        grown = await c.step()  # x1.25 at most
-        plane.lanes.get("train").in_flight = 50
+        reader.loads = {A: load(0.1), B: load(0.1)}
+        grown = await c.step()  # x(1 + 0.25 x (1 - 0.1 / 0.8)): the step tapers toward `aim`
+        plane.lanes.get("train").in_flight = 48
         reader.loads = {A: load(0.3), B: load(0.7)}
-        near = await c.step()  # only toward the limit that would put KV at `aim`: 50 x 0.8 / 0.7
+        rising = await c.step()  # KV rose 0.6 in one poll: what was admitted has not shown yet
+        unpaid = await c.step()  # steady, but the servers run no more requests than before the growth
+        reader.loads = {A: load(0.3), B: load(0.7, running=12)}  # 2 more: a quarter of the 8 new slots
+        near = await c.step()  # x1.03, within the limit that would put KV at `aim`
         plane.lanes.get("train").in_flight = 10  # far below the limit: more room would not be used
         reader.loads = {A: load(0.1)}
         idle = await c.step()
-        plane.lanes.get("train").in_flight = 57
+        plane.lanes.get("train").in_flight = 49
         reader.loads = {A: load(0.85)}  # between grow_below and shrink_above
         full = await c.step()
-        return grown, near, idle, full, plane.lanes.get("eval").limit
+        return grown, rising, unpaid, near, idle, full, plane.lanes.get("eval").limit
 
-    grown, near, idle, full, eval_limit = asyncio.run(scenario())
-    assert (grown.action, grown.limit) == ("grow", 50)
-    assert (near.action, near.limit) == ("grow", 57)
-    assert (idle.action, idle.limit) == ("hold", 57)
-    assert (full.action, full.limit) == ("hold", 57)
+    grown, rising, unpaid, near, idle, full, eval_limit = asyncio.run(scenario())
+    assert (grown.action, grown.limit) == ("grow", 48)
+    assert (rising.action, rising.limit) == ("hold", 48)
+    assert (unpaid.action, unpaid.limit) == ("hold", 48)
+    assert (near.action, near.limit) == ("grow", 49)
+    assert (idle.action, idle.limit) == ("hold", 49)
+    assert (full.action, full.limit) == ("hold", 49)
     assert eval_limit == 4  # a lane it does not steer keeps its limit
 
 
@@ -109,6 +114,29 @@ def test_shrinks_when_the_fullest_server_is_under_pressure_or_requests_keep_wait
     assert (twice.action, twice.limit) == ("shrink", 22)
 
 
+def test_a_server_that_preempted_since_the_last_poll_makes_the_limit_shrink_and_stop_growing():
+    async def scenario():
+        c, plane, reader = controller(limit=40, in_flight=40, settle_s=0)
+        reader.loads = {A: load(0.5, preemptions=7), B: load(0.5)}
+        first = await c.step()  # the counter's first reading is history, not news: room to grow
+        plane.lanes.get("train").in_flight = 43
+        reader.loads = {A: load(0.5, preemptions=9), B: load(0.5)}
+        preempted = await c.step()
+        plane.lanes.get("train").in_flight = 32
+        reader.loads = {A: load(0.5, preemptions=1), B: load(0.5)}  # A restarted: its one is new
+        restarted = await c.step()
+        plane.lanes.get("train").in_flight = 24
+        reader.loads = {A: load(0.5, preemptions=1), B: load(0.5)}
+        calm = await c.step()
+        return first, preempted, restarted, calm
+
+    first, preempted, restarted, calm = asyncio.run(scenario())
+    assert (first.action, first.limit) == ("grow", 43)
+    assert (preempted.action, preempted.limit) == ("shrink", 32)
+    assert (restarted.action, restarted.limit) == ("shrink", 24)
+    assert calm.action == "grow"
+
+
 def test_a_server_about_to_preempt_cuts_the_limit_and_cancels_its_youngest_rollouts_once():
     async def scenario():
         c, plane, reader = controller(limit=40, in_flight=40, cancel_fraction=0.1, settle_s=60)
@@ -127,15 +155,15 @@ def test_a_server_about_to_preempt_cuts_the_limit_and_cancels_its_youngest_rollo
     ids, why, failure_type = cancelled[0]
     assert ids == ["req-27", "req-28", "req-29"] and failure_type == OVERLOAD and B in why
     assert (settling.action, settling.limit, len(cancelled)) == ("hold", 30, 1)
-    assert (regrown.action, regrown.limit) == ("grow", 37)
+    assert (regrown.action, regrown.limit) == ("grow", 31)
 
 
 def test_grow_and_shrink_read_kv_usage_smoothed_over_polls_while_a_cut_reads_the_latest():
     async def scenario():
         c, plane, reader = controller(limit=40, in_flight=40, smoothing=0.5)
         reader.loads = {A: load(0.5)}
-        await c.step()  # grows to 50; the smoothed usage starts at 0.5
-        plane.lanes.get("train").in_flight = 50
+        await c.step()  # grows to 43; the smoothed usage starts at 0.5
+        plane.lanes.get("train").in_flight = 43
         reader.loads = {A: load(0.95)}  # one high poll: smoothed 0.725, so no shrink; no growth either
         blip = await c.step()
         reader.loads = {A: load(0.99, waiting=2)}  # about to preempt: acts on this poll alone
@@ -143,7 +171,7 @@ def test_grow_and_shrink_read_kv_usage_smoothed_over_polls_while_a_cut_reads_the
         return blip, cut
 
     blip, cut = asyncio.run(scenario())
-    assert blip.action == "hold" and blip.limit == 50
+    assert blip.action == "hold" and blip.limit == 43
     assert cut.action == "cut"
 
 
@@ -157,7 +185,7 @@ def test_an_unreadable_server_is_left_out_and_no_server_means_no_move():
         return grown, nothing, plane.lanes.get("train").limit
 
     grown, nothing, limit = asyncio.run(scenario())
-    assert grown.action == "grow" and nothing is None and limit == 50
+    assert grown.action == "grow" and nothing is None and limit == 47
 
 
 def test_thresholds_must_be_ordered():

@@ -403,11 +403,15 @@ def test_metrics_report_kv_usage_and_a_real_waiting_count_from_a_finite_budget()
 
     async def scenario(server: StandinServer):
         async with httpx.AsyncClient(base_url=server.url, timeout=30, trust_env=False) as http:
-            body = {"model": BUNDLED_MODEL, "prompt": list(range(1, 150)), "max_tokens": 16, "seed": 1}
+            # Four different prompts: the same one four times would share its blocks in the prefix cache.
+            bodies = [
+                {"model": BUNDLED_MODEL, "prompt": list(range(i, 149 + i)), "max_tokens": 16, "seed": 1}
+                for i in range(1, 5)
+            ]
             headers = {"X-Standin-Latency": "1.5"}
             calls = [
                 asyncio.create_task(http.post("/v1/completions", json=body, headers=headers))
-                for _ in range(4)
+                for body in bodies
             ]
             loaded = await _until(http, lambda m: m["running"] >= 2 and m["waiting"] >= 1)
             await asyncio.gather(*calls)
@@ -441,6 +445,11 @@ def test_the_load_reader_reads_vllms_series_with_the_key(bare):
         'vllm:num_requests_waiting{model_name="m",engine="0"} 1\n'
         'vllm:num_requests_waiting{model_name="m",engine="1"} 0\n'
     )
-    assert parse_load(two_engines).model_dump() == {"kv_cache_usage": 0.75, "running": 7, "waiting": 1}
+    assert parse_load(two_engines).model_dump() == {
+        "kv_cache_usage": 0.75,
+        "running": 7,
+        "waiting": 1,
+        "preemptions": 0,  # a server without the counter reads as one that never preempted
+    }
     with pytest.raises(MetricsMissing):
         parse_load("standin_requests_in_flight 0\n")

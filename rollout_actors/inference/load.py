@@ -6,7 +6,8 @@
 
 vLLM 0.33.0 exports, per engine (labels `model_name`, `engine`; `vllm/v1/metrics/loggers.py`):
 `vllm:kv_cache_usage_perc` (1 means 100 percent), `vllm:num_requests_running`,
-`vllm:num_requests_waiting`. A server with several engines (data parallel) is summed for the counts and
+`vllm:num_requests_waiting`, and the counter `vllm:num_preemptions_total` (running requests preempted for
+want of a KV block). A server with several engines (data parallel) is summed for the counts and
 its fullest engine taken for KV usage: preemption starts where the first engine fills. The bundled
 stand-in exports the same series from its finite KV budget. `/metrics` is outside vLLM's guarded `/v1`
 prefix, but the key is sent anyway (a proxy in front may guard everything).
@@ -27,7 +28,8 @@ except ImportError:  # pragma: no cover
 
 READ_TIMEOUT_S = 5.0  # a metrics scrape that takes longer says more about the server than its figures
 _SAMPLE = re.compile(
-    r"^(vllm:kv_cache_usage_perc|vllm:num_requests_running|vllm:num_requests_waiting)(\{[^}]*\})? (\S+)$",
+    r"^(vllm:kv_cache_usage_perc|vllm:num_requests_running|vllm:num_requests_waiting|vllm:num_preemptions_total)"
+    r"(\{[^}]*\})? (\S+)$",
     re.M,
 )
 
@@ -37,6 +39,8 @@ class ServerLoad(BaseModel):
     """Fraction of the KV cache in use (0..1), the fullest engine's."""
     running: int
     waiting: int
+    preemptions: int = 0
+    """Preemptions since the server started (a counter: what matters is how it moves between reads)."""
 
 
 class MetricsMissing(Exception):
@@ -45,7 +49,11 @@ class MetricsMissing(Exception):
 
 def parse_load(text: str) -> ServerLoad:
     usage: list[float] = []
-    counts = {"vllm:num_requests_running": 0.0, "vllm:num_requests_waiting": 0.0}
+    counts = {
+        "vllm:num_requests_running": 0.0,
+        "vllm:num_requests_waiting": 0.0,
+        "vllm:num_preemptions_total": 0.0,
+    }
     seen = set()
     for name, _labels, value in _SAMPLE.findall(text):
         seen.add(name)
@@ -53,14 +61,14 @@ def parse_load(text: str) -> ServerLoad:
             usage.append(float(value))
         else:
             counts[name] += float(value)
-    if len(seen) < 3:
-        raise MetricsMissing(
-            f"/metrics lacks {sorted({m for m in counts} | {'vllm:kv_cache_usage_perc'} - seen)}"
-        )
+    required = {"vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"}
+    if not required <= seen:
+        raise MetricsMissing(f"/metrics lacks {sorted(required - seen)}")
     return ServerLoad(
         kv_cache_usage=max(usage),
         running=int(counts["vllm:num_requests_running"]),
         waiting=int(counts["vllm:num_requests_waiting"]),
+        preemptions=int(counts["vllm:num_preemptions_total"]),
     )
 
 

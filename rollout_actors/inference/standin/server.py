@@ -40,7 +40,7 @@ from starlette.routing import Route
 from renderer_actors.tokenizer import BUNDLED_MODEL, load_tokenizer
 from rollout_actors.inference.standin.answers import Answer, Answers, Parsers, Plan, RequestError
 from rollout_actors.inference.standin.control import admin_routes, lora_routes, weight_routes
-from rollout_actors.inference.standin.engine import DEFAULT_VERSION, Engine
+from rollout_actors.inference.standin.engine import DEFAULT_VERSION, Engine, Slot
 from rollout_actors.inference.standin.policy import PolicyConfig, ScriptedPolicy
 from rollout_actors.inference.standin.traffic import FaultPlan, TrafficGate, TrafficStats, error_body
 from rollout_actors.inference.standin.wire import (
@@ -100,7 +100,11 @@ class StandinOptions:
     """Distinct adapters in one batch; a request for another one waits (vLLM's scheduler)."""
     max_cpu_loras: int | None = field(default=None, metadata={"type": int})
     kv_cache_tokens: int = 4_194_304
-    """The finite KV budget (tokens) behind `vllm:kv_cache_usage_perc` and real waiting counts."""
+    """The finite KV budget (tokens, in blocks of 16) behind `vllm:kv_cache_usage_perc`, real waiting
+    counts, preemptions and prefix-cache hits (`standin.engine`)."""
+    prefill_token_latency_s: float = 0.0
+    """Seconds to compute one prompt token the prefix cache does not hold, on a lane all prefills share
+    (recomputes after a preemption included)."""
     weight_updates: bool = False
     """Serve `/pause`, `/resume` and the weight-update routes (vLLM: `VLLM_SERVER_DEV_MODE=1`)."""
     startup_delay_s: float = 0.0
@@ -142,7 +146,7 @@ class StandinState:
         self.policy_config = options.policy()  # validates the rates before a port is bound
         self.faults = FaultPlan(FaultSettings(fault_rate=options.fault_rate, fault=options.fault))
         self.stats = TrafficStats()
-        self.engine = Engine(options.max_loras, options.kv_cache_tokens)
+        self.engine = Engine(options.max_loras, options.kv_cache_tokens, options.prefill_token_latency_s)
         self.adapter_limits = AdapterLimits(max_lora_rank=options.max_lora_rank)
         self.answers: Answers | None = None
         self.loras: dict[str, str] = {}
@@ -266,8 +270,13 @@ async def _run(
     assert state.answers is not None
     engine, answers = state.engine, state.answers
     adapter = plan.model if plan.model != state.options.model else None
-    kv = sum(len(d.prompt_ids) + len(d.sampled.ids) for d in plan.drafts)
-    slot = await engine.admit(adapter, kv)
+    lead = plan.drafts[0]
+    others = tuple(len(d.prompt_ids) for d in plan.drafts[1:])
+    salt = getattr(plan.req, "cache_salt", None)
+    slot = Slot(
+        adapter, lead.prompt_ids + lead.sampled.ids, len(lead.prompt_ids), latency, per_token, others, salt
+    )
+    slot = await engine.admit(slot)
     try:
         for draft in plan.drafts:
             draft.spans = [(engine.weight_version, 0)]
@@ -275,9 +284,10 @@ async def _run(
                 answers.resample_tail(
                     plan, draft, 0, _seed_for(state, plan.model, plan.req.seed, plan.config)
                 )
-        lead, elapsed = plan.drafts[0], 0.0
+        slot.token_ids = lead.prompt_ids + lead.sampled.ids  # what the engine grows into
+        elapsed = 0.0
         while True:
-            stopped = await engine.run_for(latency + per_token * len(lead.sampled.ids) - elapsed)
+            stopped = await engine.run_for(slot, latency + per_token * len(lead.sampled.ids) - elapsed)
             if stopped is None:
                 break
             elapsed += stopped
@@ -293,6 +303,7 @@ async def _run(
                 for draft in plan.drafts:
                     answers.resample_tail(plan, draft, done, seed)
                     draft.spans.append((version, done))
+                slot.token_ids = lead.prompt_ids + lead.sampled.ids
     finally:
         engine.release(slot)
     return answers.body(plan)
