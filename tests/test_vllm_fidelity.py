@@ -161,7 +161,7 @@ def test_max_loras_is_sized_for_retention_plus_adapters_in_use():
     assert max_loras == spec.lora_retain + spec.lora_in_use >= 4 + 1  # vLLM's default is 1
     assert int(flags[flags.index("--max-cpu-loras") + 1]) >= max_loras
     with pytest.raises(ValueError, match="max_cpu_loras"):
-        ServerSpec(model="m", max_loras=4, max_cpu_loras=2)
+        ServerSpec(model="Qwen/Qwen3-8B", max_loras=4, max_cpu_loras=2)
 
 
 def adapter_dir(path: Path, rank: int = 8, names: tuple[str, ...] = (), **config) -> str:

@@ -14,6 +14,7 @@ out (`skip_special_tokens`). When `max_tokens` cuts the turn, `finish_reason` is
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -120,6 +121,7 @@ class Answers:
         drafts = []
         for prompt_ids in prompts:
             max_tokens = self._max_tokens(prompt_ids, limit)
+            check_sampling(req.temperature, req.top_p, max_tokens)
             sampled = self._sample(prompt_ids, req, max_tokens, seed, config)
             drafts.append(Draft(prompt_ids, sampled, max_tokens))
         return Plan(kind, req, model, seed, config, drafts)
@@ -356,6 +358,24 @@ def parse_turn(text: str, parse_tools: bool, parse_reasoning: bool = True) -> Ch
     return ChatMessage(content=content or None, reasoning=reasoning, tool_calls=calls)
 
 
+def check_sampling(temperature: float | None, top_p: float | None, max_tokens: int) -> None:
+    """vLLM 0.33.0 `SamplingParams._verify_args`, in its order, for the fields the stand-in samples with:
+    a 400 `BadRequestError` naming the parameter, with vLLM's message (`VLLMValidationError.__str__`)."""
+    checks: list[tuple[str, Any, bool, str]] = []
+    if temperature is not None:
+        checks += [
+            ("temperature", temperature, math.isfinite(temperature), "must be a finite number"),
+            ("temperature", temperature, temperature >= 0.0, "must be non-negative"),
+            ("temperature", temperature, temperature <= 2.0, "must be in [0, 2]"),
+        ]
+    if top_p is not None:
+        checks.append(("top_p", top_p, 0.0 < top_p <= 1.0, "must be in (0, 1]"))
+    checks.append(("max_tokens", max_tokens, max_tokens >= 1, "must be at least 1"))
+    for name, value, ok, rule in checks:
+        if not ok:
+            raise RequestError(f"{name} {rule}, got {value}. (parameter={name}, value={value})", name)
+
+
 AUTO_TOOLS_NEED_FLAGS = (
     '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'
 )
@@ -398,13 +418,16 @@ def _single_choice(n: int, stream: bool) -> None:
 
 
 def _template_message(message: dict[str, Any]) -> dict[str, Any]:
-    """OpenAI message -> what the chat template reads: text content, `reasoning_content`."""
+    """OpenAI message -> what the chat template reads: text content; the reasoning under both names, as
+    vLLM 0.33 hands it over (`reasoning`, else the deprecated `reasoning_content` it renames)."""
     out = dict(message)
     content = out.get("content")
     if isinstance(content, list):
         out["content"] = "".join(p.get("text", "") for p in content if isinstance(p, dict))
     elif content is None and out.get("role") != "assistant":
         out["content"] = ""
-    if out.get("reasoning_content") is None and out.get("reasoning") is not None:
-        out["reasoning_content"] = out["reasoning"]
+    reasoning = out.pop("reasoning_content", None) if out.get("reasoning") is None else out.get("reasoning")
+    out.pop("reasoning_content", None)
+    if reasoning is not None:
+        out["reasoning"] = out["reasoning_content"] = reasoning
     return out

@@ -21,6 +21,7 @@ import asyncio
 import dataclasses
 import logging
 import os
+import random
 import resource
 import socket
 import sys
@@ -60,6 +61,8 @@ KEEP_ALIVE_S = 5  # clients keep idle connections for less (ClientConfig.keepali
 GRACEFUL_SHUTDOWN_S = 2  # a `timeout` fault never answers; shutdown must not wait for it
 PARENT_POLL_S = 1.0
 RECENT_REQUESTS = 10_000  # what `/admin/requests` remembers
+PAUSED_MESSAGE = "Generation is paused. Please retry after it resumes."
+"""vLLM 0.33.0's answer (503, retryable) to a new request during an `abort` or `wait` pause; `keep` queues it."""
 _POLICY_HEADERS = {
     "x-standin-correct-rate": "correct_rate",
     "x-standin-think-rate": "think_rate",
@@ -79,7 +82,8 @@ class StandinOptions:
     per_token_latency_s: float = 0.0
     """Added latency per completion token."""
     seed: int = 0
-    """Policy seed for requests that carry none."""
+    """Seeds the generator that draws a fresh sampling seed for each request that carries none (like
+    vLLM's `--seed`): unseeded requests differ from each other, reproducibly per server run."""
     correct_rate: float = 0.7
     think_rate: float = 0.5
     noncanonical_rate: float = 0.0
@@ -103,6 +107,8 @@ class StandinOptions:
     """The finite KV budget (tokens) behind `vllm:kv_cache_usage_perc` and real waiting counts."""
     weight_updates: bool = False
     """Serve `/pause`, `/resume` and the weight-update routes (vLLM: `VLLM_SERVER_DEV_MODE=1`)."""
+    weight_transfer_backend: str = "nccl"
+    """vLLM's `--weight-transfer-config {"backend": ...}`: whose `init_info` / `update_info` rules apply."""
     startup_delay_s: float = 0.0
     """Delay before loading, so a test can watch `/health` answer 503 first. Zero in production."""
     admin: bool = False
@@ -144,6 +150,8 @@ class StandinState:
         self.stats = TrafficStats()
         self.engine = Engine(options.max_loras, options.kv_cache_tokens)
         self.adapter_limits = AdapterLimits(max_lora_rank=options.max_lora_rank)
+        self.unseeded = random.Random(options.seed)
+        """Draws the sampling seed of each request that carries none."""
         self.answers: Answers | None = None
         self.loras: dict[str, str] = {}
         self.recent: deque[dict[str, Any]] = deque(maxlen=RECENT_REQUESTS)
@@ -241,7 +249,9 @@ def _overrides(state: StandinState, request: Request) -> tuple[PolicyConfig, flo
 
 
 def _seed_for(state: StandinState, model: str, seed: int | None, config: PolicyConfig) -> int:
-    base = config.seed if seed is None else seed
+    # Without a seed vLLM samples at random: each such request draws its own from the server's generator
+    # (seeded by `--seed`, as vLLM's engine generator is), so n unseeded copies of a prompt differ.
+    base = state.unseeded.getrandbits(63) if seed is None else seed
     # An adapter is another policy, and so are new weights: same prompt, different answers.
     if model != state.options.model:
         base = base * 1_000_003 + zlib.crc32(model.encode())
@@ -302,8 +312,8 @@ def build_app(state: StandinState) -> TrafficGate:
     async def model_call(request: Request, kind: str) -> Response:
         if state.answers is None:
             return _not_ready(state)
-        if state.engine.refuses_new():
-            return _error("The server is paused; retry after /resume.", "ServiceUnavailableError", 503)
+        if state.engine.refuses_new():  # vLLM 0.33.0 `EngineCoreProc.pause_generation`: abort/wait refuse
+            return _error(PAUSED_MESSAGE, "ServiceUnavailableError", 503)
         try:
             body = await _parse(
                 request, CompletionRequest if kind == "completions" else ChatCompletionRequest
