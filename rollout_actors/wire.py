@@ -278,7 +278,9 @@ class Turn(BaseModel):
     completion_ids: list[int]
     """Exactly the ids the server sampled."""
     logprobs: list[float] = Field(default_factory=list)
-    """The sampled tokens' logprobs, aligned to `completion_ids` (empty when not requested)."""
+    """The sampled tokens' logprobs, aligned to `completion_ids` (empty when not requested): under the
+    distribution sampled from, after temperature, top-k and top-p (servers `ServerSpec` launches run
+    `--logprobs-mode processed_logprobs`; vLLM's default would return the raw model's)."""
     finish_reason: str | None = None
     branch: int = 0
     """Trajectory branch; a fork (the template rewrote history) starts a new one."""

@@ -8,7 +8,6 @@ import asyncio
 import json
 import os
 import re
-import tomllib
 from pathlib import Path
 
 import numpy as np
@@ -353,18 +352,9 @@ def test_readiness_and_publication_send_the_key_which_never_reaches_a_command_li
 # ------------------------------------------------------------------------------------ protocol fields
 
 
-def test_the_vllm_extra_needs_a_release_that_returns_token_ids_on_both_endpoints():
-    """`return_token_ids` (completions `choices[].token_ids` + `prompt_token_ids`, chat `choices[].token_ids`
-    + top-level `prompt_token_ids`) first shipped in vLLM 0.10.2 (absent from 0.10.0 and 0.10.1.1)."""
-    project = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text())
-    (requirement,) = project["project"]["optional-dependencies"]["vllm"]
-    floor = tuple(int(p) for p in re.search(r">=\s*([\d.]+)", requirement).group(1).split("."))
-    assert floor >= (0, 10, 2)
-
-
 def test_validation_errors_come_in_vllms_shape(standin):
     with httpx.Client(timeout=10, trust_env=False) as http:
-        response = http.post(f"{standin.base_url}/completions", json={"prompt": [1, 2], "max_tokens": -1})
+        response = http.post(f"{standin.base_url}/completions", json={"prompt": [1, 2], "max_tokens": "x"})
     error = response.json()["error"]
     assert response.status_code == 400 and error["code"] == 400
     assert error["type"] == "Bad Request" and error["param"] == "body.max_tokens"

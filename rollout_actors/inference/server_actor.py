@@ -94,6 +94,15 @@ class ServerSpec(BaseModel):
     weight_transfer_backend: str = "nccl"
     """`--weight-transfer-config {"backend": ...}`: how a trainer sends full weights (vLLM's
     `WeightTransferConfig`: nccl, ipc, ...)."""
+    generation_config: str = "vllm"
+    """`--generation-config`. "vllm": the model's `generation_config.json` is ignored, so the request's
+    sampling (and vLLM's neutral defaults for what it leaves out: no top-k, no repetition penalty) is the
+    behaviour policy the result records. vLLM's own default ("auto") fills unset fields from the model
+    (Qwen3: top_k=20) without the request or the result saying so."""
+    logprobs_mode: Literal["processed_logprobs", "raw_logprobs"] = "processed_logprobs"
+    """`--logprobs-mode`. "processed_logprobs": `Turn.logprobs` are under the distribution sampled from
+    (after temperature, top-k, top-p), which importance ratios need; vLLM's default returns the raw
+    model's logprobs."""
     extra_args: list[str] = Field(default_factory=list)
     """Appended verbatim to the server's command line."""
     standin: dict[str, Any] = Field(default_factory=dict)
@@ -227,6 +236,7 @@ def vllm_command(spec: ServerSpec, host: str, port: int) -> list[str]:
     if spec.tensor_parallel_size > 1:
         # The GPUs are the ones Ray gave this actor: keep vLLM's workers local, not a Ray placement group.
         command += ["--distributed-executor-backend", "mp"]
+    command += ["--generation-config", spec.generation_config, "--logprobs-mode", spec.logprobs_mode]
     command += _parser_args(spec) + _lora_args(spec)
     if spec.weight_updates:
         command += ["--weight-transfer-config", json.dumps({"backend": spec.weight_transfer_backend})]

@@ -30,6 +30,7 @@ closed first (`/finish_weight_update` with no label), so a retry can start again
 from __future__ import annotations
 
 import asyncio
+import base64
 import time
 from collections.abc import Awaitable
 from typing import Any, Literal
@@ -53,6 +54,7 @@ NCCL_INIT_FIELDS = (
     "master_address", "master_port", "rank_offset", "world_size", "nccl_unique_id_b64", "packed",
     "packed_buffer_size_bytes", "packed_num_buffers",
 )  # fmt: skip
+NCCL_UNIQUE_ID_BYTES = 128  # ncclUniqueId, as vLLM decodes `nccl_unique_id_b64`
 """vLLM 0.33.0 `NCCLWeightTransferInitInfo` (`nccl_common.py`): `rank_offset` and `world_size` required,
 and exactly one rendezvous: `master_address` + `master_port`, or `nccl_unique_id_b64`."""
 DEFAULT_TIMEOUT_S = 600.0  # loading a large model's weights over NCCL takes minutes, not hours
@@ -114,12 +116,19 @@ def init_info_problems(backend: str, init_info: Any) -> list[str]:
     missing = [key for key in ("rank_offset", "world_size") if key not in init_info]
     if unknown or missing:
         return [f"nccl init_info: unknown field(s) {unknown}, missing {missing}"]
-    tcp = init_info.get("master_address") is not None and init_info.get("master_port") is not None
-    uid = init_info.get("nccl_unique_id_b64") is not None
-    if tcp == uid:
+    uid = init_info.get("nccl_unique_id_b64")
+    addressed = [init_info.get(k) is not None for k in ("master_address", "master_port")]
+    if uid and any(addressed) or not uid and not all(addressed):
         return [
             "nccl init_info needs exactly one rendezvous: master_address + master_port, or nccl_unique_id_b64"
         ]
+    if uid:
+        try:
+            decoded = base64.b64decode(uid, validate=True)
+        except (ValueError, TypeError):
+            return ["nccl init_info: nccl_unique_id_b64 is not standard base64"]
+        if len(decoded) != NCCL_UNIQUE_ID_BYTES:
+            return [f"nccl init_info: nccl_unique_id_b64 must decode to {NCCL_UNIQUE_ID_BYTES} bytes"]
     return []
 
 

@@ -239,7 +239,8 @@ class Answers:
         parse_tools = (
             bool(req.tools) and req.tool_choice != "none" and self.parsers.tool_call_parser is not None
         )
-        message = parse_turn(sampled.text, parse_tools, self.parsers.reasoning_parser is not None)
+        thinking = (req.chat_template_kwargs or {}).get("enable_thinking", True) is not False
+        message = parse_turn(sampled.text, parse_tools, self.parsers.reasoning_parser is not None, thinking)
         finish = "tool_calls" if message.tool_calls else sampled.finish_reason
         logprobs = None
         if req.logprobs:
@@ -335,15 +336,27 @@ class Answers:
         return f"token_id:{token_id}" if as_ids else self.policy.pieces.text(token_id)
 
 
-def parse_turn(text: str, parse_tools: bool, parse_reasoning: bool = True) -> ChatMessage:
-    """Split an assistant turn like vLLM's qwen3 reasoning parser + hermes tool parser, each only when the
-    server runs with it: reasoning needs both think tags; tool calls need every `<tool_call>` body to be
-    JSON with a name, else the whole text stays content (hermes' rule)."""
+def parse_turn(
+    text: str, parse_tools: bool, parse_reasoning: bool = True, thinking: bool = True
+) -> ChatMessage:
+    """Split an assistant turn as vLLM 0.33.0's `qwen3` reasoning parser and `hermes` tool parser do (each
+    only when the server runs with it; tests compare this with vLLM's own on canned turns).
+
+    Reasoning (`vllm/parser/qwen3.py`): with thinking on (`chat_template_kwargs.enable_thinking`, default
+    true) a turn starts IN reasoning (Qwen3's template may open `<think>` in the prompt); it ends at
+    `</think>` or at the first `<tool_call>`; a turn with neither is all reasoning and has no content.
+    Nothing is stripped but the tags. Tool calls (`hermes`): every `<tool_call>` body must be JSON with a
+    name, else the whole text stays content; the content is what precedes the first call."""
     reasoning, content = None, text
-    start, end = text.find("<think>"), text.find("</think>")
-    if parse_reasoning and 0 <= start < end:
-        reasoning = text[start + len("<think>") : end].strip("\n")
-        content = text[end + len("</think>") :].lstrip("\n")
+    if parse_reasoning and thinking:
+        body = text[len("<think>") :] if text.startswith("<think>") else text
+        ends = [i for i in (body.find("</think>"), body.find("<tool_call>")) if i >= 0]
+        if not ends:
+            reasoning, content = body, ""
+        else:
+            end = min(ends)
+            reasoning = body[:end]
+            content = body[end + len("</think>") :] if body.startswith("</think>", end) else body[end:]
     calls: list[ToolCall] = []
     if parse_tools and "<tool_call>" in content:
         try:
@@ -354,8 +367,8 @@ def parse_turn(text: str, parse_tools: bool, parse_reasoning: bool = True) -> Ch
         except (ValueError, KeyError, TypeError, AttributeError):
             calls = []
         if calls:
-            content = content[: content.find("<tool_call>")].rstrip("\n")
-    return ChatMessage(content=content or None, reasoning=reasoning, tool_calls=calls)
+            content = content[: content.find("<tool_call>")]
+    return ChatMessage(content=content or None, reasoning=reasoning or None, tool_calls=calls)
 
 
 def check_sampling(temperature: float | None, top_p: float | None, max_tokens: int) -> None:

@@ -197,7 +197,12 @@ def admin_routes(state: Any, parse: Any) -> list[Route]:
     async def requests(request: Request) -> Response:
         return JSONResponse({"requests": list(state.recent)})
 
+    async def bodies(request: Request) -> Response:
+        sent = [{"path": path, "body": json.loads(body)} for path, body in state.bodies]
+        return JSONResponse({"bodies": sent})
+
     return [
+        Route("/admin/bodies", bodies, methods=["GET"]),
         Route("/admin/faults", faults, methods=["GET", "POST"]),
         Route("/admin/sessions", sessions, methods=["GET"]),
         Route("/admin/requests", requests, methods=["GET"]),

@@ -61,6 +61,11 @@ KEEP_ALIVE_S = 5  # clients keep idle connections for less (ClientConfig.keepali
 GRACEFUL_SHUTDOWN_S = 2  # a `timeout` fault never answers; shutdown must not wait for it
 PARENT_POLL_S = 1.0
 RECENT_REQUESTS = 10_000  # what `/admin/requests` remembers
+RECENT_BODIES = 512  # `/admin/bodies`: raw bodies hold whole prompts, so far fewer than RECENT_REQUESTS
+STANDIN_TOOL_PARSERS = ("hermes",)
+STANDIN_REASONING_PARSERS = ("qwen3",)
+"""The vLLM parsers `answers.parse_turn` reproduces (tests compare it with vLLM's own on canned turns); a
+stand-in started with another would parse differently from the vLLM it stands in for, so it refuses."""
 PAUSED_MESSAGE = "Generation is paused. Please retry after it resumes."
 """vLLM 0.33.0's answer (503, retryable) to a new request during an `abort` or `wait` pause; `keep` queues it."""
 _POLICY_HEADERS = {
@@ -137,6 +142,12 @@ class StandinState:
     def __init__(self, options: StandinOptions, api_key: str | None = None) -> None:
         if options.enable_auto_tool_choice and not options.tool_call_parser:
             raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")  # vLLM's TypeError
+        for flag, name, known in (
+            ("--tool-call-parser", options.tool_call_parser, STANDIN_TOOL_PARSERS),
+            ("--reasoning-parser", options.reasoning_parser, STANDIN_REASONING_PARSERS),
+        ):
+            if name is not None and name not in known:
+                raise ValueError(f"{flag} {name}: the stand-in parses only as vLLM's {known} do")
         if options.max_lora_rank not in VLLM_LORA_RANKS:
             raise ValueError(f"--max-lora-rank must be one of {VLLM_LORA_RANKS}, got {options.max_lora_rank}")
         if options.max_cpu_loras is not None and options.max_cpu_loras < options.max_loras:
@@ -156,6 +167,9 @@ class StandinState:
         self.loras: dict[str, str] = {}
         self.recent: deque[dict[str, Any]] = deque(maxlen=RECENT_REQUESTS)
         """What the server saw of its latest model calls (`X-Request-Id`, `cache_salt`, model)."""
+        self.bodies: deque[tuple[str, bytes]] = deque(maxlen=RECENT_BODIES)
+        """With `--admin` only: the latest model calls' request bodies as sent (`/admin/bodies`), so tests
+        can judge what the plane sends with vLLM's own request models."""
         self.load_error: BaseException | None = None
         self.on_fatal: Any = None
         """Asks the HTTP server to exit (set by `main`)."""
@@ -185,32 +199,61 @@ class StandinState:
 
 
 class InvalidBody(Exception):
-    """A request body vLLM's FastAPI layer would refuse: a 400 in its validation-error shape."""
+    """A request body vLLM's FastAPI layer would refuse: a 400 in its validation-error shape (vLLM 0.33.0
+    `exception_handling/handlers/validation.py`: at most 10 errors, each input summarised, `loc` and
+    `param` as the dotted field path under `body`)."""
 
     def __init__(self, exc: ValidationError) -> None:
         errors = exc.errors(include_url=False)
         label = "error" if len(errors) == 1 else "errors"
-        lines = "".join(f"  {_bounded_error(err)}\n" for err in errors[:10])
+        lines = "".join(f"  {_bounded_error(err)}\n" for err in errors[:MAX_REPORTED_ERRORS])
+        if len(errors) > MAX_REPORTED_ERRORS:
+            lines += f"  ...and {len(errors) - MAX_REPORTED_ERRORS} more {label}\n"
         loc = errors[0].get("loc", ()) if errors else ()
         self.body = error_body(
-            f"{len(errors)} validation {label}:\n{lines}".rstrip(),
-            "Bad Request",
-            400,
-            ".".join(["body", *(str(part) for part in loc)]),
+            f"{len(errors)} validation {label}:\n{lines}".rstrip(), "Bad Request", 400, _field_path(loc)
         )
         super().__init__(self.body["error"]["message"])
 
 
+MAX_REPORTED_ERRORS = 10  # vLLM's bounds on a validation error's size (a huge body must not echo back)
+MAX_INPUT_CHARS = 200
+MAX_ERROR_CHARS = 1000
+_SCHEMA_MARKERS = frozenset(
+    {"function-wrap", "function-after", "function-before", "function-plain", "json-or-python",
+     "lax-or-strict", "chain", "default", "nullable", "tagged-union", "union", "call", "arguments",
+     "is-instance", "is-subclass", "callable", "str", "int", "float", "bool", "bytes", "bytearray",
+     "list", "tuple", "dict", "set", "frozenset", "complex", "none", "nonetype"}
+)  # fmt: skip
+"""pydantic-core's schema-kind names, which appear in an error's `loc` for union and wrapped fields and
+are not field names: vLLM leaves them out of `param`."""
+
+
+def _field_path(loc: Any) -> str:
+    """`("prompt", "list[int]", 0)` -> `"body.prompt.0"`: the path a client recognises."""
+    parts = ["body", *(str(p) for p in loc)]
+    kept = [p for p in parts if not any(c in p for c in "[]{}()") and p.lower() not in _SCHEMA_MARKERS]
+    return ".".join(kept or parts)
+
+
+def _summary(value: Any) -> Any:
+    if isinstance(value, str):
+        return value if len(value) <= MAX_INPUT_CHARS else value[:MAX_INPUT_CHARS] + "...[truncated]"
+    if isinstance(value, (bytes, bytearray)):
+        return f"<{type(value).__name__} of {len(value)} bytes>"
+    if isinstance(value, (list, tuple, set, frozenset, dict)):
+        return f"<{type(value).__name__} of {len(value)} items>"
+    text = str(value)
+    return text if len(text) <= MAX_INPUT_CHARS else text[:MAX_INPUT_CHARS] + "...[truncated]"
+
+
 def _bounded_error(err: Any) -> str:
-    err = {k: v for k, v in err.items() if k != "ctx"}
+    err = dict(err)
     if "input" in err:
-        text = (
-            str(err["input"])
-            if not isinstance(err["input"], (list, dict))
-            else f"<{type(err['input']).__name__}>"
-        )
-        err["input"] = text[:200]
-    return str(err)[:1000]
+        err["input"] = _summary(err["input"])
+    err["loc"] = _field_path(err.get("loc", ()))
+    text = str(err)
+    return text if len(text) <= MAX_ERROR_CHARS else text[:MAX_ERROR_CHARS] + "...[truncated]"
 
 
 def _error(message: str, err_type: str, code: int, param: str | None = None) -> JSONResponse:
@@ -326,6 +369,8 @@ def build_app(state: StandinState) -> TrafficGate:
             plan = state.answers.plan(kind, body, model, _seed_for(state, model, body.seed, config), config)
         except RequestError as exc:
             return _error(str(exc), "BadRequestError", 400, exc.param)
+        if state.options.admin:
+            state.bodies.append((request.url.path, await request.body()))
         state.recent.append(
             {
                 "request_id": request.headers.get("x-request-id"),
