@@ -467,7 +467,7 @@ def test_the_sampling_vllm_derives_from_each_body_is_the_sampling_asked_for(vllm
             assert (params.logprobs is not None) == sampling.logprobs
         else:  # token mode asks for 0 top alternatives just to read the sampled ids
             assert params.logprobs == (1 if sampling.logprobs else 0)
-        assert params.truncate_prompt_tokens is None
+        assert "truncate_prompt_tokens" not in body and "prompt_embeds" not in body
     assert seen == set(SAMPLINGS)
 
 
