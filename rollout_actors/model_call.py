@@ -309,9 +309,11 @@ def _finished(sampled: Sampled) -> Sampled:
 
 def _assistant_message(message: Any) -> dict[str, Any]:
     out: dict[str, Any] = {"role": "assistant", "content": message.content}
-    reasoning = _extra(message, "reasoning_content") or _extra(message, "reasoning")
+    reasoning = _extra(message, "reasoning") or _extra(message, "reasoning_content")
     if reasoning is not None:
-        out["reasoning_content"] = reasoning
+        # Sent back as `reasoning`, the field vLLM 0.33 reads (it renames an incoming `reasoning_content`
+        # and hands the template both names); releases before 0.12 knew only `reasoning_content`.
+        out["reasoning"] = reasoning
     if message.tool_calls:
         out["tool_calls"] = [
             {

@@ -217,6 +217,23 @@ class RolloutPlane(Submission):
         """The servers' API key, sent with the plane's own calls to them (LoRA, pause/resume, weights)."""
         return self._servers.spec.api_key_var if self._servers is not None else self.config.server_api_key_var
 
+    def _weight_updater(self) -> WeightUpdater:
+        if self._updater is None:
+            backend = self._servers.spec.weight_transfer_backend if self._servers is not None else "nccl"
+            self._updater = WeightUpdater(self._api_key_var, backend=backend)
+        return self._updater
+
+    async def init_weight_transfer(
+        self, init_info: dict[str, Any], *, transfer: Awaitable[Any] | None = None
+    ) -> None:
+        """vLLM's `/init_weight_transfer_engine` on every live server, once before the first
+        `update_weights` (NCCL: `init_info` names the trainer's rendezvous; `transfer`, the trainer joining
+        the group, runs while the calls are open)."""
+        servers = list(self._endpoints())
+        if not servers:
+            raise RuntimeError("no live inference server to initialise")
+        await self._weight_updater().init_transfer(servers, init_info, transfer=transfer)
+
     async def update_weights(
         self,
         update_info: dict[str, Any] | list[dict[str, Any]],
@@ -237,8 +254,7 @@ class RolloutPlane(Submission):
         servers = list(self._endpoints())
         if not servers:
             raise RuntimeError("no live inference server to update")
-        if self._updater is None:
-            self._updater = WeightUpdater(self._api_key_var)
+        updater = self._weight_updater()
 
         async def tell_workers() -> None:
             self._weights_version = version
@@ -247,7 +263,7 @@ class RolloutPlane(Submission):
         if mode == "abort":  # turns the pause aborts are ours: they resume from their tokens afterwards
             await self._workers.broadcast("begin_planned_pause")
         try:
-            report = await self._updater.update(
+            report = await updater.update(
                 servers, update_info, version, transfer=transfer, mode=mode, on_updated=tell_workers
             )
         finally:

@@ -301,7 +301,7 @@ class ChatTurns:
             finish_reason=sampled.finish_reason,
             branch=self._branch,
             content=message.get("content"),
-            reasoning=message.get("reasoning_content"),
+            reasoning=message.get("reasoning"),
             tool_calls=[ToolCall(**view) for view in tool_call_views(message)],
             policy_version=version,
             version_changes=changes,

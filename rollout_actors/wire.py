@@ -68,9 +68,11 @@ PROTOCOL_FIELDS = frozenset(
         "temperature", "top_p", "seed", "logprobs", "top_logprobs", "stop", "n", "stream",
         "stream_options", "echo", "return_token_ids", "return_tokens_as_token_ids",
         "return_weight_versions", "cache_salt", "add_generation_prompt", "continue_final_message",
+        "truncate_prompt_tokens", "prompt_embeds",
     }
 )  # fmt: skip
-"""Request fields the plane sets itself: `extra_body` may not override them, or the recorded prompt and
+"""Request fields the plane sets itself, or that change the prompt the server samples from
+(`truncate_prompt_tokens`, `prompt_embeds`): `extra_body` may not set them, or the recorded prompt and
 settings would not be what was sampled from."""
 PROTOCOL_HEADERS = frozenset(
     {"authorization", "x-request-id", "x-session-id", "content-type", "content-length", "host"}
@@ -149,7 +151,8 @@ class SamplingConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    temperature: float = Field(default=1.0, ge=0.0, le=5.0, allow_inf_nan=False)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0, allow_inf_nan=False)
+    """vLLM 0.33 answers 400 outside [0, 2]."""
     top_p: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     max_tokens: int = Field(default=512, ge=1, le=MAX_TOKENS_LIMIT)
     """Per turn."""
@@ -278,7 +281,9 @@ class Turn(BaseModel):
     completion_ids: list[int]
     """Exactly the ids the server sampled."""
     logprobs: list[float] = Field(default_factory=list)
-    """The sampled tokens' logprobs, aligned to `completion_ids` (empty when not requested)."""
+    """The sampled tokens' logprobs, aligned to `completion_ids` (empty when not requested): under the
+    distribution sampled from, after temperature, top-k and top-p (servers `ServerSpec` launches run
+    `--logprobs-mode processed_logprobs`; vLLM's default would return the raw model's)."""
     finish_reason: str | None = None
     branch: int = 0
     """Trajectory branch; a fork (the template rewrote history) starts a new one."""

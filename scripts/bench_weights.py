@@ -96,9 +96,18 @@ async def bench(args: argparse.Namespace, urls: list[str]) -> None:
         runner = asyncio.create_task(load.run())
         await asyncio.sleep(args.warmup)
         updates = []
+        # NCCL's payloads (vLLM 0.33): the stand-in checks them as vLLM's transfer engine does.
+        await plane.init_weight_transfer(
+            {"master_address": "127.0.0.1", "master_port": 29500, "rank_offset": 1, "world_size": 2}
+        )
+        info = {
+            "names": ["model.layers.0.mlp.down_proj.weight"],
+            "dtype_names": ["bfloat16"],
+            "shapes": [[8, 8]],
+        }
         for version in range(1, args.updates + 1):
             started = time.time()
-            report = await plane.update_weights({"names": ["model.layers.0.mlp.down_proj.weight"]}, version)
+            report = await plane.update_weights(info, version)
             updates.append((started, time.time(), report))
             await asyncio.sleep(args.interval)
         load.stop()

@@ -71,7 +71,7 @@ def test_vllm_command_serves_the_model_on_the_port_with_tensor_parallelism():
 
 
 def test_vllm_single_gpu_command_has_no_executor_override_and_lora_can_be_off():
-    spec = ServerSpec(model="m", enable_lora=False)
+    spec = ServerSpec(model="Qwen/Qwen3-8B", enable_lora=False)
     command = vllm_command(spec, "127.0.0.1", 8000)
     assert "--distributed-executor-backend" not in command
     assert "--enable-lora" not in command
@@ -79,7 +79,7 @@ def test_vllm_single_gpu_command_has_no_executor_override_and_lora_can_be_off():
 
 
 def test_vllm_actor_requests_its_gpus_and_the_gpu_node_resource_from_ray():
-    options = server_actor_options(ServerSpec(model="m", tensor_parallel_size=4))
+    options = server_actor_options(ServerSpec(model="Qwen/Qwen3-8B", tensor_parallel_size=4))
     assert options["num_gpus"] == 4
     assert options["resources"] == {GPU_NODE_RESOURCE: 4}
     standin = server_actor_options(STANDIN)

@@ -8,7 +8,6 @@ import asyncio
 import json
 import os
 import re
-import tomllib
 from pathlib import Path
 
 import numpy as np
@@ -161,7 +160,7 @@ def test_max_loras_is_sized_for_retention_plus_adapters_in_use():
     assert max_loras == spec.lora_retain + spec.lora_in_use >= 4 + 1  # vLLM's default is 1
     assert int(flags[flags.index("--max-cpu-loras") + 1]) >= max_loras
     with pytest.raises(ValueError, match="max_cpu_loras"):
-        ServerSpec(model="m", max_loras=4, max_cpu_loras=2)
+        ServerSpec(model="Qwen/Qwen3-8B", max_loras=4, max_cpu_loras=2)
 
 
 def adapter_dir(path: Path, rank: int = 8, names: tuple[str, ...] = (), **config) -> str:
@@ -353,18 +352,9 @@ def test_readiness_and_publication_send_the_key_which_never_reaches_a_command_li
 # ------------------------------------------------------------------------------------ protocol fields
 
 
-def test_the_vllm_extra_needs_a_release_that_returns_token_ids_on_both_endpoints():
-    """`return_token_ids` (completions `choices[].token_ids` + `prompt_token_ids`, chat `choices[].token_ids`
-    + top-level `prompt_token_ids`) first shipped in vLLM 0.10.2 (absent from 0.10.0 and 0.10.1.1)."""
-    project = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text())
-    (requirement,) = project["project"]["optional-dependencies"]["vllm"]
-    floor = tuple(int(p) for p in re.search(r">=\s*([\d.]+)", requirement).group(1).split("."))
-    assert floor >= (0, 10, 2)
-
-
 def test_validation_errors_come_in_vllms_shape(standin):
     with httpx.Client(timeout=10, trust_env=False) as http:
-        response = http.post(f"{standin.base_url}/completions", json={"prompt": [1, 2], "max_tokens": -1})
+        response = http.post(f"{standin.base_url}/completions", json={"prompt": [1, 2], "max_tokens": "x"})
     error = response.json()["error"]
     assert response.status_code == 400 and error["code"] == 400
     assert error["type"] == "Bad Request" and error["param"] == "body.max_tokens"

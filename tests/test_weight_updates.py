@@ -30,6 +30,13 @@ ECHO = Ref(target="env_actors.faults.envs:EchoEnv", config={"num_tasks": 8, "tur
 MAX_TOKENS = 48
 DEADLINE_S = 150
 TOKEN_LATENCY_S = 0.08
+INIT_INFO = {"master_address": "10.0.0.1", "master_port": 29500, "rank_offset": 1, "world_size": 3}
+"""NCCL rendezvous as a trainer would name it (vLLM 0.33 `NCCLWeightTransferInitInfo`)."""
+
+
+def nccl_info(*names: str) -> dict:
+    """An NCCL `update_info` (vLLM 0.33 `NCCLWeightTransferUpdateInfo`): one dtype and shape per tensor."""
+    return {"names": list(names), "dtype_names": ["bfloat16"] * len(names), "shapes": [[8, 8]] * len(names)}
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +87,8 @@ def test_rollouts_in_flight_continue_across_a_weight_update_and_record_where_it_
             # A request counts as running before its first token: an update that lands then samples the
             # whole turn on the new weights (no straddle to see). ~8 tokens in, ~30 still to come.
             await asyncio.sleep(8 * TOKEN_LATENCY_S)
-            report = await plane.update_weights({"names": ["model.embed_tokens.weight"]}, version=1)
+            await plane.init_weight_transfer(INIT_INFO)
+            report = await plane.update_weights(nccl_info("model.embed_tokens.weight"), version=1)
             results = [await plane.next_result(timeout=120) for _ in ids]
             late = await plane.submit(request(urls[0], 5))
             after = await plane.next_result(timeout=120)
@@ -176,7 +184,8 @@ def test_a_turn_the_plane_paused_in_abort_mode_resumes_from_its_tokens(ray_sessi
                 while await running(server.url) < 2:
                     assert asyncio.get_running_loop().time() < deadline
                     await asyncio.sleep(0.05)
-                await plane.update_weights({"names": ["lm_head.weight"]}, version=1, mode="abort")
+                await plane.init_weight_transfer(INIT_INFO)
+                await plane.update_weights(nccl_info("lm_head.weight"), version=1, mode="abort")
                 return [await plane.next_result(timeout=120) for _ in ids]
 
         results = asyncio.run(asyncio.wait_for(scenario(), DEADLINE_S))

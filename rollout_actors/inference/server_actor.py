@@ -94,6 +94,15 @@ class ServerSpec(BaseModel):
     weight_transfer_backend: str = "nccl"
     """`--weight-transfer-config {"backend": ...}`: how a trainer sends full weights (vLLM's
     `WeightTransferConfig`: nccl, ipc, ...)."""
+    generation_config: str = "vllm"
+    """`--generation-config`. "vllm": the model's `generation_config.json` is ignored, so the request's
+    sampling (and vLLM's neutral defaults for what it leaves out: no top-k, no repetition penalty) is the
+    behaviour policy the result records. vLLM's own default ("auto") fills unset fields from the model
+    (Qwen3: top_k=20) without the request or the result saying so."""
+    logprobs_mode: Literal["processed_logprobs", "raw_logprobs"] = "processed_logprobs"
+    """`--logprobs-mode`. "processed_logprobs": `Turn.logprobs` are under the distribution sampled from
+    (after temperature, top-k, top-p), which importance ratios need; vLLM's default returns the raw
+    model's logprobs."""
     extra_args: list[str] = Field(default_factory=list)
     """Appended verbatim to the server's command line."""
     standin: dict[str, Any] = Field(default_factory=dict)
@@ -125,6 +134,16 @@ class ServerSpec(BaseModel):
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.lora_slots})")
         return self
 
+    @model_validator(mode="after")
+    def _known_family(self) -> ServerSpec:
+        if "auto" in (self.tool_call_parser, self.reasoning_parser) and model_family(self.model) is None:
+            raise ValueError(
+                f"no parser family is known for model {self.model!r} (MODEL_FAMILIES): set tool_call_parser "
+                "and reasoning_parser explicitly (a parser name vLLM registers, or None). Qwen3's would be "
+                "wrong for it: vLLM's qwen3 reasoning parser refuses a tokenizer without think tokens."
+            )
+        return self
+
     @property
     def lora_slots(self) -> int:
         """`--max-loras` as launched."""
@@ -133,7 +152,7 @@ class ServerSpec(BaseModel):
     @property
     def parsers(self) -> tuple[str | None, str | None]:
         """(tool-call parser, reasoning parser) as launched, "auto" resolved by model family."""
-        family = model_family(self.model)
+        family = model_family(self.model) or ModelFamily(None, None)  # "auto" needs a family (validated)
         tool = family.tool_call_parser if self.tool_call_parser == "auto" else self.tool_call_parser
         reasoning = family.reasoning_parser if self.reasoning_parser == "auto" else self.reasoning_parser
         return tool, reasoning
@@ -157,13 +176,14 @@ MODEL_FAMILIES: dict[str, ModelFamily] = {
     "deepseek-r1": ModelFamily(None, "deepseek_r1"),
     "llama-3": ModelFamily("llama3_json", None),
 }
-"""Lower-cased substrings of a model name, most specific first. Unknown models: Qwen3's defaults (the
-bundled tokenizer and templates are Qwen3's); set the parsers explicitly for anything else."""
+"""Lower-cased substrings of a model name, most specific first. A model none of them names has no
+family: `ServerSpec` then needs its parsers set explicitly (tests check every name here is registered in
+vLLM and that the launched command parses with vLLM's own `serve` parser)."""
 
 
-def model_family(model: str) -> ModelFamily:
+def model_family(model: str) -> ModelFamily | None:
     name = model.lower()
-    return next((family for key, family in MODEL_FAMILIES.items() if key in name), MODEL_FAMILIES["qwen3"])
+    return next((family for key, family in MODEL_FAMILIES.items() if key in name), None)
 
 
 class ServerStatus(BaseModel):
@@ -216,6 +236,7 @@ def vllm_command(spec: ServerSpec, host: str, port: int) -> list[str]:
     if spec.tensor_parallel_size > 1:
         # The GPUs are the ones Ray gave this actor: keep vLLM's workers local, not a Ray placement group.
         command += ["--distributed-executor-backend", "mp"]
+    command += ["--generation-config", spec.generation_config, "--logprobs-mode", spec.logprobs_mode]
     command += _parser_args(spec) + _lora_args(spec)
     if spec.weight_updates:
         command += ["--weight-transfer-config", json.dumps({"backend": spec.weight_transfer_backend})]
@@ -287,6 +308,7 @@ def standin_options(spec: ServerSpec, **overrides: Any) -> StandinOptions:
         tool_call_parser=tool,
         reasoning_parser=reasoning,
         weight_updates=spec.weight_updates,
+        weight_transfer_backend=spec.weight_transfer_backend,
         **lora,
     )
     return StandinOptions(**(settings | spec.standin | overrides))

@@ -14,6 +14,7 @@ out (`skip_special_tokens`). When `max_tokens` cuts the turn, `finish_reason` is
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -120,6 +121,7 @@ class Answers:
         drafts = []
         for prompt_ids in prompts:
             max_tokens = self._max_tokens(prompt_ids, limit)
+            check_sampling(req.temperature, req.top_p, max_tokens)
             sampled = self._sample(prompt_ids, req, max_tokens, seed, config)
             drafts.append(Draft(prompt_ids, sampled, max_tokens))
         return Plan(kind, req, model, seed, config, drafts)
@@ -237,7 +239,8 @@ class Answers:
         parse_tools = (
             bool(req.tools) and req.tool_choice != "none" and self.parsers.tool_call_parser is not None
         )
-        message = parse_turn(sampled.text, parse_tools, self.parsers.reasoning_parser is not None)
+        thinking = (req.chat_template_kwargs or {}).get("enable_thinking", True) is not False
+        message = parse_turn(sampled.text, parse_tools, self.parsers.reasoning_parser is not None, thinking)
         finish = "tool_calls" if message.tool_calls else sampled.finish_reason
         logprobs = None
         if req.logprobs:
@@ -333,15 +336,27 @@ class Answers:
         return f"token_id:{token_id}" if as_ids else self.policy.pieces.text(token_id)
 
 
-def parse_turn(text: str, parse_tools: bool, parse_reasoning: bool = True) -> ChatMessage:
-    """Split an assistant turn like vLLM's qwen3 reasoning parser + hermes tool parser, each only when the
-    server runs with it: reasoning needs both think tags; tool calls need every `<tool_call>` body to be
-    JSON with a name, else the whole text stays content (hermes' rule)."""
+def parse_turn(
+    text: str, parse_tools: bool, parse_reasoning: bool = True, thinking: bool = True
+) -> ChatMessage:
+    """Split an assistant turn as vLLM 0.33.0's `qwen3` reasoning parser and `hermes` tool parser do (each
+    only when the server runs with it; tests compare this with vLLM's own on canned turns).
+
+    Reasoning (`vllm/parser/qwen3.py`): with thinking on (`chat_template_kwargs.enable_thinking`, default
+    true) a turn starts IN reasoning (Qwen3's template may open `<think>` in the prompt); it ends at
+    `</think>` or at the first `<tool_call>`; a turn with neither is all reasoning and has no content.
+    Nothing is stripped but the tags. Tool calls (`hermes`): every `<tool_call>` body must be JSON with a
+    name, else the whole text stays content; the content is what precedes the first call."""
     reasoning, content = None, text
-    start, end = text.find("<think>"), text.find("</think>")
-    if parse_reasoning and 0 <= start < end:
-        reasoning = text[start + len("<think>") : end].strip("\n")
-        content = text[end + len("</think>") :].lstrip("\n")
+    if parse_reasoning and thinking:
+        body = text[len("<think>") :] if text.startswith("<think>") else text
+        ends = [i for i in (body.find("</think>"), body.find("<tool_call>")) if i >= 0]
+        if not ends:
+            reasoning, content = body, ""
+        else:
+            end = min(ends)
+            reasoning = body[:end]
+            content = body[end + len("</think>") :] if body.startswith("</think>", end) else body[end:]
     calls: list[ToolCall] = []
     if parse_tools and "<tool_call>" in content:
         try:
@@ -352,8 +367,26 @@ def parse_turn(text: str, parse_tools: bool, parse_reasoning: bool = True) -> Ch
         except (ValueError, KeyError, TypeError, AttributeError):
             calls = []
         if calls:
-            content = content[: content.find("<tool_call>")].rstrip("\n")
-    return ChatMessage(content=content or None, reasoning=reasoning, tool_calls=calls)
+            content = content[: content.find("<tool_call>")]
+    return ChatMessage(content=content or None, reasoning=reasoning or None, tool_calls=calls)
+
+
+def check_sampling(temperature: float | None, top_p: float | None, max_tokens: int) -> None:
+    """vLLM 0.33.0 `SamplingParams._verify_args`, in its order, for the fields the stand-in samples with:
+    a 400 `BadRequestError` naming the parameter, with vLLM's message (`VLLMValidationError.__str__`)."""
+    checks: list[tuple[str, Any, bool, str]] = []
+    if temperature is not None:
+        checks += [
+            ("temperature", temperature, math.isfinite(temperature), "must be a finite number"),
+            ("temperature", temperature, temperature >= 0.0, "must be non-negative"),
+            ("temperature", temperature, temperature <= 2.0, "must be in [0, 2]"),
+        ]
+    if top_p is not None:
+        checks.append(("top_p", top_p, 0.0 < top_p <= 1.0, "must be in (0, 1]"))
+    checks.append(("max_tokens", max_tokens, max_tokens >= 1, "must be at least 1"))
+    for name, value, ok, rule in checks:
+        if not ok:
+            raise RequestError(f"{name} {rule}, got {value}. (parameter={name}, value={value})", name)
 
 
 AUTO_TOOLS_NEED_FLAGS = (
@@ -398,13 +431,16 @@ def _single_choice(n: int, stream: bool) -> None:
 
 
 def _template_message(message: dict[str, Any]) -> dict[str, Any]:
-    """OpenAI message -> what the chat template reads: text content, `reasoning_content`."""
+    """OpenAI message -> what the chat template reads: text content; the reasoning under both names, as
+    vLLM 0.33 hands it over (`reasoning`, else the deprecated `reasoning_content` it renames)."""
     out = dict(message)
     content = out.get("content")
     if isinstance(content, list):
         out["content"] = "".join(p.get("text", "") for p in content if isinstance(p, dict))
     elif content is None and out.get("role") != "assistant":
         out["content"] = ""
-    if out.get("reasoning_content") is None and out.get("reasoning") is not None:
-        out["reasoning_content"] = out["reasoning"]
+    reasoning = out.pop("reasoning_content", None) if out.get("reasoning") is None else out.get("reasoning")
+    out.pop("reasoning_content", None)
+    if reasoning is not None:
+        out["reasoning"] = out["reasoning_content"] = reasoning
     return out

@@ -24,10 +24,12 @@ from starlette.routing import Route
 from rollout_actors.inference.standin.wire import (
     FaultSettings,
     FinishWeightsRequest,
+    InitWeightTransferRequest,
     LoadLoRAAdapterRequest,
     LoadWeightsRequest,
     UnloadLoRAAdapterRequest,
 )
+from rollout_actors.inference.weights import init_info_problems, update_info_problems
 from rollout_actors.lora import CONFIG_FILE, WEIGHTS_FILE, AdapterLimits, adapter_problems, safetensors_names
 
 log = logging.getLogger("rollout_actors.standin")
@@ -100,8 +102,12 @@ def _refusal(path: str, limits: AdapterLimits) -> str | None:
 
 def weight_routes(state: Any, parse: Any, error: Any) -> list[Route]:
     """vLLM's pause/resume and weight-update routes (served with `--weight-updates`, as vLLM serves them with
-    `VLLM_SERVER_DEV_MODE=1`). `update_info` is taken as the trainer's payload; the new weights take effect
-    at `/finish_weight_update`, whose `weight_version` changes the scripted policy's answers."""
+    `VLLM_SERVER_DEV_MODE=1`), as strict as vLLM 0.33.0's worker (`vllm/v1/worker/gpu_worker.py`) and
+    transfer backend: `/init_weight_transfer_engine` with the backend's `init_info` before any update;
+    `update_info` checked per backend; a second `/start_weight_update` while one is open refused; a refused
+    `/update_weights` closes the session. The new weights take effect at `/finish_weight_update`, whose
+    `weight_version` changes the scripted policy's answers."""
+    backend = state.options.weight_transfer_backend
     updating: dict[str, Any] = {"active": False, "update_info": None, "init_info": None}
 
     async def pause(request: Request) -> Response:
@@ -119,10 +125,17 @@ def weight_routes(state: Any, parse: Any, error: Any) -> list[Route]:
         return JSONResponse({"is_paused": state.engine.pause_mode is not None})
 
     async def init_transfer(request: Request) -> Response:
-        updating["init_info"] = json.loads(await request.body() or b"{}").get("init_info")
+        body = await parse(request, InitWeightTransferRequest)
+        problems = init_info_problems(backend, body.init_info)
+        if problems:
+            return error(f"Invalid init_info: {'; '.join(problems)}", "BadRequestError", 400)
+        updating["init_info"] = body.init_info
         return JSONResponse({"message": "Weight transfer initialized"})
 
     async def start_update(request: Request) -> Response:
+        if updating["active"]:
+            msg = "start_weight_update called while a weight update is already active. Call finish_weight_update first."
+            return error(msg, "InternalServerError", 500)
         updating["active"] = True
         return JSONResponse({"message": "Weight update started"})
 
@@ -132,6 +145,15 @@ def weight_routes(state: Any, parse: Any, error: Any) -> list[Route]:
             return error(
                 "start_weight_update must be called before update_weights.", "InternalServerError", 500
             )
+        # vLLM's worker ends the session on any failure inside update_weights.
+        if updating["init_info"] is None and backend == "nccl":
+            updating["active"] = False
+            msg = "NCCL weight transfer not initialized. Call init_transfer_engine() first."
+            return error(msg, "InternalServerError", 500)
+        problems = update_info_problems(backend, body.update_info)
+        if problems:
+            updating["active"] = False
+            return error(f"Invalid update_info: {'; '.join(problems)}", "BadRequestError", 400)
         updating["update_info"] = body.update_info
         return JSONResponse({"message": "Weights updated"})
 
@@ -175,7 +197,12 @@ def admin_routes(state: Any, parse: Any) -> list[Route]:
     async def requests(request: Request) -> Response:
         return JSONResponse({"requests": list(state.recent)})
 
+    async def bodies(request: Request) -> Response:
+        sent = [{"path": path, "body": json.loads(body)} for path, body in state.bodies]
+        return JSONResponse({"bodies": sent})
+
     return [
+        Route("/admin/bodies", bodies, methods=["GET"]),
         Route("/admin/faults", faults, methods=["GET", "POST"]),
         Route("/admin/sessions", sessions, methods=["GET"]),
         Route("/admin/requests", requests, methods=["GET"]),

@@ -21,6 +21,7 @@ import asyncio
 import dataclasses
 import logging
 import os
+import random
 import resource
 import socket
 import sys
@@ -60,6 +61,13 @@ KEEP_ALIVE_S = 5  # clients keep idle connections for less (ClientConfig.keepali
 GRACEFUL_SHUTDOWN_S = 2  # a `timeout` fault never answers; shutdown must not wait for it
 PARENT_POLL_S = 1.0
 RECENT_REQUESTS = 10_000  # what `/admin/requests` remembers
+RECENT_BODIES = 512  # `/admin/bodies`: raw bodies hold whole prompts, so far fewer than RECENT_REQUESTS
+STANDIN_TOOL_PARSERS = ("hermes",)
+STANDIN_REASONING_PARSERS = ("qwen3",)
+"""The vLLM parsers `answers.parse_turn` reproduces (tests compare it with vLLM's own on canned turns); a
+stand-in started with another would parse differently from the vLLM it stands in for, so it refuses."""
+PAUSED_MESSAGE = "Generation is paused. Please retry after it resumes."
+"""vLLM 0.33.0's answer (503, retryable) to a new request during an `abort` or `wait` pause; `keep` queues it."""
 _POLICY_HEADERS = {
     "x-standin-correct-rate": "correct_rate",
     "x-standin-think-rate": "think_rate",
@@ -79,7 +87,8 @@ class StandinOptions:
     per_token_latency_s: float = 0.0
     """Added latency per completion token."""
     seed: int = 0
-    """Policy seed for requests that carry none."""
+    """Seeds the generator that draws a fresh sampling seed for each request that carries none (like
+    vLLM's `--seed`): unseeded requests differ from each other, reproducibly per server run."""
     correct_rate: float = 0.7
     think_rate: float = 0.5
     noncanonical_rate: float = 0.0
@@ -107,6 +116,8 @@ class StandinOptions:
     (recomputes after a preemption included)."""
     weight_updates: bool = False
     """Serve `/pause`, `/resume` and the weight-update routes (vLLM: `VLLM_SERVER_DEV_MODE=1`)."""
+    weight_transfer_backend: str = "nccl"
+    """vLLM's `--weight-transfer-config {"backend": ...}`: whose `init_info` / `update_info` rules apply."""
     startup_delay_s: float = 0.0
     """Delay before loading, so a test can watch `/health` answer 503 first. Zero in production."""
     admin: bool = False
@@ -135,6 +146,12 @@ class StandinState:
     def __init__(self, options: StandinOptions, api_key: str | None = None) -> None:
         if options.enable_auto_tool_choice and not options.tool_call_parser:
             raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")  # vLLM's TypeError
+        for flag, name, known in (
+            ("--tool-call-parser", options.tool_call_parser, STANDIN_TOOL_PARSERS),
+            ("--reasoning-parser", options.reasoning_parser, STANDIN_REASONING_PARSERS),
+        ):
+            if name is not None and name not in known:
+                raise ValueError(f"{flag} {name}: the stand-in parses only as vLLM's {known} do")
         if options.max_lora_rank not in VLLM_LORA_RANKS:
             raise ValueError(f"--max-lora-rank must be one of {VLLM_LORA_RANKS}, got {options.max_lora_rank}")
         if options.max_cpu_loras is not None and options.max_cpu_loras < options.max_loras:
@@ -148,10 +165,15 @@ class StandinState:
         self.stats = TrafficStats()
         self.engine = Engine(options.max_loras, options.kv_cache_tokens, options.prefill_token_latency_s)
         self.adapter_limits = AdapterLimits(max_lora_rank=options.max_lora_rank)
+        self.unseeded = random.Random(options.seed)
+        """Draws the sampling seed of each request that carries none."""
         self.answers: Answers | None = None
         self.loras: dict[str, str] = {}
         self.recent: deque[dict[str, Any]] = deque(maxlen=RECENT_REQUESTS)
         """What the server saw of its latest model calls (`X-Request-Id`, `cache_salt`, model)."""
+        self.bodies: deque[tuple[str, bytes]] = deque(maxlen=RECENT_BODIES)
+        """With `--admin` only: the latest model calls' request bodies as sent (`/admin/bodies`), so tests
+        can judge what the plane sends with vLLM's own request models."""
         self.load_error: BaseException | None = None
         self.on_fatal: Any = None
         """Asks the HTTP server to exit (set by `main`)."""
@@ -181,32 +203,61 @@ class StandinState:
 
 
 class InvalidBody(Exception):
-    """A request body vLLM's FastAPI layer would refuse: a 400 in its validation-error shape."""
+    """A request body vLLM's FastAPI layer would refuse: a 400 in its validation-error shape (vLLM 0.33.0
+    `exception_handling/handlers/validation.py`: at most 10 errors, each input summarised, `loc` and
+    `param` as the dotted field path under `body`)."""
 
     def __init__(self, exc: ValidationError) -> None:
         errors = exc.errors(include_url=False)
         label = "error" if len(errors) == 1 else "errors"
-        lines = "".join(f"  {_bounded_error(err)}\n" for err in errors[:10])
+        lines = "".join(f"  {_bounded_error(err)}\n" for err in errors[:MAX_REPORTED_ERRORS])
+        if len(errors) > MAX_REPORTED_ERRORS:
+            lines += f"  ...and {len(errors) - MAX_REPORTED_ERRORS} more {label}\n"
         loc = errors[0].get("loc", ()) if errors else ()
         self.body = error_body(
-            f"{len(errors)} validation {label}:\n{lines}".rstrip(),
-            "Bad Request",
-            400,
-            ".".join(["body", *(str(part) for part in loc)]),
+            f"{len(errors)} validation {label}:\n{lines}".rstrip(), "Bad Request", 400, _field_path(loc)
         )
         super().__init__(self.body["error"]["message"])
 
 
+MAX_REPORTED_ERRORS = 10  # vLLM's bounds on a validation error's size (a huge body must not echo back)
+MAX_INPUT_CHARS = 200
+MAX_ERROR_CHARS = 1000
+_SCHEMA_MARKERS = frozenset(
+    {"function-wrap", "function-after", "function-before", "function-plain", "json-or-python",
+     "lax-or-strict", "chain", "default", "nullable", "tagged-union", "union", "call", "arguments",
+     "is-instance", "is-subclass", "callable", "str", "int", "float", "bool", "bytes", "bytearray",
+     "list", "tuple", "dict", "set", "frozenset", "complex", "none", "nonetype"}
+)  # fmt: skip
+"""pydantic-core's schema-kind names, which appear in an error's `loc` for union and wrapped fields and
+are not field names: vLLM leaves them out of `param`."""
+
+
+def _field_path(loc: Any) -> str:
+    """`("prompt", "list[int]", 0)` -> `"body.prompt.0"`: the path a client recognises."""
+    parts = ["body", *(str(p) for p in loc)]
+    kept = [p for p in parts if not any(c in p for c in "[]{}()") and p.lower() not in _SCHEMA_MARKERS]
+    return ".".join(kept or parts)
+
+
+def _summary(value: Any) -> Any:
+    if isinstance(value, str):
+        return value if len(value) <= MAX_INPUT_CHARS else value[:MAX_INPUT_CHARS] + "...[truncated]"
+    if isinstance(value, (bytes, bytearray)):
+        return f"<{type(value).__name__} of {len(value)} bytes>"
+    if isinstance(value, (list, tuple, set, frozenset, dict)):
+        return f"<{type(value).__name__} of {len(value)} items>"
+    text = str(value)
+    return text if len(text) <= MAX_INPUT_CHARS else text[:MAX_INPUT_CHARS] + "...[truncated]"
+
+
 def _bounded_error(err: Any) -> str:
-    err = {k: v for k, v in err.items() if k != "ctx"}
+    err = dict(err)
     if "input" in err:
-        text = (
-            str(err["input"])
-            if not isinstance(err["input"], (list, dict))
-            else f"<{type(err['input']).__name__}>"
-        )
-        err["input"] = text[:200]
-    return str(err)[:1000]
+        err["input"] = _summary(err["input"])
+    err["loc"] = _field_path(err.get("loc", ()))
+    text = str(err)
+    return text if len(text) <= MAX_ERROR_CHARS else text[:MAX_ERROR_CHARS] + "...[truncated]"
 
 
 def _error(message: str, err_type: str, code: int, param: str | None = None) -> JSONResponse:
@@ -245,7 +296,9 @@ def _overrides(state: StandinState, request: Request) -> tuple[PolicyConfig, flo
 
 
 def _seed_for(state: StandinState, model: str, seed: int | None, config: PolicyConfig) -> int:
-    base = config.seed if seed is None else seed
+    # Without a seed vLLM samples at random: each such request draws its own from the server's generator
+    # (seeded by `--seed`, as vLLM's engine generator is), so n unseeded copies of a prompt differ.
+    base = state.unseeded.getrandbits(63) if seed is None else seed
     # An adapter is another policy, and so are new weights: same prompt, different answers.
     if model != state.options.model:
         base = base * 1_000_003 + zlib.crc32(model.encode())
@@ -313,8 +366,8 @@ def build_app(state: StandinState) -> TrafficGate:
     async def model_call(request: Request, kind: str) -> Response:
         if state.answers is None:
             return _not_ready(state)
-        if state.engine.refuses_new():
-            return _error("The server is paused; retry after /resume.", "ServiceUnavailableError", 503)
+        if state.engine.refuses_new():  # vLLM 0.33.0 `EngineCoreProc.pause_generation`: abort/wait refuse
+            return _error(PAUSED_MESSAGE, "ServiceUnavailableError", 503)
         try:
             body = await _parse(
                 request, CompletionRequest if kind == "completions" else ChatCompletionRequest
@@ -327,6 +380,8 @@ def build_app(state: StandinState) -> TrafficGate:
             plan = state.answers.plan(kind, body, model, _seed_for(state, model, body.seed, config), config)
         except RequestError as exc:
             return _error(str(exc), "BadRequestError", 400, exc.param)
+        if state.options.admin:
+            state.bodies.append((request.url.path, await request.body()))
         state.recent.append(
             {
                 "request_id": request.headers.get("x-request-id"),

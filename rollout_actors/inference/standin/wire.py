@@ -36,9 +36,11 @@ class CompletionRequest(_Request):
     model: str | None = None
     prompt: list[int] | list[list[int]] | str | list[str]
     """Token ids (the main path), a batch of them, or text."""
-    max_tokens: int | None = Field(default=16, ge=0)
-    temperature: float | None = Field(default=None, ge=0)
-    top_p: float | None = Field(default=None, gt=0, le=1)
+    max_tokens: int | None = 16
+    temperature: float | None = None
+    top_p: float | None = None
+    """Sampling bounds are checked as vLLM checks them (`answers.check_sampling`): a 400 naming the
+    parameter, not a body-validation error."""
     seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
     logprobs: int | None = Field(default=None, ge=0, le=20)
     """Completions-style: the number of top logprobs per token (0 = only the sampled one)."""
@@ -56,10 +58,10 @@ class CompletionRequest(_Request):
 class ChatCompletionRequest(_Request):
     messages: list[dict[str, Any]] = Field(min_length=1)
     model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=0)
-    max_completion_tokens: int | None = Field(default=None, ge=0)
-    temperature: float | None = Field(default=None, ge=0)
-    top_p: float | None = Field(default=None, gt=0, le=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
     seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(default=0, ge=0, le=20)
@@ -224,6 +226,12 @@ class LoadWeightsRequest(_Request):
     """`/update_weights`: backend-specific `update_info`, passed through to the weight transfer engine."""
 
     update_info: dict[str, Any] | list[dict[str, Any]]
+
+
+class InitWeightTransferRequest(_Request):
+    """`/init_weight_transfer_engine`: the backend's `init_info` (checked by `weights.init_info_problems`)."""
+
+    init_info: dict[str, Any]
 
 
 class FinishWeightsRequest(_Request):
