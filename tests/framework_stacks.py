@@ -46,7 +46,9 @@ def stack_python(name: str) -> str:
         if not ready.exists():
             started = time.monotonic()
             _run([sys.executable, "-m", "venv", "--clear", "--system-site-packages", str(home)])
-            _run([str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", *requirements])
+            _run(
+                [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", *requirements]
+            )
             ready.write_text(f"built in {time.monotonic() - started:.0f} s\n")
     return str(python)
 

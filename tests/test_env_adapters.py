@@ -106,11 +106,14 @@ def test_skyrl_gym_env_matches_its_own_loop_with_per_step_rewards(ray_session, s
         assert result.kind == "ok", result.error
         # the raw text each step received: the sampled ids decoded, the closing stop token left out
         texts = [
-            renderer.decode(t.completion_ids[:-1] if t.completion_ids[-1] in renderer.stop_ids else t.completion_ids)
+            renderer.decode(
+                t.completion_ids[:-1] if t.completion_ids[-1] in renderer.stop_ids else t.completion_ids
+            )
             for t in result.turns
         ]
         own = own_loop(
-            "skyrl-gym", {"package": "framework_envs.sky_math", "task": rows[result.task_index], "texts": texts}
+            "skyrl-gym",
+            {"package": "framework_envs.sky_math", "task": rows[result.task_index], "texts": texts},
         )
         assert result.reward == pytest.approx(own["reward"])
         assert [t.reward for t in result.turns] == pytest.approx(own["step_rewards"])
