@@ -26,6 +26,7 @@ from rollout_actors.wire import ClientConfig, Ref, Result, RolloutRequest, Sampl
 pytestmark = pytest.mark.slow
 
 SKYRL = "env_actors.adapters.skyrl_gym:SkyRLGymEnv"
+VF_CLASSIC = "env_actors.adapters.verifiers_classic:VerifiersClassicEnv"
 DEADLINE_S = 240  # a pool's first start in a fresh runtime env imports its framework: tens of seconds here
 TESTS = Path(__file__).parent
 
@@ -60,7 +61,7 @@ def request(standin, env: Ref, index: int, seed: int, mode: str = "token") -> Ro
             base_url=standin.base_url, model=BUNDLED_MODEL, headers={"X-Standin-Correct-Rate": "0.5"}
         ),
         sampling=SamplingConfig(max_tokens=200, seed=seed),
-        max_turns=4,
+        max_turns=6,  # more than any test environment allows: each ends its episodes itself
         return_messages=True,
     )
 
@@ -94,15 +95,39 @@ def env_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{"role": m["role"], "content": m.get("content")} for m in messages if m["role"] != "assistant"]
 
 
-def test_skyrl_gym_env_matches_its_own_loop_with_per_step_rewards(ray_session, standin):
-    env = Ref(SKYRL, {"package": "framework_envs.sky_math", "tasks": "framework_envs.sky_math:rows"})
-    requests = [request(standin, env, index=i % 4, seed=11 + i) for i in range(6)]
-    results = run(run_all(plane({SKYRL: stack_pool("skyrl-gym")}), requests))
+SKY_ENV = Ref(SKYRL, {"package": "framework_envs.sky_math", "tasks": "framework_envs.sky_math:rows"})
 
+
+def vf_classic(kind: str) -> Ref:
+    return Ref(VF_CLASSIC, {"env_id": "framework_envs.vf_classic_envs", "env_args": {"kind": kind}})
+
+
+CASES = {
+    "skyrl": [(SKY_ENV, i % 4, 11 + i) for i in range(5)],
+    "vf-tools": [(vf_classic("tools"), i % 3, 21 + i) for i in range(4)],
+    "vf-follow-up": [(vf_classic("follow_up"), i % 4, 31 + i) for i in range(4)],
+    "vf-group": [(vf_classic("group"), 0, 41)],
+    "vf-raises": [(vf_classic("raises"), 0, 51)],
+}
+"""label -> (env, task index, seed) of the rollouts one plane runs, every framework in its own pool."""
+
+
+@pytest.fixture(scope="module")
+def plane_results(ray_session, standin) -> dict[str, list[Result]]:
+    pools = {SKYRL: stack_pool("skyrl-gym"), VF_CLASSIC: stack_pool("verifiers-0.3")}
+    labelled = [(label, request(standin, *case)) for label, cases in CASES.items() for case in cases]
+    results = run(run_all(plane(pools), [item for _, item in labelled]))
+    by_label: dict[str, list[Result]] = {}
+    for (label, _), result in zip(labelled, results, strict=True):
+        by_label.setdefault(label, []).append(result)
+    return by_label
+
+
+def test_skyrl_gym_env_matches_its_own_loop_with_per_step_rewards(plane_results):
     renderer = Renderer.load(RendererKey.from_config(BUNDLED_MODEL, RendererConfig()))
     rows = json.loads(subprocess.check_output(_rows_command("skyrl-gym"), text=True))
     rewards = set()
-    for result in results:
+    for result in plane_results["skyrl"]:
         assert result.kind == "ok", result.error
         # the raw text each step received: the sampled ids decoded, the closing stop token left out
         texts = [
@@ -122,6 +147,41 @@ def test_skyrl_gym_env_matches_its_own_loop_with_per_step_rewards(ray_session, s
         assert env_messages(result.messages) == env_messages(own["messages"])
         rewards.add(result.reward)
     assert len(rewards) > 1, "the stand-in's answers should earn different rewards across seeds"
+
+
+@pytest.mark.parametrize("label, kind", [("vf-tools", "tools"), ("vf-follow-up", "follow_up")])
+def test_verifiers_classic_env_matches_its_own_loop(plane_results, label, kind):
+    rewards = set()
+    for result in plane_results[label]:
+        assert result.kind == "ok", result.error
+        assistant = [m for m in result.messages if m["role"] == "assistant"]
+        case = {
+            "module": "framework_envs.vf_classic_envs",
+            "env_args": {"kind": kind},
+            "index": result.task_index,
+            "assistant": assistant,
+        }
+        own = own_loop("verifiers-0.3", case)
+        assert result.reward == pytest.approx(own["reward"])
+        assert {k: v for k, v in result.metrics.items() if k != "turns"} == own["metrics"]
+        assert env_messages(result.messages) == env_messages(own["messages"])
+        rewards.add(result.reward)
+    if kind == "tools":  # the stand-in called the tool, and the tool's answer came back as a tool message
+        assert any(m["role"] == "tool" for r in plane_results[label] for m in r.messages)
+    assert len(rewards) > 1, "the stand-in's answers should earn different rewards across seeds"
+
+
+def test_a_group_rubric_is_refused_at_load_with_a_clear_message(plane_results):
+    [result] = plane_results["vf-group"]
+    assert result.kind == "caller"
+    assert "group reward functions (group_diversity)" in result.error.message
+
+
+def test_a_raising_reward_function_fails_the_score_with_its_traceback_not_zero(plane_results):
+    [result] = plane_results["vf-raises"]
+    assert result.kind not in ("ok", "caller") and result.reward is None
+    assert "ZeroDivisionError: the grader divided by zero" in result.error.traceback
+    assert "RewardFunctionError" in result.error.traceback
 
 
 def _rows_command(stack: str) -> list[str]:

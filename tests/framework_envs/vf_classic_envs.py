@@ -60,7 +60,12 @@ class FollowUpMath(vf.MultiTurnEnv):
         if last_boxed(messages) == str(state["answer"]):
             state["final_env_response"] = [{"role": "user", "content": "Correct."}]
             return []
-        return [{"role": "user", "content": f"That is not right. {state['info']['question']} Answer in \\boxed{{}}."}]
+        return [
+            {
+                "role": "user",
+                "content": f"That is not right. {state['info']['question']} Answer in \\boxed{{}}.",
+            }
+        ]
 
 
 def group_diversity(completions) -> list[float]:
@@ -75,7 +80,10 @@ def explodes(completion) -> float:
 def load_environment(kind: str = "tools"):
     if kind == "tools":
         rows = [
-            {"question": f"Compute {expr} using the calculator tool. Answer in \\boxed{{}}.", "answer": str(value)}
+            {
+                "question": f"Compute {expr} using the calculator tool. Answer in \\boxed{{}}.",
+                "answer": str(value),
+            }
             for expr, value in EXPRESSIONS
         ]
         rubric = vf.Rubric(funcs=[correct, boxed, used_calculator], weights=[1.0, 0.2, 0.0])
@@ -87,10 +95,13 @@ def load_environment(kind: str = "tools"):
             max_turns=4,
         )
     rows = [
-        {"question": q + " Answer in \\boxed{}.", "answer": str(a), "info": {"question": q}} for q, a in PROBLEMS
+        {"question": q + " Answer in \\boxed{}.", "answer": str(a), "info": {"question": q}}
+        for q, a in PROBLEMS
     ]
     if kind == "follow_up":
         rubric = vf.Rubric(funcs=[correct, boxed], weights=[1.0, 0.2])
         return FollowUpMath(dataset=Dataset.from_list(rows), rubric=rubric, max_turns=2)
     funcs = {"group": [correct, group_diversity], "raises": [correct, explodes]}[kind]
-    return vf.SingleTurnEnv(dataset=Dataset.from_list(rows), rubric=vf.Rubric(funcs=funcs, weights=[1.0, 0.5]))
+    return vf.SingleTurnEnv(
+        dataset=Dataset.from_list(rows), rubric=vf.Rubric(funcs=funcs, weights=[1.0, 0.5])
+    )
