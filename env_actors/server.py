@@ -347,6 +347,11 @@ def create_env_server(name: str, env: Ref, config: EnvPoolConfig) -> ray.actor.A
     """Create (not await) one EnvServer actor for a pool; the caller runs the readiness handshake."""
     prefixes = config.allowed_ref_prefixes or DEFAULT_ALLOWED_PREFIXES
     runtime_env = config.runtime_env.ray_dict() if config.runtime_env is not None else None
+    python = runtime_env and runtime_env.get("py_executable")
+    if python and not os.access(python, os.X_OK):
+        # Ray retries a worker whose interpreter is missing for ever: refused here, on the pool's node
+        # (interpreters are at the same path on every node), as the configuration's fault.
+        raise CallerError(f"the env pool's runtime_env.py_executable {python!r} is not an executable here")
     actor = _EnvServerActor.options(
         name=name,
         num_cpus=config.num_cpus,

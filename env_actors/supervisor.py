@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import ray
-from ray.exceptions import ActorDiedError
+from ray.exceptions import ActorDiedError, RuntimeEnvSetupError
 
 from env_actors.config import EnvPoolConfig, WorkerInfo
 from env_actors.server import create_env_server
@@ -258,6 +258,10 @@ class Supervisor:
             reason = f"not ready within {ready_timeout:.1f} s: {await self._diagnose(slot)}"
             self._spawn_failed(slot, reason)
             return SpawnOutcome("timeout", Failure(type="EnvReadinessTimeout", message=reason))
+        except RuntimeEnvSetupError as exc:  # the pool's own packages did not build: its configuration
+            reason = f"its runtime_env failed to build: {exc}"
+            self._spawn_failed(slot, reason)
+            return SpawnOutcome("load_error", Failure(type="CallerError", message=reason[-4000:]))
         except ActorDiedError as exc:
             reason = f"died while loading: {exit_detail(exc)}"
             self._spawn_failed(slot, reason)

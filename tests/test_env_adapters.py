@@ -187,3 +187,18 @@ def test_a_raising_reward_function_fails_the_score_with_its_traceback_not_zero(p
 def _rows_command(stack: str) -> list[str]:
     code = "import json, framework_envs.sky_math as m; print(json.dumps(m.rows()))"
     return ["env", f"PYTHONPATH={TESTS}", stack_python(stack), "-c", code]
+
+
+def test_a_runtime_env_that_cannot_build_fails_its_rollouts_with_the_build_error(ray_session, standin):
+    pools = {
+        SKYRL: {"num_cpus": 0.25, "runtime_env": {"py_executable": "/nonexistent/bin/python"}},
+        VF_CLASSIC: {"num_cpus": 0.25, "runtime_env": {"pip": ["ray-rollouts-no-such-package==0.0.1"]}},
+    }
+    requests = [request(standin, SKY_ENV, 0, 1), request(standin, vf_classic("tools"), 0, 2)]
+    missing_python, failed_pip = run(run_all(plane(pools), requests))
+    # Ray itself would retry a missing interpreter for ever: the pool refuses it at spawn.
+    assert missing_python.kind == "caller", missing_python.error
+    assert "/nonexistent/bin/python" in missing_python.error.message
+    # A pip install that fails is reported as soon as Ray reports it (not at the readiness deadline).
+    assert failed_pip.kind == "caller", failed_pip.error
+    assert "runtime_env failed to build" in failed_pip.error.message
