@@ -18,6 +18,7 @@ import itertools
 import logging
 import math
 import os
+import tempfile
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable, Iterator
@@ -26,7 +27,7 @@ from typing import Any
 
 import ray
 
-from env_actors.config import EnvCallLimits, EnvPoolConfig
+from env_actors.config import EnvCallLimits, EnvPoolConfig, EnvRuntimeEnv
 from env_actors.interface import EnvAnswer, EnvCall, EnvResponse, ResetOut, ScoreOut, StepOut, check_index
 from rollout_actors.kernel import DEFAULT_ALLOWED_PREFIXES, CallerError, Failure, Ref, RefResolver
 from rollout_actors.kernel.collector import settle_actor
@@ -346,7 +347,7 @@ async def run_env_code(method: Callable[..., Any], *args: Any) -> Any:
 def create_env_server(name: str, env: Ref, config: EnvPoolConfig) -> ray.actor.ActorHandle:
     """Create (not await) one EnvServer actor for a pool; the caller runs the readiness handshake."""
     prefixes = config.allowed_ref_prefixes or DEFAULT_ALLOWED_PREFIXES
-    runtime_env = config.runtime_env.ray_dict() if config.runtime_env is not None else None
+    runtime_env = uploaded_runtime_env(config.runtime_env) if config.runtime_env is not None else None
     python = runtime_env and runtime_env.get("py_executable")
     if python and not os.access(python, os.X_OK):
         # Ray retries a worker whose interpreter is missing for ever: refused here, on the pool's node
@@ -361,6 +362,31 @@ def create_env_server(name: str, env: Ref, config: EnvPoolConfig) -> ray.actor.A
         runtime_env=runtime_env,
     )
     return actor.remote(env, name, tuple(prefixes), EnvCallLimits.of(config), tuple(config.env_packages))
+
+
+_UPLOADED: dict[str, dict[str, Any]] = {}
+
+
+def uploaded_runtime_env(runtime_env: EnvRuntimeEnv) -> dict[str, Any]:
+    """`runtime_env` as Ray takes it for one actor: local `py_modules` and `working_dir` uploaded to the
+    cluster and named by URI. Ray uploads local folders itself only for a job's runtime env (`ray.init`);
+    a pool's own is uploaded here the same way (Ray's own upload step, content-addressed, once per
+    process and config), from the pool's node, where the paths the user gave are valid."""
+    key = runtime_env.model_dump_json()
+    if key not in _UPLOADED:
+        from ray._private.runtime_env.py_modules import upload_py_modules_if_needed
+        from ray._private.runtime_env.working_dir import upload_working_dir_if_needed
+
+        scratch = tempfile.gettempdir()
+        try:
+            env = upload_py_modules_if_needed(
+                runtime_env.ray_dict(), include_gitignore=True, scratch_dir=scratch
+            )
+            env = upload_working_dir_if_needed(env, include_gitignore=True, scratch_dir=scratch)
+        except Exception as exc:  # a missing folder, a non-package path: the pool's configuration
+            raise CallerError(f"the env pool's runtime_env could not be uploaded: {exc}") from exc
+        _UPLOADED[key] = env
+    return _UPLOADED[key]
 
 
 # Concurrency groups can only be declared here, not in `.options()`. No Ray-level restarts: the
