@@ -21,7 +21,6 @@ from pathlib import Path
 STACKS = {
     "skyrl-gym": ["skyrl-gym==0.4.0"],
     "verifiers-0.3": ["verifiers==0.3.1"],
-    "verifiers-0.4": ["verifiers==0.4.0"],
 }
 """The releases the adapters are tested against."""
 BUILD_TIMEOUT_S = 1200  # a cold build on a 2-core CI machine takes a few minutes; past this pip is stuck
