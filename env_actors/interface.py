@@ -20,8 +20,9 @@ Rules an environment follows:
 
 - `reset`, `step`, `score`, `close` (and `load`) may be coroutines, which run on the server's event loop
   (CPU-heavy work in them belongs in `asyncio.to_thread`: a loop blocked for `hang_timeout_s` is treated
-  as wedged and killed), or plain functions, which the server runs in a thread of its own, off its loop,
-  so synchronous environment code (a CPU-bound reward) never makes the server look wedged.
+  as wedged and killed), or plain functions, which the server runs in a thread, off its loop, so
+  synchronous environment code (a CPU-bound reward) never makes the server look wedged. One session's
+  calls never overlap; different sessions' plain methods may run at once, in different threads.
 - `state` is whatever the environment likes (it never leaves the server); everything returned is JSON.
 - A step adds `system`, `user` or `tool` messages (never `assistant`: the model speaks through its sampled
   token ids), with text content; rewards are finite. The server checks each answer (`StepOut`,
@@ -33,9 +34,10 @@ Rules an environment follows:
   `{"role": "assistant", "content": ..., "tool_calls": [{"id", "type": "function", "function": {"name",
   "arguments"}}]}` where `arguments` is a JSON string (or already a dict). A step's message also carries
   `raw_text` (`RAW_TEXT_KEY`): the completion as the model wrote it, reasoning and tool-call markup
-  included, for environments that parse text themselves; it is not part of the conversation. Tools, if any, are OpenAI
-  function tools: `{"type": "function", "function": {"name", "description", "parameters": {json schema}}}`;
-  the environment answers a tool call with `{"role": "tool", "tool_call_id": ..., "content": "..."}`.
+  included, for environments that parse text themselves; it is not part of the conversation. Tools, if
+  any, are OpenAI function tools: `{"type": "function", "function": {"name", "description",
+  "parameters": {json schema}}}`; the environment answers a tool call with
+  `{"role": "tool", "tool_call_id": ..., "content": "..."}`.
 """
 
 from __future__ import annotations
