@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -13,6 +13,31 @@ from rollout_actors.kernel.supervision import RestartIntensity
 ENV_RESTARTS = RestartIntensity(max_restarts=3, window_s=60.0)
 """Rides out one OOM plus a retry, few enough that a crash loop fails loudly; a minute catches a crash
 loop and forgives sporadic deaths."""
+
+
+class EnvRuntimeEnv(BaseModel):
+    """The packages and settings one env pool's servers run with: the subset of Ray's `runtime_env` an
+    environment stack needs, so pools with clashing packages (verifiers 0.3 and 0.4) share one cluster
+    beside a plane on its own `openai`. Ray builds it on each node before the server starts; a build that
+    fails (a pip error, a missing interpreter) fails the pool's start with Ray's error, within seconds of
+    the failure, not at the readiness deadline."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    pip: list[str] | None = None
+    """Requirements pip installs at server start, into a virtualenv over the cluster's own packages."""
+    py_executable: str | None = None
+    """An interpreter to run the servers with (a prepared virtualenv's `bin/python`), same path on every
+    node; it must import `ray` of the cluster's version and this project."""
+    working_dir: str | None = None
+    """A local folder (or a zip / remote URI Ray accepts) the servers run in and import from."""
+    py_modules: list[str] | None = None
+    """Local packages (folders or wheels) shipped to the servers and importable there."""
+    env_vars: dict[str, str] = Field(default_factory=dict)
+
+    def ray_dict(self) -> dict[str, Any]:
+        """What `ray.remote(...).options(runtime_env=...)` takes: the fields that are set."""
+        return self.model_dump(exclude_none=True, exclude_defaults=True)
 
 
 class EnvPoolConfig(BaseModel):
@@ -53,6 +78,12 @@ class EnvPoolConfig(BaseModel):
     """A session untouched this long is closed by the pool (its owner is presumed gone)."""
     allowed_ref_prefixes: tuple[str, ...] | None = None
     """Module prefixes the environment Ref may name; None means the project's own packages."""
+    env_packages: tuple[str, ...] = ()
+    """Module prefixes an adapter (`env_actors.adapters`) may import as the user's environment package
+    (a verifiers environment id, a skyrl-gym registering module). Empty: adapters load nothing. Like the
+    Ref allowlist it is the pool's own, out of any request's reach."""
+    runtime_env: EnvRuntimeEnv | None = None
+    """The packages this pool's servers run with (see `EnvRuntimeEnv`); None: the cluster's own."""
 
     @model_validator(mode="after")
     def _sizes(self) -> EnvPoolConfig:

@@ -18,8 +18,11 @@ A session is one rollout's episode. It lives on one `EnvServer` for its whole li
 
 Rules an environment follows:
 
-- `reset`, `step`, `score`, `close` are coroutines and run on the server's event loop; CPU-heavy work
-  belongs in `asyncio.to_thread`, because a loop blocked for `hang_timeout_s` is treated as wedged and killed.
+- `reset`, `step`, `score`, `close` (and `load`) may be coroutines, which run on the server's event loop
+  (CPU-heavy work in them belongs in `asyncio.to_thread`: a loop blocked for `hang_timeout_s` is treated
+  as wedged and killed), or plain functions, which the server runs in a thread, off its loop, so
+  synchronous environment code (a CPU-bound reward) never makes the server look wedged. One session's
+  calls never overlap; different sessions' plain methods may run at once, in different threads.
 - `state` is whatever the environment likes (it never leaves the server); everything returned is JSON.
 - A step adds `system`, `user` or `tool` messages (never `assistant`: the model speaks through its sampled
   token ids), with text content; rewards are finite. The server checks each answer (`StepOut`,
@@ -29,9 +32,12 @@ Rules an environment follows:
   the environment's fault and is reported as `infrastructure`, with its traceback.
 - Messages use the OpenAI chat format. Assistant messages arrive as
   `{"role": "assistant", "content": ..., "tool_calls": [{"id", "type": "function", "function": {"name",
-  "arguments"}}]}` where `arguments` is a JSON string (or already a dict). Tools, if any, are OpenAI
-  function tools: `{"type": "function", "function": {"name", "description", "parameters": {json schema}}}`;
-  the environment answers a tool call with `{"role": "tool", "tool_call_id": ..., "content": "..."}`.
+  "arguments"}}]}` where `arguments` is a JSON string (or already a dict). A step's message also carries
+  `raw_text` (`RAW_TEXT_KEY`): the completion as the model wrote it, reasoning and tool-call markup
+  included, for environments that parse text themselves; it is not part of the conversation. Tools, if
+  any, are OpenAI function tools: `{"type": "function", "function": {"name", "description",
+  "parameters": {json schema}}}`; the environment answers a tool call with
+  `{"role": "tool", "tool_call_id": ..., "content": "..."}`.
 """
 
 from __future__ import annotations
@@ -47,6 +53,11 @@ from rollout_actors.kernel import CallerError, Failure, check_json, ref_target
 
 Message = dict[str, Any]
 """One chat message in OpenAI format."""
+
+RAW_TEXT_KEY = "raw_text"
+"""Key of the assistant message `step` receives that holds the completion's raw text (token mode: the
+sampled ids decoded, stop token left out; chat mode: the content the server returned, exact when it ran
+no reasoning or tool parser). The rollout keeps it out of the conversation it renders."""
 
 
 @dataclass
@@ -138,6 +149,9 @@ class StepOut(BaseModel):
     """New messages to append (tool results, a follow-up user turn); empty when nothing is added."""
     done: StrictBool
     """True when the episode is over; the next call is `score` (unless this step already carries it)."""
+    reward: FiniteFloat | None = None
+    """This step's own reward, for environments that reward per step (skyrl-gym); kept per turn in the
+    result (`Turn.reward`) and in `trainer_samples`. It is not the episode's reward (`score`)."""
     score: ScoreOut | None = None
     """Set by the server, never by the environment: the episode's score when the step was asked to score
     if done (`score_if_done`) and was done. The session has then ended on its worker (`close` ran)."""

@@ -13,22 +13,24 @@ stall past `hang_timeout_s` like a frozen process. A frozen (SIGSTOPped) or lost
 from __future__ import annotations
 
 import asyncio
+import inspect
 import itertools
 import logging
 import math
 import os
 import sys
+import tempfile
 import threading
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Awaitable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import ray
 
 from env_actors.agent import AGENT_GUARD_SLACK_S, AgentEndpoint, run_agent_session
-from env_actors.config import EnvCallLimits, EnvPoolConfig
+from env_actors.config import EnvCallLimits, EnvPoolConfig, EnvRuntimeEnv
 from env_actors.interface import EnvAnswer, EnvCall, EnvResponse, ResetOut, ScoreOut, StepOut, check_index
 from rollout_actors.kernel import DEFAULT_ALLOWED_PREFIXES, CallerError, Failure, Ref, RefResolver
 from rollout_actors.kernel.collector import settle_actor
@@ -64,12 +66,16 @@ class EnvServer:
         worker: str,
         allowed_prefixes: tuple[str, ...] = DEFAULT_ALLOWED_PREFIXES,
         limits: EnvCallLimits = EnvCallLimits(),
+        env_packages: tuple[str, ...] = (),
     ):
         self._ref = env
         self._worker = worker
         self._resolver = RefResolver(allowed_prefixes)
         """The allowlist is the pool's configuration, fixed here: nothing a request carries reaches it."""
         self._limits = limits
+        self._env_packages = tuple(env_packages)
+        """Module prefixes an adapter may import as the user's environment package (`allow_packages`);
+        like the Ref allowlist, the pool's configuration: nothing a request carries reaches it."""
         self._ended: OrderedDict[str, None] = OrderedDict()
         """Sessions closed before their reset arrived (a cancelled open): their late reset is refused, so
         it cannot start a session nobody will close."""
@@ -101,9 +107,12 @@ class EnvServer:
             missing = [m for m in ("num_tasks", "task", *_SESSION_METHODS[:3]) if not hasattr(env, m)]
             if missing:
                 raise CallerError(f"{self._ref.target} is not an environment: it lacks {', '.join(missing)}")
+            allow = getattr(env, "allow_packages", None)
+            if callable(allow):  # an adapter: it imports the user's package, within the pool's allowlist
+                allow(self._env_packages)
             self._phase = "loading"
             if hasattr(env, "load"):
-                await env.load()
+                await run_env_code(env.load)
             self._env = env
             info = self._ready_info()
         except Exception as exc:
@@ -299,7 +308,7 @@ class EnvServer:
             task = env.task(check_index(task_index, env.num_tasks()))
         elif not isinstance(task, dict):
             raise CallerError(f"a task is a JSON object, got {type(task).__name__}")
-        start = await env.reset(task)
+        start = await run_env_code(env.reset, task)
         out = ResetOut(session_id=session_id, messages=start.messages, tools=start.tools, worker=self._worker)
         self._sessions[session_id] = start.state
         self._last_used[session_id] = time.monotonic()
@@ -309,14 +318,14 @@ class EnvServer:
         state = self._state(session_id)
         if not isinstance(message, dict) or message.get("role") != "assistant":
             raise CallerError("step takes an assistant message: a dict with role 'assistant'")
-        out = StepOut.model_validate(await self._loaded().step(state, message))
+        out = StepOut.model_validate(await run_env_code(self._loaded().step, state, message))
         score = None
         if score_if_done and out.done:
             # A raising score is this call's answer and leaves the session here: the caller's close ends it.
-            score = ScoreOut.model_validate(await self._loaded().score(state))
+            score = ScoreOut.model_validate(await run_env_code(self._loaded().score, state))
             await self._end_scored(session_id)
         # `score` is the server's to set: whatever the environment put there does not travel.
-        return StepOut(messages=out.messages, done=out.done, score=score).model_dump()
+        return StepOut(messages=out.messages, done=out.done, reward=out.reward, score=score).model_dump()
 
     async def _agent(self, session_id: str, endpoint: dict[str, Any], timeout: float) -> dict:
         state = self._state(session_id)
@@ -324,7 +333,7 @@ class EnvServer:
 
     async def _score(self, session_id: str) -> dict:
         state = self._state(session_id)
-        return ScoreOut.model_validate(await self._loaded().score(state)).model_dump()
+        return ScoreOut.model_validate(await run_env_code(self._loaded().score, state)).model_dump()
 
     async def _close(self, session_id: str) -> None:
         # Idempotent: closing an unknown session is a no-op, so a retried or late close is harmless. It is
@@ -337,7 +346,7 @@ class EnvServer:
         state = self._sessions.pop(session_id)
         self._last_used.pop(session_id, None)
         if hasattr(self._env, "close"):
-            await self._env.close(state)
+            await run_env_code(self._env.close, state)
         return None
 
     async def _end_scored(self, session_id: str) -> None:
@@ -359,17 +368,59 @@ async def _answer(response: EnvResponse) -> EnvResponse:
     return response
 
 
+async def run_env_code(method: Callable[..., Any], *args: Any) -> Any:
+    """Call one environment method: a coroutine function on this loop, a plain function in a thread, so
+    synchronous environment code (a CPU-bound reward) leaves the loop turning and the server answering.
+    A thread cannot be stopped: past its deadline the call is answered as failed and the thread runs on."""
+    if inspect.iscoroutinefunction(method):
+        return await method(*args)
+    value = await asyncio.to_thread(method, *args)
+    return await value if inspect.isawaitable(value) else value
+
+
 def create_env_server(name: str, env: Ref, config: EnvPoolConfig) -> ray.actor.ActorHandle:
     """Create (not await) one EnvServer actor for a pool; the caller runs the readiness handshake."""
     prefixes = config.allowed_ref_prefixes or DEFAULT_ALLOWED_PREFIXES
+    runtime_env = uploaded_runtime_env(config.runtime_env) if config.runtime_env is not None else None
+    python = runtime_env and runtime_env.get("py_executable")
+    if python and not os.access(python, os.X_OK):
+        # Ray retries a worker whose interpreter is missing for ever: refused here, on the pool's node
+        # (interpreters are at the same path on every node), as the configuration's fault.
+        raise CallerError(f"the env pool's runtime_env.py_executable {python!r} is not an executable here")
     actor = _EnvServerActor.options(
         name=name,
         num_cpus=config.num_cpus,
         resources=dict(config.resources) or None,
         max_concurrency=max(MIN_SERVER_CONCURRENCY, 2 * config.multiplex),
         scheduling_strategy="SPREAD",  # one node's loss takes a fraction of the pool, not all of it
+        runtime_env=runtime_env,
     )
-    return actor.remote(env, name, tuple(prefixes), EnvCallLimits.of(config))
+    return actor.remote(env, name, tuple(prefixes), EnvCallLimits.of(config), tuple(config.env_packages))
+
+
+_UPLOADED: dict[str, dict[str, Any]] = {}
+
+
+def uploaded_runtime_env(runtime_env: EnvRuntimeEnv) -> dict[str, Any]:
+    """`runtime_env` as Ray takes it for one actor: local `py_modules` and `working_dir` uploaded to the
+    cluster and named by URI. Ray uploads local folders itself only for a job's runtime env (`ray.init`);
+    a pool's own is uploaded here the same way (Ray's own upload step, content-addressed, once per
+    process and config), from the pool's node, where the paths the user gave are valid."""
+    key = runtime_env.model_dump_json()
+    if key not in _UPLOADED:
+        from ray._private.runtime_env.py_modules import upload_py_modules_if_needed
+        from ray._private.runtime_env.working_dir import upload_working_dir_if_needed
+
+        scratch = tempfile.gettempdir()
+        try:
+            env = upload_py_modules_if_needed(
+                runtime_env.ray_dict(), include_gitignore=True, scratch_dir=scratch
+            )
+            env = upload_working_dir_if_needed(env, include_gitignore=True, scratch_dir=scratch)
+        except Exception as exc:  # a missing folder, a non-package path: the pool's configuration
+            raise CallerError(f"the env pool's runtime_env could not be uploaded: {exc}") from exc
+        _UPLOADED[key] = env
+    return _UPLOADED[key]
 
 
 # Concurrency groups can only be declared here, not in `.options()`. No Ray-level restarts: the

@@ -32,7 +32,7 @@ from env_actors.config import EnvPoolConfig, WorkerInfo
 from env_actors.server import create_env_server
 from env_actors.sessions import OpenSessions
 from rollout_actors.kernel import Failure, Ref
-from rollout_actors.kernel.faults import exit_detail, ray_loss
+from rollout_actors.kernel.faults import CallerError, exit_detail, ray_loss, runtime_env_failed
 from rollout_actors.kernel.metric import Metric
 from rollout_actors.kernel.supervision import Liveness, RestartBudget
 
@@ -255,6 +255,10 @@ class Supervisor:
             self.retire(slot, "cancelled while starting", "shutdown")
             raise
         except Exception as exc:
+            if runtime_env_failed(exc):  # the pool's own packages did not build: its configuration
+                reason = f"its runtime_env failed to build: {exc}"
+                self._spawn_failed(slot, reason)
+                return SpawnOutcome("load_error", CallerError(reason[-4000:]).failure)
             if ray_loss(exc) == "died":
                 reason = f"died while loading: {exit_detail(exc)}"
                 self._spawn_failed(slot, reason)

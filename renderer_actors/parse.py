@@ -54,9 +54,14 @@ class ParsedCompletion(BaseModel):
     reported in `tool_calls` but left out of the message: there is nothing an environment could run."""
     closed: bool = False
     """The completion ended with one of the family's stop tokens."""
+    text: str = ""
+    """The completion as the model wrote it (its ids decoded, the closing stop token left out): for
+    environments that parse reasoning and tool-call markup from text themselves."""
 
 
-def from_library(parsed: Any, ids: Sequence[int], stop_ids: frozenset[int]) -> ParsedCompletion:
+def from_library(
+    parsed: Any, ids: Sequence[int], stop_ids: frozenset[int], text: str = ""
+) -> ParsedCompletion:
     """Map a library `ParsedResponse` for completion `ids` onto a `ParsedCompletion`."""
     calls = [
         ToolCall(
@@ -76,6 +81,7 @@ def from_library(parsed: Any, ids: Sequence[int], stop_ids: frozenset[int]) -> P
         tool_calls=calls,
         message=_message(content, reasoning, calls, ids),
         closed=bool(ids) and ids[-1] in stop_ids,
+        text=text,
     )
 
 

@@ -104,7 +104,8 @@ class Renderer:
         tells the library whether reasoning was prefilled open)."""
         ids = list(completion_ids)
         parsed = self.library.parse_response(ids, tools=tools, prompt_ids=list(prompt_tail or []) or None)
-        return from_library(parsed, ids, self.stop_ids)
+        text = self.decode(ids[:-1] if ids and ids[-1] in self.stop_ids else ids)
+        return from_library(parsed, ids, self.stop_ids, text)
 
     # ------------------------------------------------------------------------------- trajectories
 

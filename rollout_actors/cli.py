@@ -87,6 +87,20 @@ def _parser() -> argparse.ArgumentParser:
         help=f"extra module prefix Refs may name (always allowed: {list(DEFAULT_ALLOWED_PREFIXES)})",
     )
     run.add_argument(
+        "--env-package",
+        dest="plane.env_pool.env_packages",
+        action="append",
+        default=argparse.SUPPRESS,
+        help="module prefix an adapter (env_actors.adapters) may import as your environment package",
+    )
+    run.add_argument(
+        "--env-runtime-env",
+        dest="plane.env_pool.runtime_env",
+        type=json.loads,
+        default=argparse.SUPPRESS,
+        help="JSON: the env pool's own packages (pip, py_executable, working_dir, py_modules, env_vars)",
+    )
+    run.add_argument(
         "--messages",
         dest="run.messages",
         action="store_true",

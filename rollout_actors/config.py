@@ -69,8 +69,12 @@ class PlaneConfig(BaseModel):
     """Inference base URLs to spread rollouts over (each rollout keeps the one it starts on). Empty: every
     request uses its own `client.base_url`."""
     env_pool: EnvPoolConfig = Field(default_factory=EnvPoolConfig)
-    """Every env pool this plane starts (one per environment Ref). Its `allowed_ref_prefixes`, when unset,
-    is the plane's."""
+    """Every env pool this plane starts (one per environment Ref), unless `env_pools` names its target.
+    Its `allowed_ref_prefixes`, when unset, is the plane's."""
+    env_pools: dict[str, EnvPoolConfig] = Field(default_factory=dict)
+    """Pools of particular environments, by their Ref's target (`"env_actors.adapters.skyrl_gym:SkyRLGymEnv"`):
+    each may carry its own packages (`runtime_env`) and adapter allowlist (`env_packages`), so clashing
+    environment stacks run side by side in one plane."""
     renderer_pool: RendererPoolConfig = Field(default_factory=RendererPoolConfig)
     """The plane's renderer pool: sizing, health checks, startup budget."""
     pool_supervision: PoolSupervision = Field(default_factory=PoolSupervision)

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from env_actors.interface import ScoreOut
+from env_actors.interface import RAW_TEXT_KEY, ScoreOut
 from env_actors.session import EnvSession
 from rollout_actors.agent.episode import run_agent_episode
 from rollout_actors.client import build_client
@@ -181,10 +181,11 @@ async def _run(
         else:
             await turns.open(state.messages, tools)
         for _ in range(request.max_turns if request.mode != "agent" else 0):
-            turn, assistant = await turns.sample(state.messages)
+            turn, for_env = await turns.sample(state.messages)
             state.turns.append(turn)
-            state.messages.append(assistant)
-            step = await env.step(assistant, timeout=_budget(scope, ceiling), score_if_done=True)
+            state.messages.append({k: v for k, v in for_env.items() if k != RAW_TEXT_KEY})
+            step = await env.step(for_env, timeout=_budget(scope, ceiling), score_if_done=True)
+            turn.reward = step.reward
             state.messages.extend(step.messages)
             if step.done:
                 final = step.score  # scored and ended on the env worker in the same call

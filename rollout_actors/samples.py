@@ -48,6 +48,8 @@ class TrainerSample:
     """Indices into `Result.turns` of the turns this branch holds, in order."""
     synthetic: list[int]
     """Positions in `token_ids` of synthetic tokens (a close token appended after a `length` cut)."""
+    step_rewards: list[float | None]
+    """The environment's per-step reward of each turn in `turns` (None where it gave none)."""
 
     @property
     def prompt_len(self) -> int:
@@ -104,6 +106,7 @@ def _branch_sample(result: Result, branch: int, indices: list[int]) -> TrainerSa
         policy_versions=versions,
         turns=indices,
         synthetic=synthetic,
+        step_rewards=[turn.reward for turn in turns],
     )
 
 

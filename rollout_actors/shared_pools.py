@@ -171,7 +171,7 @@ class SharedPools:
         return handle
 
     async def _start_env_pool(self, env: Ref, name: str) -> Any:
-        config: EnvPoolConfig = self._config.env_pool
+        config: EnvPoolConfig = self._config.env_pools.get(env.target, self._config.env_pool)
         if config.allowed_ref_prefixes is None:  # the plane's allowlist, unless the pool names its own
             config = config.model_copy(update={"allowed_ref_prefixes": self._config.allowed_ref_prefixes})
         return await start_env_pool(

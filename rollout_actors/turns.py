@@ -20,6 +20,7 @@ from typing import Any, Protocol
 
 import openai
 
+from env_actors.interface import RAW_TEXT_KEY
 from renderer_actors.session import RendererSession
 from renderer_actors.tokenizer import known_vocab_size, load_vocab_size
 from rollout_actors.failures import TurnAborted
@@ -45,7 +46,8 @@ class TurnStrategy(Protocol):
     async def open(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> None: ...
 
     async def sample(self, messages: list[dict[str, Any]]) -> tuple[Turn, dict[str, Any]]:
-        """One model call: the recorded turn and the assistant message for the environment."""
+        """One model call: the recorded turn and the assistant message for the environment, with the
+        completion's raw text under `RAW_TEXT_KEY` (the loop keeps it out of the conversation)."""
         ...
 
     async def advance(self, new_messages: list[dict[str, Any]]) -> None:
@@ -158,7 +160,7 @@ class TokenTurns:
             policy_version=version,
             version_changes=changes,
         )
-        return turn, parsed.message
+        return turn, {**parsed.message, RAW_TEXT_KEY: parsed.text}
 
     async def _sample_resuming(self) -> tuple[Sampled, int, list[VersionChange]]:
         """One turn. If the plane itself paused the servers in abort mode mid-turn, the turn resumes from
@@ -306,7 +308,7 @@ class ChatTurns:
             policy_version=version,
             version_changes=changes,
         )
-        return turn, message
+        return turn, {**message, RAW_TEXT_KEY: message.get("content") or ""}
 
     async def advance(self, new_messages: list[dict[str, Any]]) -> None:
         pass  # the loop keeps the messages; the server renders them

@@ -299,6 +299,8 @@ class Turn(BaseModel):
     """Empty unless the policy changed while this turn was being sampled (a full-weight update in keep
     mode): then each entry says from which completion token on a newer version sampled. The version of
     `completion_ids[i]` is that of the last change with `at <= i`, else `policy_version`."""
+    reward: float | None = None
+    """The environment's per-step reward for this turn (`StepOut.reward`), None when it gave none."""
 
     def token_versions(self) -> list[int]:
         """The policy version of every completion token, aligned to `completion_ids`."""

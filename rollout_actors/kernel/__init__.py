@@ -33,8 +33,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 JSON = Any
 """A JSON value: scalars, lists, dicts (and, inside `Ref.config`, nested Refs)."""
 
-DEFAULT_ALLOWED_PREFIXES: tuple[str, ...] = ("env_actors.examples.",)
-"""What a user runs by default: the bundled example environments. Widening it is explicit config."""
+DEFAULT_ALLOWED_PREFIXES: tuple[str, ...] = ("env_actors.examples.", "env_actors.adapters.")
+"""What a user runs by default: the bundled example environments and the adapters (which import a user's
+package only within their pool's own `env_packages`). Widening it is explicit config."""
 
 MAX_CONFIG_DEPTH = 32  # JSON nesting a Ref config may have; deeper is an attack or a bug, not a config
 MAX_REF_DEPTH = 8  # Refs nested inside Refs

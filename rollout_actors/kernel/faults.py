@@ -176,6 +176,14 @@ def ray_loss(exc: BaseException) -> How | None:
     return None
 
 
+def runtime_env_failed(exc: BaseException) -> bool:
+    """Whether Ray says an actor's `runtime_env` could not be built (a pip failure, a missing package):
+    the configuration's fault, not a loss."""
+    from ray.exceptions import RuntimeEnvSetupError
+
+    return isinstance(exc, RuntimeEnvSetupError)
+
+
 def exit_detail(exc: BaseException) -> str:
     """The useful part of Ray's actor-death message: why the process ended."""
     text = str(exc)
