@@ -17,6 +17,7 @@ from env_actors.session import EnvSession
 from rollout_actors.client import build_client
 from rollout_actors.failures import classify
 from rollout_actors.kernel.coalescer import DEFAULT_BATCH_WINDOW_S
+from rollout_actors.timings import RolloutTimings, clock, since
 from rollout_actors.turns import TurnStrategy, strategy_for
 from rollout_actors.wire import CallerError, Failure, Result, RolloutRequest, Turn
 
@@ -136,6 +137,7 @@ async def run_rollout(
         policy_version_start=request.policy_version or 0,
         started_at=started,
         finished_at=time.time(),
+        timings=state.timings,
     )
 
 
@@ -149,6 +151,7 @@ class _Trajectory:
     components: dict[str, float] = field(default_factory=dict)
     metrics: dict[str, Any] = field(default_factory=dict)
     forked: bool = False
+    timings: RolloutTimings = field(default_factory=RolloutTimings)
 
 
 async def _run(
@@ -166,10 +169,12 @@ async def _run(
     client = build_client(request.client, session_id=request.request_id)
     turns = strategy_for(request, client, pools, policy, lambda: _budget(scope, ceiling))
     env: EnvSession | None = None
+    waits, started = state.timings, clock()
     try:
         env = await EnvSession.open(
             pools.env_pool(request), request.task_index, request.task, timeout=_budget(scope, ceiling)
         )
+        waits.env_open_s = since(started)
         tools = env.tools or None
         state.messages = list(env.messages)
         final: ScoreOut | None = None
@@ -178,13 +183,17 @@ async def _run(
             turn, assistant = await turns.sample(state.messages)
             state.turns.append(turn)
             state.messages.append(assistant)
+            started = clock()
             step = await env.step(assistant, timeout=_budget(scope, ceiling), score_if_done=True)
+            turn.timings.env_s = since(started)
             state.messages.extend(step.messages)
             if step.done:
                 final = step.score  # scored and ended on the env worker in the same call
                 break
             await turns.advance(step.messages)
+        started = clock()
         score = final if final is not None else await env.score(timeout=_budget(scope, ceiling))
+        waits.score_s = since(started) if final is None else 0.0
         state.reward, state.components, state.metrics = (
             score.reward,
             dict(score.components),
@@ -193,7 +202,11 @@ async def _run(
         state.metrics.setdefault("turns", len(state.turns))
     finally:
         state.forked = turns.forked
-        await _release(client, env, turns)
+        waits.renderer_s, started = turns.slot_s, clock()
+        try:
+            await _release(client, env, turns)
+        finally:
+            waits.teardown_s = since(started)
 
 
 async def _release(client: Any, env: EnvSession | None, turns: TurnStrategy) -> None:

@@ -37,6 +37,7 @@ from rollout_actors.kernel import (
     check_json,
     new_id,
 )
+from rollout_actors.timings import RolloutTimings, TurnTimings
 
 __all__ = [
     "DEFAULT_ALLOWED_PREFIXES",
@@ -291,6 +292,8 @@ class Turn(BaseModel):
     """Empty unless the policy changed while this turn was being sampled (a full-weight update in keep
     mode): then each entry says from which completion token on a newer version sampled. The version of
     `completion_ids[i]` is that of the last change with `at <= i`, else `policy_version`."""
+    timings: TurnTimings = Field(default_factory=TurnTimings)
+    """Seconds this turn spent rendering, in its model call, parsing and in the env's step."""
 
     def token_versions(self) -> list[int]:
         """The policy version of every completion token, aligned to `completion_ids`."""
@@ -339,6 +342,9 @@ class Result(BaseModel):
     started_at: float | None = None
     finished_at: float | None = None
     worker: str | None = None
+    timings: RolloutTimings = Field(default_factory=RolloutTimings)
+    """Seconds it waited before its first turn (lane, env pool, worker, env reset, renderer slot) and
+    spent in teardown; its turns' phases are on each `Turn.timings`."""
 
     @property
     def ok(self) -> bool:
