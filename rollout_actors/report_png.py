@@ -91,7 +91,7 @@ def _mark_phases(ax: Any, run: Timeline, legend: bool = False) -> None:
         ax.axvspan(0, cold, color="0.85", zorder=0, label=f"cold start ({cold:.1f} s)")
     if first is not None:
         ax.axvline(first, color="black", linestyle="--", linewidth=1, label=f"first result ({first:.1f} s)")
-    ax.set_xlim(0, max(run.end_s, 1e-3) * 1.01)
+    ax.set_xlim(0, max(run.end_s, 1e-3) * 1.03)  # the last drop to 0 stays in view
     if legend:
         ax.legend(loc="upper left", fontsize=8)
 
@@ -103,6 +103,18 @@ def _note(ax: Any, text: str) -> None:
 
 
 def draw(results: list[dict[str, Any]], path: str | Path) -> Path:
+    """Draw the run's report into the PNG at `path`."""
+    import matplotlib.pyplot as plt
+
+    fig = figure(results)
+    path = Path(path)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def figure(results: list[dict[str, Any]]) -> Any:
+    """The report's matplotlib figure: its eight panels, row by row (`fig.axes`, twin axes last)."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display: render straight to the file
@@ -219,10 +231,7 @@ def draw(results: list[dict[str, Any]], path: str | Path) -> Path:
     fig.suptitle(
         f"{summary.rollouts} rollouts in {end:.1f} s ({cold}first result at {run.first_result_s or 0:.1f} s)"
     )
-    path = Path(path)
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path
+    return fig
 
 
 def _in_flight(ax: Any, run: Timeline) -> None:
