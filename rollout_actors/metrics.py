@@ -8,7 +8,7 @@ import asyncio
 from typing import Any
 
 from rollout_actors.kernel.metric import LATENCY_BUCKETS_S, Metric
-from rollout_actors.timings import TURN_PHASES, WAIT_PHASES, phase_name
+from rollout_actors.timings import SERVER_PHASES, TURN_PHASES, WAIT_PHASES, phase_name
 
 REFRESH_S = 1.0  # gauges are sampled this often; Ray exports every few seconds anyway
 
@@ -81,7 +81,8 @@ PHASE_BUCKETS_S = (
 TURN_PHASE = Metric(
     kind="histogram",
     name="turn_phase_s",
-    description="Seconds one turn spent in a phase: render (or bridge), model, parse, env",
+    description="Seconds one turn spent in a phase: render (or bridge), model (of which queue: the server's "
+    "own, where it reports it), parse, env",
     tag_keys=("phase",),
     boundaries=PHASE_BUCKETS_S,
 )
@@ -95,7 +96,7 @@ ROLLOUT_WAIT = Metric(
 )
 
 
-_TURN_TAGS = tuple((field, {"phase": phase_name(field)}) for field in TURN_PHASES)
+_TURN_TAGS = tuple((field, {"phase": phase_name(field)}) for field in TURN_PHASES + SERVER_PHASES)
 _WAIT_TAGS = tuple((field, {"phase": phase_name(field)}) for field in WAIT_PHASES)
 
 

@@ -17,7 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from rollout_actors.timeline import Timeline, timeline
-from rollout_actors.timings import TURN_PHASES, WAIT_PHASES, phase_name
+from rollout_actors.timings import SERVER_PHASES, WAIT_PHASES, phase_name
+
+TABLED_TURN_PHASES = ("render_s", "model_s", "queue_s", "parse_s", "env_s")
+"""Turn phases in table order: the server's queue under the model call it is part of."""
 
 KINDS = ("ok", "model", "env", "infrastructure", "caller", "cancelled")
 FAILURE_KINDS = KINDS[1:]
@@ -102,10 +105,11 @@ def phase_table(run: Timeline) -> list[str]:
     """Median, p90, p99 and share of all recorded time, per turn phase and per wait of a rollout."""
     lines = [f"{'phase':<20}{'median':>11}{'p90':>11}{'p99':>11}{'total':>11}{'share':>8}"]
     groups = (
-        ("per turn", TURN_PHASES, run.turn_phases),
+        ("per turn", TABLED_TURN_PHASES, run.turn_phases),
         ("per rollout, outside its turns", WAIT_PHASES, run.waits),
     )
-    grand = sum(sum(values) for _, _, phases in groups for values in phases.values()) or 1.0
+    grand = sum(sum(v) for _, _, phases in groups for name, v in phases.items() if name not in SERVER_PHASES)
+    grand = grand or 1.0
     for title, names, phases in groups:
         lines.append(f"{title}:")
         for name in names:
@@ -113,8 +117,9 @@ def phase_table(run: Timeline) -> list[str]:
             if not any(values):
                 continue  # a wait nothing waited on (no lane was full, no pool was cold) is left out
             total = sum(values)
+            label = f"  {phase_name(name)}" if name in SERVER_PHASES else phase_name(name)  # part of model
             lines.append(
-                f"  {phase_name(name):<18}{_ms(percentile(values, 50)):>11}{_ms(percentile(values, 90)):>11}"
+                f"  {label:<18}{_ms(percentile(values, 50)):>11}{_ms(percentile(values, 90)):>11}"
                 f"{_ms(percentile(values, 99)):>11}{_ms(total):>11}{total / grand:>8.1%}"
             )
     return lines

@@ -129,6 +129,14 @@ def figure(results: list[dict[str, Any]]) -> Any:
     ax = axes[0][0]
     bins = _Bins(end, len(run.turns))
     _stacked_means(ax, bins, [(t.ended, t.phases) for t in run.turns], TURN_PHASES)
+    if any(t.queue_s for t in run.turns):  # the server's own queue, part of the model call: a line, not a bar
+        queued, counts = [0.0] * bins.count, [0] * bins.count
+        for turn in run.turns:
+            queued[bins.index(turn.ended)] += turn.queue_s
+            counts[bins.index(turn.ended)] += 1
+        means = [q / n if n else 0.0 for q, n in zip(queued, counts, strict=True)]
+        ax.step(bins.mids, means, where="mid", color="black", label="of model: server queue")
+        ax.legend(loc="upper right", fontsize=8)
     _mark_phases(ax, run)
     ax.set(title="time per turn by phase", xlabel="turn ended at (s)", ylabel="mean seconds per turn")
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollout_actors.timings import TURN_PHASES, WAIT_PHASES
+from rollout_actors.timings import SERVER_PHASES, TURN_PHASES, WAIT_PHASES
 
 BEFORE_FIRST_TURN = ("env_open_s", "renderer_s")
 """The worker-side waits between a rollout's start on its worker and its first turn."""
@@ -47,6 +47,8 @@ class TurnPoint:
     """Seconds per phase, in `TURN_PHASES` order."""
     tokens: int
     """Completion tokens sampled."""
+    queue_s: float = 0.0
+    """Of the model phase, the server's own queue time (where it reported it)."""
 
 
 @dataclass
@@ -99,7 +101,7 @@ def timeline(results: list[dict[str, Any]]) -> Timeline:
     ]
     start = min((s for s in submitted if s is not None), default=0.0)
     run = Timeline(start=start)
-    run.turn_phases = {name: [] for name in TURN_PHASES}
+    run.turn_phases = {name: [] for name in TURN_PHASES + SERVER_PHASES}
     run.waits = {name: [] for name in WAIT_PHASES}
     for result, sent in zip(results, submitted, strict=True):
         finished, started = _number(result.get("finished_at")), _number(result.get("started_at"))
@@ -131,9 +133,11 @@ def timeline(results: list[dict[str, Any]]) -> Timeline:
             if "timings" in turn:
                 for name, value in zip(TURN_PHASES, phases, strict=True):
                     run.turn_phases[name].append(value)
+                for name in SERVER_PHASES:
+                    run.turn_phases[name].append(_number(turn["timings"].get(name)) or 0.0)
             if clock is not None:
                 clock += sum(phases)
-                run.turns.append(
-                    TurnPoint(min(clock, finished - start), phases, len(turn.get("completion_ids") or []))
-                )
+                queued = _number((turn.get("timings") or {}).get("queue_s")) or 0.0
+                tokens = len(turn.get("completion_ids") or [])
+                run.turns.append(TurnPoint(min(clock, finished - start), phases, tokens, queued))
     return run

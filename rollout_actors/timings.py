@@ -32,8 +32,8 @@ class TurnTimings(BaseModel):
     """The phases of one turn, in the order they ran. `render_s` is the render (first turn) or bridge (later
     turns) that produced this turn's `new_prompt_ids`; chat mode renders on the server, inside `model_s`.
 
-    The server's own queue time is inside `model_s`: vLLM reports it only in aggregate
-    (`vllm:request_queue_time_seconds` at `/metrics`), not per response."""
+    `queue_s` is the part of `model_s` the server itself says the call waited for its batch: vLLM reports
+    it per response when started with `--enable-per-request-metrics` (`ServerSpec` does); 0 otherwise."""
 
     model_config = EXACT_JSON
 
@@ -41,6 +41,8 @@ class TurnTimings(BaseModel):
     """Rendering (turn 0) or bridging (later turns) this turn's prompt on the renderer."""
     model_s: float = 0.0
     """The model call: every attempt and resumed part, and any pause of the servers waited out."""
+    queue_s: float = 0.0
+    """Of `model_s`, the server's own queue time (as it reports it; 0 where it does not)."""
     parse_s: float = 0.0
     """Parsing the completion into content, reasoning and tool calls (token mode, on the renderer)."""
     env_s: float = 0.0
@@ -74,6 +76,8 @@ class RolloutTimings(BaseModel):
 
 
 TURN_PHASES = ("render_s", "model_s", "parse_s", "env_s")
+SERVER_PHASES = ("queue_s",)
+"""Turn phases inside another (`queue_s` is part of `model_s`): tabled and measured, never stacked."""
 WAIT_PHASES = (
     "lane_s",
     "env_pool_s",

@@ -153,7 +153,12 @@ class TokenTurns:
         sampled, version, changes = await self._sample_resuming()
         model_s, started = since(started), clock()
         parsed = await self._renderer.parse(sampled.completion_ids, self._tools, timeout=self._budget())
-        timings = TurnTimings(render_s=self._render_s, model_s=model_s, parse_s=since(started))
+        timings = TurnTimings(
+            render_s=self._render_s,
+            model_s=model_s,
+            queue_s=round(sampled.queue_s, 4),
+            parse_s=since(started),
+        )
         self._last = sampled
         turn = Turn(
             new_prompt_ids=self._added,
@@ -215,6 +220,7 @@ class TokenTurns:
                     head.logprobs + part.logprobs,
                     part.finish_reason,
                     head.prompt_ids,
+                    queue_s=head.queue_s + part.queue_s,
                 )
             if not aborted:
                 return head, version, changes
@@ -302,7 +308,7 @@ class ChatTurns:
             tool_calls=[ToolCall(**view) for view in tool_call_views(message)],
             policy_version=version,
             version_changes=changes,
-            timings=TurnTimings(model_s=model_s),
+            timings=TurnTimings(model_s=model_s, queue_s=round(sampled.queue_s, 4)),
         )
         return turn, message
 

@@ -112,3 +112,32 @@ def test_the_report_prints_the_phase_table_and_places_the_run_from_its_first_sub
     assert shown.returncode == 0, shown.stderr
     assert "per turn:" in shown.stdout and "p99" in shown.stdout
     assert json.loads(path.read_text().splitlines()[0])["turns"][0]["timings"]["model_s"] >= LATENCY_S
+
+
+@pytest.mark.timeout(120)
+def test_the_servers_own_queue_time_is_recorded_where_it_reports_it():
+    """A server started as `ServerSpec` starts vLLM (`--enable-per-request-metrics`) reports each call's
+    queue time; with room for one request in its KV budget, the second of two waits out the first."""
+    import openai
+    from conftest import served_like_vllm
+
+    from rollout_actors.inference.standin import StandinServer
+    from rollout_actors.model_call import complete_tokens
+
+    async def scenario(server):
+        headers = {"X-Standin-Latency": str(LATENCY_S)}
+        client = openai.AsyncOpenAI(
+            base_url=server.base_url, api_key="EMPTY", max_retries=0, default_headers=headers
+        )
+        sampling, prompt = SamplingConfig(max_tokens=16, seed=1), list(range(1, 150))
+        try:
+            return await asyncio.gather(
+                *(complete_tokens(client, BUNDLED_MODEL, prompt, sampling, deadline_s=60) for _ in range(2))
+            )
+        finally:
+            await client.close()
+
+    with StandinServer(served_like_vllm(kv_cache_tokens=200)) as server:  # one ~165-token call at a time
+        answers = asyncio.run(asyncio.wait_for(scenario(server), 90))
+    waits = sorted(answer.queue_s for answer in answers)
+    assert waits[0] < LATENCY_S / 2 and waits[1] >= LATENCY_S * 0.9, waits
