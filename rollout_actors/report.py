@@ -87,7 +87,7 @@ def summarize(results: list[dict[str, Any]]) -> RunSummary:
         kinds=dict(kinds),
         rewards=rewards,
         latencies=[span.latency_s for span in run.spans],
-        active=[span.active_s for span in run.spans],
+        active=[span.active_s for span in run.spans if span.first_turn is not None],
         turns=[len(r.get("turns") or []) for r in results],
         elapsed_s=run.end_s,
         failures=dict(sorted(failures.items(), key=lambda item: -item[1][0])),
@@ -117,10 +117,12 @@ def phase_table(run: Timeline) -> list[str]:
             if not any(values):
                 continue  # a wait nothing waited on (no lane was full, no pool was cold) is left out
             total = sum(values)
-            label = f"  {phase_name(name)}" if name in SERVER_PHASES else phase_name(name)  # part of model
+            inside = name in SERVER_PHASES  # part of the model phase: tabled under it, not counted twice
+            label = f"  {phase_name(name)}" if inside else phase_name(name)
+            share = "-" if inside else f"{total / grand:.1%}"
             lines.append(
                 f"  {label:<18}{_ms(percentile(values, 50)):>11}{_ms(percentile(values, 90)):>11}"
-                f"{_ms(percentile(values, 99)):>11}{_ms(total):>11}{total / grand:>8.1%}"
+                f"{_ms(percentile(values, 99)):>11}{_ms(total):>11}{share:>8}"
             )
     return lines
 
@@ -148,26 +150,37 @@ def format_summary(summary: RunSummary) -> str:
         f"p90 {secs(percentile(active, 90))}, p99 {secs(percentile(active, 99))}",
         f"turns: mean {sum(turns) / len(turns):.2f}, max {max(turns)}" if turns else "turns: n/a",
     ]
-    run = summary.time
-    if run is not None and run.spans:
-        lines.append(
-            f"cold start: {secs(run.cold_start_s)} until the first turn began (env pool start "
-            f"{secs(run.longest('env_pool_s'))}, renderer slot {secs(run.longest('renderer_s'))} at most); "
-            f"first result at {secs(run.first_result_s)}"
-        )
-        steady = run.steady_rates()
-        if steady is not None:
-            lines.append(
-                f"steady state (after the cold start): {steady[0]:.2f} rollouts/s, {steady[1]:.2f} turns/s, "
-                f"{steady[2]:.0f} sampled tokens/s"
-            )
-        if run.turn_phases.get("model_s"):
-            lines += phase_table(run)
+    if summary.time is not None:
+        lines += format_timings(summary.time)
     if summary.failures:
         lines.append("failures:")
         for key, (count, _, example) in summary.failures.items():
             lines.append(f"  {count:>6}  {key}: {example[:160]}")
     return "\n".join(lines)
+
+
+def format_timings(run: Timeline) -> list[str]:
+    """The cold start, the first result, steady-state rates and the phase table of a run."""
+
+    def secs(value: float | None) -> str:
+        return "n/a" if value is None else f"{value:.2f} s"
+
+    if not run.spans:
+        return []
+    lines = [
+        f"cold start: {secs(run.cold_start_s)} until the first turn began (env pool start "
+        f"{secs(run.longest('env_pool_s'))}, renderer slot {secs(run.longest('renderer_s'))} at most); "
+        f"first result at {secs(run.first_result_s)}"
+    ]
+    steady = run.steady_rates()
+    if steady is not None:
+        lines.append(
+            f"steady state (after the cold start): {steady[0]:.2f} rollouts/s, {steady[1]:.2f} turns/s, "
+            f"{steady[2]:.0f} sampled tokens/s"
+        )
+    if run.turn_phases.get("model_s"):
+        lines += phase_table(run)
+    return lines
 
 
 def write_png(results: list[dict[str, Any]], path: str | Path) -> Path:

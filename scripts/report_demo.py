@@ -2,11 +2,13 @@
 full-weight update halfway, written as JSON lines and drawn.
 
     python scripts/report_demo.py [--tasks 48] [--group-size 4] [--concurrency 64] [--latency 0.2]
-                                  [--fault-rate 0.05] [--output demo.jsonl] [--png demo.png]
+                                  [--fault-rate 0.05] [--kv-cache-tokens 16000] [--output demo.jsonl]
+                                  [--png demo.png]
 
-The stand-in corrupts `--fault-rate` of the model calls (`model` results) and the plane updates the weights
-(keep mode) once half the groups are answered, so the off-policy panel has a lag to show. Every rollout
-starts cold: the env pool and the renderer's tokenizer load while the first wave waits. It prints the
+The stand-in corrupts `--fault-rate` of the model calls (`model` results), holds a KV budget that makes some
+calls queue (its queue time is reported per call, as vLLM's `--enable-per-request-metrics`), and the plane
+updates the weights (keep mode) once half the groups are answered, so the off-policy panel has a lag to
+show. Every rollout starts cold: the env pool and the renderer's tokenizer load while the first wave waits. It prints the
 report's summary (`rollouts report`) and writes the PNG: look at it.
 """
 
@@ -77,10 +79,17 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--latency", type=float, default=0.2, help="stand-in seconds per model call")
     parser.add_argument("--fault-rate", type=float, default=0.05, help="model calls the stand-in corrupts")
+    parser.add_argument(
+        "--kv-cache-tokens", type=int, default=16_000, help="stand-in KV budget: calls past it queue"
+    )
     parser.add_argument("--output", default="report-demo.jsonl")
     parser.add_argument("--png", default="report-demo.png")
     args = parser.parse_args()
-    options = standin_options(ServerSpec(kind="standin", model=BUNDLED_MODEL), per_token_latency_s=0.002)
+    options = standin_options(
+        ServerSpec(kind="standin", model=BUNDLED_MODEL),
+        per_token_latency_s=0.002,
+        kv_cache_tokens=args.kv_cache_tokens,
+    )
     with StandinServer(options) as server:
         ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
         try:

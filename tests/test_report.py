@@ -76,7 +76,10 @@ def _timed_run(fail: bool, lag: bool) -> list[dict]:
         waits = {"submitted_at": submitted, "env_pool_s": 3.0 if cold else 0.0, "env_open_s": 0.05}
         waits |= {"renderer_s": 2.0 if cold else 0.001, "teardown_s": 0.01}
         started = submitted + waits["env_pool_s"]
-        turn = {"completion_ids": [1] * 50, "timings": {"render_s": 0.002, "model_s": 0.5, "env_s": 0.1}}
+        turn = {
+            "completion_ids": [1] * 50,
+            "timings": {"render_s": 0.002, "model_s": 0.5, "queue_s": 0.2, "env_s": 0.1},
+        }
         finished = started + waits["env_open_s"] + waits["renderer_s"] + 2 * 0.602 + 0.01
         failed = fail and i == 15
         results.append(
@@ -111,6 +114,10 @@ def test_the_timeline_starts_at_the_first_submission_and_marks_the_cold_start_ap
     text = format_summary(summarize(_timed_run(fail=False, lag=False)))
     assert "cold start: 5.05 s" in text and "first result at 6.26 s" in text
     assert "  env_pool " in text and "  lane " not in text  # no lane was full: that wait is left out
+    queue = next(line for line in text.splitlines() if line.startswith("    queue "))  # under model
+    assert queue.split()[1:3] == ["200.0", "ms"] and queue.endswith(
+        "   -"
+    )  # inside model: no share of its own
 
 
 def test_png_shows_no_failures_plainly_and_the_in_flight_curve_down_to_zero_at_the_last_result():
