@@ -264,8 +264,12 @@ async def _run_plane(config: RunConfig, endpoints: list[str], model: str, output
         await feeder
     elapsed = time.perf_counter() - started
     _print_summary(results, elapsed, output)
+    from rollout_actors.report import format_timings, read_results
+    from rollout_actors.timeline import timeline
+
+    print("\n".join(format_timings(timeline(read_results(output)))))  # where the time went
     if job.report_png:
-        from rollout_actors.report import read_results, write_png
+        from rollout_actors.report import write_png
 
         print(f"plots: {write_png(read_results(output), job.report_png)}")
     return 0 if any(r.kind == "ok" for r in results) else 1

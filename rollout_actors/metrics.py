@@ -8,6 +8,7 @@ import asyncio
 from typing import Any
 
 from rollout_actors.kernel.metric import LATENCY_BUCKETS_S, Metric
+from rollout_actors.timings import SERVER_PHASES, TURN_PHASES, WAIT_PHASES, phase_name
 
 REFRESH_S = 1.0  # gauges are sampled this often; Ray exports every few seconds anyway
 
@@ -56,6 +57,47 @@ MODEL_CALL_LATENCY = Metric(
     boundaries=LATENCY_BUCKETS_S,
 )
 POLICY_VERSION = Metric(kind="gauge", name="policy_version", description="Active policy version")
+PHASE_BUCKETS_S = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1,
+    2.5,
+    5,
+    10,
+    30,
+    60,
+    120,
+    300,
+    600,
+)
+"""From a renderer call (~1 ms) to a slow model call or a cold pool start (minutes)."""
+TURN_PHASE = Metric(
+    kind="histogram",
+    name="turn_phase_s",
+    description="Seconds one turn spent in a phase: render (or bridge), model (of which queue: the server's "
+    "own, where it reports it), parse, env",
+    tag_keys=("phase",),
+    boundaries=PHASE_BUCKETS_S,
+)
+ROLLOUT_WAIT = Metric(
+    kind="histogram",
+    name="rollout_wait_s",
+    description="Seconds a rollout waited outside its turns: lane, env_pool, worker, dispatch, env_open, "
+    "renderer, score, teardown",
+    tag_keys=("phase",),
+    boundaries=PHASE_BUCKETS_S,
+)
+
+
+_TURN_TAGS = tuple((field, {"phase": phase_name(field)}) for field in TURN_PHASES + SERVER_PHASES)
+_WAIT_TAGS = tuple((field, {"phase": phase_name(field)}) for field in WAIT_PHASES)
 
 
 class PlaneMetrics:
@@ -72,6 +114,17 @@ class PlaneMetrics:
         if result.started_at is not None and result.finished_at is not None:
             LATENCY.record(result.finished_at - result.started_at, {"lane": lane, "kind": result.kind})
         TURNS.record(len(result.turns), {"lane": lane})
+        waits = result.timings
+        for field, tags in _WAIT_TAGS:
+            value = getattr(waits, field)
+            if value:  # a wait that did not happen is no observation (most rollouts never wait for a lane)
+                ROLLOUT_WAIT.record(value, tags)
+        for turn in result.turns:
+            phases = turn.timings
+            for field, tags in _TURN_TAGS:
+                value = getattr(phases, field)
+                if value:  # chat mode neither renders nor parses here
+                    TURN_PHASE.record(value, tags)
 
     def sample(self, plane: Any) -> None:
         stats = plane.stats()

@@ -37,6 +37,9 @@ class Sampled:
     weight_versions: list[tuple[str, int]] = field(default_factory=list)
     """vLLM's `weight_versions` (0.33+): (weights label, first completion index) per run of tokens; empty
     when the server does not report them."""
+    queue_s: float = 0.0
+    """The server's own queue time (vLLM's `metrics.queue_time_ms`, `--enable-per-request-metrics`); 0 when
+    it does not report it."""
 
 
 @dataclass(frozen=True)
@@ -201,9 +204,9 @@ async def complete_tokens(
     finish_reason = choice.get("finish_reason")
     if finish_reason is not None and not isinstance(finish_reason, str):
         raise MalformedResponse(f"finish_reason is not a string: {finish_reason!r}")
-    return _finished(
-        Sampled(completion_ids, logprobs, finish_reason, prompt_ids, weight_versions=_spans(choice))
-    )
+    sampled = Sampled(completion_ids, logprobs, finish_reason, prompt_ids, weight_versions=_spans(choice))
+    sampled.queue_s = _queue_s(data.get("metrics"))
+    return _finished(sampled)
 
 
 TOKEN_ID_PREFIX = "token_id:"  # vLLM's `return_tokens_as_token_ids` spelling of a sampled token
@@ -274,6 +277,7 @@ async def complete_chat(
             prompt_ids,
             _assistant_message(choice.message),
             _spans(choice),
+            _queue_s(_extra(response, "metrics")),
         )
     )
 
@@ -299,6 +303,15 @@ def _spans(choice: Any) -> list[tuple[str, int]]:
         return [(str(span["version"]), int(span["start"])) for span in raw]
     except (TypeError, KeyError, ValueError) as exc:
         raise MalformedResponse(f"weight_versions is malformed: {exc}") from exc
+
+
+def _queue_s(metrics: Any) -> float:
+    """Seconds of `metrics.queue_time_ms` when the server sent a number there; else 0 (timing is
+    observability: a missing or odd value never fails the call)."""
+    value = _extra(metrics, "queue_time_ms") if metrics is not None else None
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < float("inf"):
+        return value / 1e3
+    return 0.0
 
 
 def _finished(sampled: Sampled) -> Sampled:

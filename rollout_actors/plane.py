@@ -50,6 +50,7 @@ from rollout_actors.shared_pools import SharedPools
 from rollout_actors.staleness import OffPolicyGuard
 from rollout_actors.streams import ResultStreams
 from rollout_actors.submission import Submission, _cancelled
+from rollout_actors.timings import RolloutTimings, clock, since
 from rollout_actors.wire import (
     CallerError,
     Failure,
@@ -127,6 +128,10 @@ class RolloutPlane(Submission):
         self._answered: set[str] = set()
         self._open_leases: set[str] = set()
         """Leases submitted and not yet answered: a second submission of one is refused (or renamed)."""
+        self._submitted_at: dict[str, tuple[float, float]] = {}
+        """Requests accepted and not yet answered -> when: (wall clock, `timings.clock`)."""
+        self._waits: dict[str, RolloutTimings] = {}
+        """Rollouts being dispatched -> the plane's waits so far (stamped on their result)."""
         self._running: dict[str, WorkerSlot] = {}
         self._cancelled: dict[str, asyncio.Event] = {}
         self._cancel_reasons: dict[str, tuple[str, str]] = {}
@@ -353,6 +358,10 @@ class RolloutPlane(Submission):
         # worker, and every attempt (a re-dispatch gets what is left, not a fresh budget).
         deadline = time.monotonic() + request.deadline_s
         started = time.time()
+        submitted = self._submitted_at.get(request.request_id)
+        waits = self._waits[request.request_id] = RolloutTimings(
+            lane_s=since(submitted[1]) if submitted is not None else 0.0
+        )
         try:
             result = await self._dispatch(request, deadline)
         except Exception as exc:  # a bug of ours must still answer the request
@@ -360,6 +369,10 @@ class RolloutPlane(Submission):
             result = Result.failed(request, "infrastructure", Failure.from_exception(exc))
         finally:
             await lane.release()
+            self._waits.pop(request.request_id, None)
+        stamped = result.timings  # the worker's own waits are on it already
+        stamped.lane_s, stamped.env_pool_s = waits.lane_s, waits.env_pool_s
+        stamped.worker_s, stamped.dispatch_s = waits.worker_s, waits.dispatch_s
         if result.started_at is None:  # answered here, not by a worker: timed from its dispatch
             result.started_at, result.finished_at = started, time.time()
         self._answer(result)
@@ -368,7 +381,9 @@ class RolloutPlane(Submission):
         cancelled = self._cancelled[request.request_id]
         try:
             if not self._pools.env_pool_started(request.env):  # else: no task per dispatch to find it so
+                started = clock()
                 await asyncio.wait_for(self._pools.ensure_env_pool(request.env), deadline - time.monotonic())
+                self._waits[request.request_id].env_pool_s = since(started)
         except TimeoutError:
             return _deadline_exceeded(request, "while its env pool was starting")
         except Exception as exc:
@@ -439,6 +454,7 @@ class RolloutPlane(Submission):
                 return _deadline_exceeded(
                     request, f"after {attempt - 1} dispatch(es) lost", losses, attempt - 1
                 )
+            waits, started = self._waits[request.request_id], clock()
             try:  # a pool being restarted is waited for; after a loss (attempt > 1) each is checked first
                 route = await self._pools.route(request, left, verify=attempt > 1)
             except PoolUnavailable as exc:
@@ -447,13 +463,15 @@ class RolloutPlane(Submission):
             if slot is None:
                 failure = Unavailable("no live rollout worker", type_name="NoLiveWorker", losses=losses)
                 return Result.failed(request, "infrastructure", failure.failure, attempts=attempt - 1)
-            left = deadline - time.monotonic()
+            waits.worker_s = round(waits.worker_s + since(started), 4)
+            left, started = deadline - time.monotonic(), clock()
             if left <= 0:
                 return _deadline_exceeded(request, "while waiting for a rollout worker", losses, attempt - 1)
             outcome = await self._attempt(
                 request.model_copy(update={"deadline_s": left}), slot, cancelled, route
             )
             last: Failure | None = None
+            waits.dispatch_s = round(waits.dispatch_s + max(0.0, since(started) - _worker_time(outcome)), 4)
             if isinstance(outcome, Result):
                 base = outcome
                 if not rule.redispatches(outcome.error):
@@ -577,6 +595,11 @@ class RolloutPlane(Submission):
             return
         self._answered.add(result.lease_id)
         self._open_leases.discard(result.lease_id)
+        submitted = self._submitted_at.pop(result.request_id, None)
+        if submitted is not None and result.timings.submitted_at is None:
+            result.timings.submitted_at = round(submitted[0], 3)
+        if result.finished_at is None:  # answered by the plane itself: the timeline still places it
+            result.finished_at = time.time()
         self.counters[f"kind.{result.kind}"] += 1
         self._cancelled.pop(result.request_id, None)
         if result.worker is None:  # classified here, not by a worker (which logged its own)
@@ -606,6 +629,13 @@ def _answered_after_losses(
 def _worker_loss(slot: WorkerSlot) -> Loss:
     """A rollout worker's loss: never poison (a worker carries many rollouts; its loss strikes them all)."""
     return Loss(part="worker", how=slot.how, name=slot.name)
+
+
+def _worker_time(outcome: Result | Loss) -> float:
+    """Seconds the worker itself spent on an answered dispatch (0 for a lost one: its time counts whole)."""
+    if isinstance(outcome, Result) and outcome.started_at is not None and outcome.finished_at is not None:
+        return outcome.finished_at - outcome.started_at
+    return 0.0
 
 
 def _deadline_exceeded(

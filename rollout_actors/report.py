@@ -1,24 +1,29 @@
 """`rollouts report RESULTS.jsonl [--png report.png]`: read a finished run back.
 
-Prints the summary (results by kind, reward, latency percentiles, turns, rollouts/s, failures grouped by
-type with one example message each) and, with `--png`, writes one figure of four panels: the reward
-distribution, rollout latency over time, rollouts in flight and finished per second over time, and
-failures by kind over time. It reads the JSON lines as plain dicts, so a file written by an older
-version of the plane still reads.
+Prints the summary: results by kind, reward, latency percentiles (and the same without the waits before
+the first turn), turns, rollouts/s, when the cold start ended and the first result came, the phase table
+(median, p90, p99 and share of the time per phase: where a turn's time goes), and failures grouped by type
+with one example message each. `--png` draws the run (`report_png.py`). It reads the JSON lines as plain
+dicts, so a file written by an older version of the plane (no timings) still reads.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from collections import Counter, defaultdict
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rollout_actors.timeline import Timeline, timeline
+from rollout_actors.timings import SERVER_PHASES, WAIT_PHASES, phase_name
+
+TABLED_TURN_PHASES = ("render_s", "model_s", "queue_s", "parse_s", "env_s")
+"""Turn phases in table order: the server's queue under the model call it is part of."""
+
 KINDS = ("ok", "model", "env", "infrastructure", "caller", "cancelled")
 FAILURE_KINDS = KINDS[1:]
-MAX_TIME_BINS = 60  # panels over time: up to this many bins across the run, ~10 rollouts per bin
 
 
 @dataclass
@@ -31,6 +36,9 @@ class RunSummary:
     elapsed_s: float
     failures: dict[str, tuple[int, str, str]] = field(default_factory=dict)
     """`kind/type` -> (count, kind, one example message)."""
+    active: list[float] = field(default_factory=list)
+    """Each rollout's latency less its waits before the first turn (and the plane's)."""
+    time: Timeline | None = None
 
     @property
     def mean_reward(self) -> float | None:
@@ -65,10 +73,7 @@ def percentile(values: list[float], q: float) -> float | None:
 def summarize(results: list[dict[str, Any]]) -> RunSummary:
     kinds = Counter(r.get("kind", "?") for r in results)
     rewards = [float(r["reward"]) for r in results if isinstance(r.get("reward"), (int, float))]
-    spans = [_span(r) for r in results]
-    latencies = [end - start for start, end in spans if start is not None and end is not None]
-    starts = [s for s, _ in spans if s is not None]
-    ends = [e for _, e in spans if e is not None]
+    run = timeline(results)
     failures: dict[str, tuple[int, str, str]] = {}
     for r in results:
         error = r.get("error") or {}
@@ -81,19 +86,45 @@ def summarize(results: list[dict[str, Any]]) -> RunSummary:
         rollouts=len(results),
         kinds=dict(kinds),
         rewards=rewards,
-        latencies=latencies,
+        latencies=[span.latency_s for span in run.spans],
+        active=[span.active_s for span in run.spans if span.first_turn is not None],
         turns=[len(r.get("turns") or []) for r in results],
-        elapsed_s=(max(ends) - min(starts)) if starts and ends else 0.0,
+        elapsed_s=run.end_s,
         failures=dict(sorted(failures.items(), key=lambda item: -item[1][0])),
+        time=run,
     )
 
 
-def _span(result: dict[str, Any]) -> tuple[float | None, float | None]:
-    start, end = result.get("started_at"), result.get("finished_at")
-    return (
-        start if isinstance(start, (int, float)) else None,
-        end if isinstance(end, (int, float)) else None,
+def _ms(value: float | None) -> str:
+    if value is None:
+        return "n/a"
+    return f"{value * 1e3:.1f} ms" if value < 1 else f"{value:.2f} s"
+
+
+def phase_table(run: Timeline) -> list[str]:
+    """Median, p90, p99 and share of all recorded time, per turn phase and per wait of a rollout."""
+    lines = [f"{'phase':<20}{'median':>11}{'p90':>11}{'p99':>11}{'total':>11}{'share':>8}"]
+    groups = (
+        ("per turn", TABLED_TURN_PHASES, run.turn_phases),
+        ("per rollout, outside its turns", WAIT_PHASES, run.waits),
     )
+    grand = sum(sum(v) for _, _, phases in groups for name, v in phases.items() if name not in SERVER_PHASES)
+    grand = grand or 1.0
+    for title, names, phases in groups:
+        lines.append(f"{title}:")
+        for name in names:
+            values = phases.get(name, [])
+            if not any(values):
+                continue  # a wait nothing waited on (no lane was full, no pool was cold) is left out
+            total = sum(values)
+            inside = name in SERVER_PHASES  # part of the model phase: tabled under it, not counted twice
+            label = f"  {phase_name(name)}" if inside else phase_name(name)
+            share = "-" if inside else f"{total / grand:.1%}"
+            lines.append(
+                f"  {label:<18}{_ms(percentile(values, 50)):>11}{_ms(percentile(values, 90)):>11}"
+                f"{_ms(percentile(values, 99)):>11}{_ms(total):>11}{share:>8}"
+            )
+    return lines
 
 
 def format_summary(summary: RunSummary) -> str:
@@ -107,6 +138,7 @@ def format_summary(summary: RunSummary) -> str:
         kinds += "  " + "  ".join(f"{k}={v}" for k, v in others.items())
     mean = summary.mean_reward
     turns = summary.turns
+    active = summary.active
     lines = [
         f"rollouts: {summary.rollouts} in {summary.elapsed_s:.1f} s ({rate:.2f}/s)",
         f"by kind: {kinds}",
@@ -114,8 +146,12 @@ def format_summary(summary: RunSummary) -> str:
         + (f", min {min(summary.rewards):.3f}, max {max(summary.rewards):.3f}" if summary.rewards else ""),
         f"latency: p50 {secs(summary.latency(50))}, p90 {secs(summary.latency(90))}, "
         f"p99 {secs(summary.latency(99))}, max {secs(max(summary.latencies, default=None))}",
+        f"  without waits before the first turn: p50 {secs(percentile(active, 50))}, "
+        f"p90 {secs(percentile(active, 90))}, p99 {secs(percentile(active, 99))}",
         f"turns: mean {sum(turns) / len(turns):.2f}, max {max(turns)}" if turns else "turns: n/a",
     ]
+    if summary.time is not None:
+        lines += format_timings(summary.time)
     if summary.failures:
         lines.append("failures:")
         for key, (count, _, example) in summary.failures.items():
@@ -123,60 +159,32 @@ def format_summary(summary: RunSummary) -> str:
     return "\n".join(lines)
 
 
+def format_timings(run: Timeline) -> list[str]:
+    """The cold start, the first result, steady-state rates and the phase table of a run."""
+
+    def secs(value: float | None) -> str:
+        return "n/a" if value is None else f"{value:.2f} s"
+
+    if not run.spans:
+        return []
+    lines = [
+        f"cold start: {secs(run.cold_start_s)} until the first turn began (env pool start "
+        f"{secs(run.longest('env_pool_s'))}, renderer slot {secs(run.longest('renderer_s'))} at most); "
+        f"first result at {secs(run.first_result_s)}"
+    ]
+    steady = run.steady_rates()
+    if steady is not None:
+        lines.append(
+            f"steady state (after the cold start): {steady[0]:.2f} rollouts/s, {steady[1]:.2f} turns/s, "
+            f"{steady[2]:.0f} sampled tokens/s"
+        )
+    if run.turn_phases.get("model_s"):
+        lines += phase_table(run)
+    return lines
+
+
 def write_png(results: list[dict[str, Any]], path: str | Path) -> Path:
-    """Four panels: reward distribution, latency over time, in flight and throughput, failures by kind."""
-    import matplotlib
+    """The run's report as one PNG (`report_png.draw`)."""
+    from rollout_actors.report_png import draw
 
-    matplotlib.use("Agg")  # no display: render straight to the file
-    import matplotlib.pyplot as plt
-
-    summary = summarize(results)
-    spans = [(s, e, r) for r in results for s, e in [_span(r)] if s is not None and e is not None]
-    t0 = min((s for s, _, _ in spans), default=0.0)
-    t1 = max((e for _, e, _ in spans), default=1.0)
-    bins = max(5, min(MAX_TIME_BINS, len(spans) // 10))
-    width = max(t1 - t0, 1e-6) / bins
-    edges = [t0 + i * width for i in range(bins + 1)]
-    mids = [(a + b) / 2 - t0 for a, b in zip(edges, edges[1:], strict=False)]
-
-    fig, axes = plt.subplots(2, 2, figsize=(12, 8), constrained_layout=True)
-    ax = axes[0][0]
-    ax.hist(summary.rewards or [0.0], bins=20, color="tab:green")
-    ax.set(title=f"reward (mean {summary.mean_reward or 0:.3f})", xlabel="reward", ylabel="rollouts")
-
-    ax = axes[0][1]
-    ax.scatter([e - t0 for _, e, _ in spans], [e - s for s, e, _ in spans], s=4, alpha=0.5)
-    ax.set(title="rollout latency over time", xlabel="finished at (s)", ylabel="latency (s)")
-
-    ax = axes[1][0]
-    in_flight = [sum(1 for s, e, _ in spans if s <= t0 + m < e) for m in mids]
-    finished = [0] * bins
-    failed_by_kind: dict[str, list[int]] = defaultdict(lambda: [0] * bins)
-    for _, e, r in spans:
-        index = min(int((e - t0) / width), bins - 1)
-        finished[index] += 1
-        if r.get("kind") in FAILURE_KINDS:
-            failed_by_kind[r["kind"]][index] += 1
-    ax.plot(mids, in_flight, label="in flight")
-    ax.set(title="in flight and throughput", xlabel="time (s)", ylabel="rollouts in flight")
-    twin = ax.twinx()
-    twin.plot(mids, [n / width for n in finished], color="tab:orange", label="finished / s")
-    twin.set_ylabel("finished / s")
-    ax.legend(loc="upper left")
-    twin.legend(loc="upper right")
-
-    ax = axes[1][1]
-    bottom = [0] * bins
-    for kind in FAILURE_KINDS:
-        counts = failed_by_kind.get(kind)
-        if counts:
-            ax.bar(mids, counts, width=width, bottom=bottom, label=kind)
-            bottom = [b + c for b, c in zip(bottom, counts, strict=True)]
-    ax.set(title="failures by kind over time", xlabel="time (s)", ylabel="rollouts")
-    if failed_by_kind:
-        ax.legend()
-    fig.suptitle(f"{summary.rollouts} rollouts")
-    path = Path(path)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return draw(results, path)

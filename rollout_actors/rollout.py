@@ -18,6 +18,7 @@ from rollout_actors.agent.episode import run_agent_episode
 from rollout_actors.client import build_client
 from rollout_actors.failures import classify
 from rollout_actors.kernel.coalescer import DEFAULT_BATCH_WINDOW_S
+from rollout_actors.timings import RolloutTimings, clock, since
 from rollout_actors.turns import TokenTurns, TurnStrategy, strategy_for
 from rollout_actors.wire import CallerError, Failure, Result, RolloutRequest, Turn
 
@@ -137,6 +138,7 @@ async def run_rollout(
         policy_version_start=request.policy_version or 0,
         started_at=started,
         finished_at=time.time(),
+        timings=state.timings,
     )
 
 
@@ -150,6 +152,7 @@ class _Trajectory:
     components: dict[str, float] = field(default_factory=dict)
     metrics: dict[str, Any] = field(default_factory=dict)
     forked: bool = False
+    timings: RolloutTimings = field(default_factory=RolloutTimings)
 
 
 async def _run(
@@ -167,10 +170,12 @@ async def _run(
     client = build_client(request.client, session_id=request.request_id)
     turns = strategy_for(request, client, pools, policy, lambda: _budget(scope, ceiling))
     env: EnvSession | None = None
+    waits, started = state.timings, clock()
     try:
         env = await EnvSession.open(
             pools.env_pool(request), request.task_index, request.task, timeout=_budget(scope, ceiling)
         )
+        waits.env_open_s = since(started)
         tools = env.tools or None
         state.messages = list(env.messages)
         final: ScoreOut | None = None
@@ -184,14 +189,18 @@ async def _run(
             turn, for_env = await turns.sample(state.messages)
             state.turns.append(turn)
             state.messages.append({k: v for k, v in for_env.items() if k != RAW_TEXT_KEY})
+            started = clock()
             step = await env.step(for_env, timeout=_budget(scope, ceiling), score_if_done=True)
+            turn.timings.env_s = since(started)
             turn.reward = step.reward
             state.messages.extend(step.messages)
             if step.done:
                 final = step.score  # scored and ended on the env worker in the same call
                 break
             await turns.advance(step.messages)
+        started = clock()
         score = final if final is not None else await env.score(timeout=_budget(scope, ceiling))
+        waits.score_s = since(started) if final is None else 0.0
         state.reward, state.components, state.metrics = (
             score.reward,
             dict(score.components),
@@ -200,7 +209,11 @@ async def _run(
         state.metrics.setdefault("turns", len(state.turns))
     finally:
         state.forked = turns.forked
-        await _release(client, env, turns)
+        waits.renderer_s, started = turns.slot_s, clock()
+        try:
+            await _release(client, env, turns)
+        finally:
+            waits.teardown_s = since(started)
 
 
 async def _release(client: Any, env: EnvSession | None, turns: TurnStrategy) -> None:

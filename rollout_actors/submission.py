@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from typing import TYPE_CHECKING, Any
@@ -22,6 +23,7 @@ from rollout_actors.lanes import Lane, Lanes
 from rollout_actors.metrics import PlaneMetrics
 from rollout_actors.staleness import STALE, OffPolicyGuard
 from rollout_actors.streams import ResultStreams
+from rollout_actors.timings import clock
 from rollout_actors.wire import CallerError, Failure, Result, RolloutRequest, new_id, valid_id
 from rollout_actors.worker_set import WorkerSlot
 
@@ -45,6 +47,7 @@ class Submission:
     _running: dict[str, WorkerSlot]
     _cancelled: dict[str, asyncio.Event]
     _cancel_reasons: dict[str, tuple[str, str]]
+    _submitted_at: dict[str, tuple[float, float]]
     """request id -> (failure type, why) for cancellations the plane decided (group, stale)."""
     _started: bool
 
@@ -77,6 +80,7 @@ class Submission:
                 self._streams.expect_result(checked.lane, -1)
                 self._cancelled.pop(checked.request_id, None)
                 self._open_leases.discard(checked.lease_id)
+                self._submitted_at.pop(checked.request_id, None)
                 self.counters["submitted"] -= 1
                 raise
         return checked.request_id
@@ -135,6 +139,7 @@ class Submission:
             )
             return Result.refused(request, given, exc)
         self._metrics.submitted(checked.lane)
+        self._submitted_at[checked.request_id] = (time.time(), clock())  # its waits start here
         self._cancelled[checked.request_id] = asyncio.Event()
         self._open_leases.add(checked.lease_id)
         return checked

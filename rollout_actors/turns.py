@@ -32,6 +32,7 @@ from rollout_actors.model_call import (
     complete_tokens,
     tool_call_views,
 )
+from rollout_actors.timings import TurnTimings, clock, since
 from rollout_actors.wire import RolloutRequest, ToolCall, Turn, VersionChange
 
 MAX_RESUMES = 3  # a turn the plane aborts more often than this within one turn is reported, not chased
@@ -42,6 +43,8 @@ Budget = Callable[[], float]
 class TurnStrategy(Protocol):
     forked: bool
     """The trajectory has more than one branch."""
+    slot_s: float
+    """Seconds `open` waited for a renderer slot (0 in chat mode)."""
 
     async def open(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> None: ...
 
@@ -131,21 +134,35 @@ class TokenTurns:
         self._branch = 0
         self._last: Sampled | None = None
         self._calls = _Calls(request, policy)
+        self._render_s = 0.0
+        """Seconds the render or bridge of the next turn's prompt took."""
         self.forked = False
+        self.slot_s = 0.0
 
     async def open(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> None:
         request = self._request
         self._tools = tools
+        started = clock()
         self._renderer = await RendererSession.open(
             self._pools.renderer_pool(), request.client.model, request.renderer, timeout=self._budget()
         )
+        self.slot_s, started = since(started), clock()
         self._prompt = await self._renderer.start(messages, tools, timeout=self._budget())
+        self._render_s = since(started)
         self._added = list(self._prompt)  # `_prompt` grows in place from here on
 
     async def sample(self, messages: list[dict[str, Any]]) -> tuple[Turn, dict[str, Any]]:
         assert self._renderer is not None
+        started = clock()
         sampled, version, changes = await self._sample_resuming()
+        model_s, started = since(started), clock()
         parsed = await self._renderer.parse(sampled.completion_ids, self._tools, timeout=self._budget())
+        timings = TurnTimings(
+            render_s=self._render_s,
+            model_s=model_s,
+            queue_s=round(sampled.queue_s, 4),
+            parse_s=since(started),
+        )
         self._last = sampled
         turn = Turn(
             new_prompt_ids=self._added,
@@ -159,6 +176,7 @@ class TokenTurns:
             tool_calls=parsed.tool_calls,
             policy_version=version,
             version_changes=changes,
+            timings=timings,
         )
         return turn, {**parsed.message, RAW_TEXT_KEY: parsed.text}
 
@@ -206,6 +224,7 @@ class TokenTurns:
                     head.logprobs + part.logprobs,
                     part.finish_reason,
                     head.prompt_ids,
+                    queue_s=head.queue_s + part.queue_s,
                 )
             if not aborted:
                 return head, version, changes
@@ -217,9 +236,11 @@ class TokenTurns:
     async def advance(self, new_messages: list[dict[str, Any]]) -> None:
         assert self._renderer is not None and self._last is not None
         completion = self._last.completion_ids
+        started = clock()
         step = await self._renderer.bridge(
             completion, self._last.finish_reason, new_messages, self._tools, timeout=self._budget()
         )
+        self._render_s = since(started)
         # What the turn added, never the whole prompt: a long trajectory costs the same per turn at turn
         # 64 as at turn 1, apart from the prompt the server is sent.
         self._added = step.added_ids
@@ -258,6 +279,7 @@ class ChatTurns:
         self._branch = 0
         self._vocab_size: int | None = None
         self.forked = False
+        self.slot_s = 0.0
 
     async def open(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> None:
         self._tools = tools
@@ -271,6 +293,7 @@ class ChatTurns:
 
     async def sample(self, messages: list[dict[str, Any]]) -> tuple[Turn, dict[str, Any]]:
         request = self._request
+        started = clock()
         await self._calls.unpaused(request.client.call_deadline)
         tags, sent_under = self._calls.next()
         sampled = await complete_chat(
@@ -283,6 +306,7 @@ class ChatTurns:
             vocab_size=self._vocab_size,
             tags=tags,
         )
+        model_s = since(started)  # the server renders and parses: the whole turn is its call
         version, changes = turn_versions(sampled, sent_under)
         prompt = sampled.prompt_ids or []
         seen = self._seen
@@ -307,6 +331,7 @@ class ChatTurns:
             tool_calls=[ToolCall(**view) for view in tool_call_views(message)],
             policy_version=version,
             version_changes=changes,
+            timings=TurnTimings(model_s=model_s, queue_s=round(sampled.queue_s, 4)),
         )
         return turn, {**message, RAW_TEXT_KEY: message.get("content") or ""}
 

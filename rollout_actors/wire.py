@@ -37,6 +37,7 @@ from rollout_actors.kernel import (
     check_json,
     new_id,
 )
+from rollout_actors.timings import RolloutTimings, TurnTimings
 
 __all__ = [
     "DEFAULT_ALLOWED_PREFIXES",
@@ -301,6 +302,8 @@ class Turn(BaseModel):
     `completion_ids[i]` is that of the last change with `at <= i`, else `policy_version`."""
     reward: float | None = None
     """The environment's per-step reward for this turn (`StepOut.reward`), None when it gave none."""
+    timings: TurnTimings = Field(default_factory=TurnTimings)
+    """Seconds this turn spent rendering, in its model call, parsing and in the env's step."""
 
     def token_versions(self) -> list[int]:
         """The policy version of every completion token, aligned to `completion_ids`."""
@@ -349,6 +352,9 @@ class Result(BaseModel):
     started_at: float | None = None
     finished_at: float | None = None
     worker: str | None = None
+    timings: RolloutTimings = Field(default_factory=RolloutTimings)
+    """Seconds it waited before its first turn (lane, env pool, worker, env reset, renderer slot) and
+    spent in teardown; its turns' phases are on each `Turn.timings`."""
 
     @property
     def ok(self) -> bool:

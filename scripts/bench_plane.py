@@ -26,8 +26,10 @@ Measured (per way):
   TIME_WAIT    TCP TIME_WAIT sockets on the server's port after the wave (after every client closed)
   turn q1..q4  mean of (rollout wall / its turns) by start-order quartile: all ways measure this the same
                way (plane: the worker's `Result.started_at/finished_at`; env reset and score included)
-  call q1..q4  b/c only: per model call, from asking for the turn (render/bridge included) to the
-               completion; the plane's `Turn` carries no timing, so it cannot be measured there
+  call q1..q4  per model call, from asking for the turn (render/bridge included) to the completion;
+               plane: its `Turn.timings` (render + model)
+  phases       plane: median ms per turn phase and per wait outside the turns (`Result.timings`), and
+               the bytes the timings add per turn to the result's JSON
   slow         b/c: calls > 5x latency; plane: rollouts whose wall/turns > 5x latency
 
 The last three lines: `plane CPU per turn / single-process at C=2048` (CPU of every plane process but the
@@ -59,6 +61,7 @@ from rollout_actors.inference.server_actor import ServerSpec, standin_options
 from rollout_actors.inference.standin import StandinServer
 from rollout_actors.kernel.collector import settle
 from rollout_actors.plane import PlaneConfig, RolloutPlane
+from rollout_actors.timings import TURN_PHASES, WAIT_PHASES, phase_name
 from rollout_actors.wire import ClientConfig, Ref, RendererConfig, RolloutRequest, SamplingConfig
 
 ENVS = {
@@ -239,7 +242,7 @@ async def run_plane(args: argparse.Namespace, c: int, server: StandinServer) -> 
         wall_s=wall,
         turns=[len(r.turns) for r in results],
         per_turn=[((r.finished_at or 0) - (r.started_at or 0)) / max(1, len(r.turns)) for r in results],
-        calls=None,
+        calls=[[t.timings.render_s + t.timings.model_s for t in r.turns] for r in results],
         failures=sum(not r.ok for r in results),
         probe=sample,
         time_wait=time_wait,
@@ -256,11 +259,27 @@ async def run_plane(args: argparse.Namespace, c: int, server: StandinServer) -> 
             "first_start_s": round(min(r.started_at or 0 for r in results) - started_wall, 2),
             "last_start_s": round(max(r.started_at or 0 for r in results) - started_wall, 2),
             "after_last_finish_s": round(ended_wall - max(r.finished_at or 0 for r in results), 2),
+            "phases (median ms)": _phase_medians(results),
+            "timings B/turn": _timings_bytes(results),
             "errors": sorted(
                 {f"{r.kind}: {r.error.type}: {r.error.message[:120]}" for r in results if r.error}
             )[:3],
         },
     )
+
+
+def _phase_medians(results: list[Any]) -> dict[str, float]:
+    turns = [t.timings for r in results for t in r.turns]
+    medians = {phase_name(p): statistics.median(getattr(t, p) for t in turns) for p in TURN_PHASES if turns}
+    medians |= {phase_name(w): statistics.median(getattr(r.timings, w) for r in results) for w in WAIT_PHASES}
+    return {k: round(v * 1e3, 2) for k, v in medians.items() if v}
+
+
+def _timings_bytes(results: list[Any]) -> float:
+    """JSON bytes `Turn.timings` and `Result.timings` add per turn (the result as a worker sends it)."""
+    bare = {"timings": True, "turns": {"__all__": {"timings"}}}
+    added = sum(len(r.model_dump_json()) - len(r.model_dump_json(exclude=bare)) for r in results)
+    return round(added / max(1, sum(len(r.turns) for r in results)), 1)
 
 
 def _collected(after: dict, before: dict) -> tuple[int, float]:

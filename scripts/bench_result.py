@@ -12,7 +12,12 @@ JSON, as a string), next to
   unique   the trajectory's unique token ids + the sampled logprobs alone, in the same encoding;
   old      the previous shape, where every turn carried its whole prompt (grows with turns x context).
 
-Target (issue 12): result / unique <= 1.2 at 64 turns, ~100k tokens. The last line is
+Target (issue 12): result / unique <= 1.2 at 64 turns, ~100k tokens.
+
+Timings (issue 29): every turn carries its phases (`Turn.timings`) and the result its waits
+(`Result.timings`), with values as a real run rounds them. The `timings` lines compare the same result with
+and without them: JSON bytes per turn, and the CPU per turn of what a result costs on its way (the worker
+dumps its JSON, the plane validates it back), measured side by side. The last line is
 `result bytes per token at 64 turns: x` (the JSON form).
 """
 
@@ -21,15 +26,19 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import time
 from typing import Any
 
+from pydantic import BaseModel, create_model
 from ray._private.worker import global_worker
 
 from renderer_actors.calls import BridgeRequest
 from renderer_actors.key import RendererKey
 from renderer_actors.renderer import Renderer
 from renderer_actors.tokenizer import BUNDLED_MODEL
+from rollout_actors.kernel import EXACT_JSON
 from rollout_actors.samples import trainer_samples, turn_prompts, unique_tokens
+from rollout_actors.timings import RolloutTimings, TurnTimings
 from rollout_actors.wire import RendererConfig, Result, Turn
 
 REPORT_AT = (1, 16, 64)
@@ -51,6 +60,7 @@ def build_turns(turns: int, tool_tokens: int, completion_tokens: int) -> list[Tu
     added = renderer.start(messages, TOOLS).prompt_ids
     synthetic = 0
     out: list[Turn] = []
+    clock = random.Random(1)  # phase durations of its own, so the tokens stay those of the previous shape
     for index in range(turns):
         half = completion_tokens // 2
         text = (
@@ -73,6 +83,12 @@ def build_turns(turns: int, tool_tokens: int, completion_tokens: int) -> list[Tu
                 content=parsed.content,
                 reasoning=parsed.reasoning,
                 tool_calls=parsed.tool_calls,
+                timings=TurnTimings(
+                    render_s=round(clock.uniform(0.0005, 0.003), 4),
+                    model_s=round(clock.uniform(0.2, 5.0), 4),
+                    parse_s=round(clock.uniform(0.0003, 0.002), 4),
+                    env_s=round(clock.uniform(0.001, 0.5), 4),
+                ),
             )
         )
         reply = renderer.bridge(
@@ -120,6 +136,48 @@ def measure(turns: list[Turn]) -> dict[str, float]:
     }
 
 
+WAITS = RolloutTimings(
+    submitted_at=1764590000.123,
+    lane_s=0.0123,
+    worker_s=0.0002,
+    dispatch_s=0.0031,
+    env_open_s=0.0412,
+    renderer_s=0.0009,
+    teardown_s=0.0021,
+)
+BARE = {"timings": True, "turns": {"__all__": {"timings"}}}
+CPU_REPEATS = 200
+
+
+def _without_timings(model: type[BaseModel], **swap: Any) -> type[BaseModel]:
+    """`model` as it was before issue 29: the same fields but `timings` (and `swap`ped ones)."""
+    fields = {n: (f.annotation, f) for n, f in model.model_fields.items() if n != "timings"}
+    return create_model(f"Bare{model.__name__}", __config__=EXACT_JSON, **(fields | swap))
+
+
+BareTurn = _without_timings(Turn)
+BareResult = _without_timings(Result, turns=(list[BareTurn], []))
+
+
+def timings_cost(turns: list[Turn]) -> tuple[float, float, float]:
+    """(JSON bytes the timings add per turn, CPU µs per turn for a result's trip with them, without)."""
+    timed = Result(request_id="req-bench", lease_id="lease-bench", kind="ok", turns=turns, timings=WAITS)
+    bare = BareResult.model_validate_json(timed.model_dump_json(exclude=BARE))
+    added = (len(timed.model_dump_json()) - len(bare.model_dump_json())) / len(turns)
+
+    def trip(result: BaseModel) -> float:
+        started = time.process_time()
+        for _ in range(CPU_REPEATS):
+            type(result).model_validate_json(result.model_dump_json())
+        return (time.process_time() - started) / CPU_REPEATS / len(turns) * 1e6
+
+    cpu = {"timed": [], "bare": []}
+    for _ in range(5):  # interleaved, best of five: the machine is shared
+        cpu["timed"].append(trip(timed))
+        cpu["bare"].append(trip(bare))
+    return added, min(cpu["timed"]), min(cpu["bare"])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--turns", type=int, default=64)
@@ -143,6 +201,12 @@ def main() -> None:
             f"{m['json'] / m['tokens']:>7.2f} {m['json_old'] / m['json']:>7.1f} | "
             f"{m['ray']:>10.0f} {m['ray'] / m['ray_unique']:>7.3f} {m['ray'] / m['tokens']:>7.2f} "
             f"{m['ray_old'] / m['ray']:>7.1f}"
+        )
+    for at in (1, 16, args.turns):
+        added, timed, bare = timings_cost(turns[:at])
+        print(
+            f"timings at {at} turns: +{added:.0f} B/turn of JSON; result dump + validate per turn "
+            f"{timed:.1f} µs with them, {bare:.1f} µs without ({timed / bare - 1:+.1%})"
         )
     at, m = rows[-1]
     print(

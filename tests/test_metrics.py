@@ -34,7 +34,7 @@ def scrape() -> dict[str, float]:
             keep = {
                 k: v
                 for k, v in labels.items()
-                if k in ("lane", "kind", "state", "le", "env", "key", "outcome")
+                if k in ("lane", "kind", "state", "le", "env", "key", "outcome", "phase")
             }
             key = match.group(1) + str(sorted(keep.items()))
             samples[key] = samples.get(key, 0.0) + float(match.group(3))
@@ -86,6 +86,9 @@ def test_rollouts_pools_and_lanes_appear_on_the_prometheus_endpoint(ray_session,
                     "workers_live": value(samples, "ray_rollouts_workers_live"),
                     "model_calls": value(samples, "ray_rollouts_model_call_latency_s_count", outcome="ok"),
                     "loop_stall_series": sum(1 for k in samples if "worker_loop_stall_s" in k),
+                    "model_phase": value(samples, "ray_rollouts_turn_phase_s_count", phase="model"),
+                    "env_phase": value(samples, "ray_rollouts_turn_phase_s_count", phase="env"),
+                    "env_open_wait": value(samples, "ray_rollouts_rollout_wait_s_count", phase="env_open"),
                 }
                 if all(v > 0 for v in wanted.values()) and wanted["finished"] >= ROLLOUTS:
                     return results, wanted
@@ -95,6 +98,8 @@ def test_rollouts_pools_and_lanes_appear_on_the_prometheus_endpoint(ray_session,
     results, figures = asyncio.run(asyncio.wait_for(scenario(), DEADLINE_S))
     assert [r.kind for r in results] == ["ok"] * ROLLOUTS, [r.error for r in results]
     assert figures["submitted"] >= ROLLOUTS and figures["latency"] >= ROLLOUTS
+    # Every turn's phases are a histogram per phase: one model observation per turn sampled.
+    assert figures["model_phase"] >= sum(len(r.turns) for r in results) >= ROLLOUTS
 
 
 @pytest.mark.timeout(DEADLINE_S + 30)

@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from rollout_actors.report import format_summary, percentile, read_results, summarize, write_png
 
 
@@ -63,3 +65,83 @@ def test_png_has_four_panels_and_the_command_prints_the_summary(tmp_path):
     )
     assert shown.returncode == 0, shown.stderr
     assert "rollouts: 40" in shown.stdout and (tmp_path / "b.png").exists()
+
+
+def _timed_run(fail: bool, lag: bool) -> list[dict]:
+    """20 rollouts of two turns as `rollouts run` writes them: the first wave of 10 waits 5 s for a cold
+    env pool and renderer, the second starts warm; one model failure and a weight update if asked."""
+    results = []
+    for i in range(20):
+        cold = i < 10
+        submitted = 1000.0 + (0 if cold else 7.0)
+        waits = {"submitted_at": submitted, "env_pool_s": 3.0 if cold else 0.0, "env_open_s": 0.05}
+        waits |= {"renderer_s": 2.0 if cold else 0.001, "teardown_s": 0.01}
+        started = submitted + waits["env_pool_s"]
+        turn = {
+            "completion_ids": [1] * 50,
+            "timings": {"render_s": 0.002, "model_s": 0.5, "queue_s": 0.2, "env_s": 0.1},
+        }
+        finished = started + waits["env_open_s"] + waits["renderer_s"] + 2 * 0.602 + 0.01
+        failed = fail and i == 15
+        results.append(
+            {
+                "request_id": f"req-{i}",
+                "lease_id": f"lease-{i}",
+                "kind": "model" if failed else "ok",
+                "error": {"type": "MalformedResponse", "message": "no choices"} if failed else None,
+                "turns": [turn, turn],
+                "started_at": started,
+                "finished_at": finished,
+                "timings": waits,
+                "versions_behind": 1 if lag and not cold else 0,
+            }
+        )
+    return results
+
+
+def test_the_timeline_starts_at_the_first_submission_and_marks_the_cold_start_apart():
+    from rollout_actors.timeline import timeline
+
+    run = timeline(_timed_run(fail=False, lag=False))
+    # The first wave's first turn began after 3 s of env pool and 2.05 s of env reset and renderer slot.
+    assert run.cold_start_s == pytest.approx(5.05) and run.first_result_s == pytest.approx(6.264)
+    assert [round(s.latency_s, 3) for s in run.spans[:1]] == [6.264]  # submission to result
+    assert [round(s.active_s, 3) for s in run.spans[:1]] == [1.214]  # its turns, without the waits
+    assert len(run.turns) == 40 and max(t.ended for t in run.turns) <= run.end_s
+    rollouts_per_s, turns_per_s, tokens_per_s = run.steady_rates()
+    assert turns_per_s == pytest.approx(2 * rollouts_per_s) and tokens_per_s == pytest.approx(
+        50 * turns_per_s
+    )
+    text = format_summary(summarize(_timed_run(fail=False, lag=False)))
+    assert "cold start: 5.05 s" in text and "first result at 6.26 s" in text
+    assert "  env_pool " in text and "  lane " not in text  # no lane was full: that wait is left out
+    queue = next(line for line in text.splitlines() if line.startswith("    queue "))  # under model
+    assert queue.split()[1:3] == ["200.0", "ms"] and queue.endswith(
+        "   -"
+    )  # inside model: no share of its own
+
+
+def test_png_shows_no_failures_plainly_and_the_in_flight_curve_down_to_zero_at_the_last_result():
+    from rollout_actors.report_png import figure
+
+    fig = figure(_timed_run(fail=False, lag=False))
+    failures, lag, in_flight = fig.axes[5], fig.axes[6], fig.axes[4]
+    assert any("no failures" in t.get_text() for t in failures.texts)
+    assert any("did not change" in t.get_text() for t in lag.texts)
+    end = max(r["finished_at"] for r in _timed_run(fail=False, lag=False)) - 1000.0
+    curves = [line for line in in_flight.lines if not line.get_label().startswith("first result")]
+    assert len(curves) == 2  # submitted and not answered; in their turns
+    for line in curves:
+        xs, ys = line.get_data()
+        assert ys[-1] == 0 and xs[-1] == pytest.approx(end)  # to the end, not a bin short of it
+    assert in_flight.get_xlim()[1] >= end
+
+
+def test_png_shows_failures_by_kind_and_the_off_policy_lag_when_there_are_some():
+    from rollout_actors.report_png import figure
+
+    fig = figure(_timed_run(fail=True, lag=True))
+    failures, lag = fig.axes[5], fig.axes[6]
+    assert not failures.texts and "model (1)" in [t.get_text() for t in failures.get_legend().get_texts()]
+    assert [tick.get_text() for tick in lag.get_xticklabels()] == ["0", "1"]
+    assert sorted(bar.get_height() for bar in lag.patches) == [10, 10]

@@ -91,6 +91,9 @@ class ServerSpec(BaseModel):
     weight_updates: bool = True
     """Serve vLLM's pause/resume and weight-update routes (`VLLM_SERVER_DEV_MODE=1`), which
     `RolloutPlane.update_weights` uses."""
+    per_request_metrics: bool = True
+    """`--enable-per-request-metrics`: every response carries vLLM's own timing of it, of which the plane
+    records the queue time per turn (`Turn.timings.queue_s`)."""
     weight_transfer_backend: str = "nccl"
     """`--weight-transfer-config {"backend": ...}`: how a trainer sends full weights (vLLM's
     `WeightTransferConfig`: nccl, ipc, ...)."""
@@ -240,6 +243,8 @@ def vllm_command(spec: ServerSpec, host: str, port: int) -> list[str]:
     command += _parser_args(spec) + _lora_args(spec)
     if spec.weight_updates:
         command += ["--weight-transfer-config", json.dumps({"backend": spec.weight_transfer_backend})]
+    if spec.per_request_metrics:
+        command += ["--enable-per-request-metrics"]
     return command + list(spec.extra_args)
 
 
@@ -309,6 +314,7 @@ def standin_options(spec: ServerSpec, **overrides: Any) -> StandinOptions:
         reasoning_parser=reasoning,
         weight_updates=spec.weight_updates,
         weight_transfer_backend=spec.weight_transfer_backend,
+        enable_per_request_metrics=spec.per_request_metrics,
         **lora,
     )
     return StandinOptions(**(settings | spec.standin | overrides))

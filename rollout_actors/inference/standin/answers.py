@@ -33,6 +33,7 @@ from rollout_actors.inference.standin.wire import (
     CompletionLogProbs,
     CompletionResponse,
     FunctionCall,
+    PerRequestMetrics,
     ToolCall,
     UsageInfo,
 )
@@ -155,12 +156,15 @@ class Answers:
             draft.sampled.script,
         )
 
-    def body(self, plan: Plan) -> Answer:
-        return self._completion_body(plan) if plan.kind == "completions" else self._chat_body(plan)
+    def body(self, plan: Plan, metrics: PerRequestMetrics | None = None) -> Answer:
+        """The response; `metrics` only when the server was started with `--enable-per-request-metrics`."""
+        if plan.kind == "completions":
+            return self._completion_body(plan, metrics)
+        return self._chat_body(plan, metrics)
 
     # ------------------------------------------------------------------------------------ completions
 
-    def _completion_body(self, plan: Plan) -> Answer:
+    def _completion_body(self, plan: Plan, metrics: PerRequestMetrics | None = None) -> Answer:
         req = plan.req
         choices, used, produced = [], 0, 0
         for index, draft in enumerate(plan.drafts):
@@ -182,7 +186,9 @@ class Answers:
             )
             used, produced = used + len(draft.prompt_ids), produced + len(sampled.ids)
         usage = UsageInfo(prompt_tokens=used, completion_tokens=produced, total_tokens=used + produced)
-        body = CompletionResponse(model=plan.model, choices=choices, usage=usage).model_dump_json()
+        body = CompletionResponse(
+            model=plan.model, choices=choices, usage=usage, metrics=metrics
+        ).model_dump_json()
         return Answer(body.encode(), used, produced)
 
     def _completion_prompts(self, prompt: Any) -> list[list[int]]:
@@ -233,7 +239,7 @@ class Answers:
                 f"tool_choice={json.dumps(req.tool_choice)} requires --tool-call-parser to be set"
             )
 
-    def _chat_body(self, plan: Plan) -> Answer:
+    def _chat_body(self, plan: Plan, metrics: PerRequestMetrics | None = None) -> Answer:
         req, (draft,) = plan.req, plan.drafts
         sampled = draft.sampled
         parse_tools = (
@@ -261,6 +267,7 @@ class Answers:
             choices=[choice],
             usage=usage,
             prompt_token_ids=draft.prompt_ids if req.return_token_ids else None,
+            metrics=metrics,
         )
         return Answer(response.model_dump_json().encode(), used, produced)
 

@@ -51,6 +51,7 @@ from rollout_actors.inference.standin.wire import (
     FaultSettings,
     ModelCard,
     ModelList,
+    PerRequestMetrics,
 )
 from rollout_actors.lora import VLLM_LORA_RANKS, AdapterLimits
 
@@ -122,6 +123,8 @@ class StandinOptions:
     """Delay before loading, so a test can watch `/health` answer 503 first. Zero in production."""
     admin: bool = False
     """Serve the test routes (`/admin/faults`, `/admin/sessions`, `/admin/requests`). Off unless asked."""
+    enable_per_request_metrics: bool = False
+    """vLLM's flag: every response carries `metrics` (here its `queue_time_ms`: the wait for the batch)."""
 
     def policy(self) -> PolicyConfig:
         return PolicyConfig(self.seed, self.correct_rate, self.think_rate, self.noncanonical_rate)
@@ -329,7 +332,11 @@ async def _run(
     slot = Slot(
         adapter, lead.prompt_ids + lead.sampled.ids, len(lead.prompt_ids), latency, per_token, others, salt
     )
+    queued = time.monotonic()
     slot = await engine.admit(slot)
+    metrics = None
+    if state.options.enable_per_request_metrics:
+        metrics = PerRequestMetrics(queue_time_ms=(time.monotonic() - queued) * 1e3)
     try:
         for draft in plan.drafts:
             draft.spans = [(engine.weight_version, 0)]
@@ -359,7 +366,7 @@ async def _run(
                 slot.token_ids = lead.prompt_ids + lead.sampled.ids
     finally:
         engine.release(slot)
-    return answers.body(plan)
+    return answers.body(plan, metrics)
 
 
 def build_app(state: StandinState) -> TrafficGate:

@@ -136,6 +136,13 @@ class CompletionChoice(BaseModel):
     weight_versions: list[WeightVersionSpan] | None = None
 
 
+class PerRequestMetrics(BaseModel):
+    """vLLM's per-response timing (`--enable-per-request-metrics`); the stand-in knows its queue time."""
+
+    queue_time_ms: float | None = None
+    """From the request's arrival at the scheduler to its first scheduling."""
+
+
 class CompletionResponse(BaseModel):
     id: str = Field(default_factory=lambda: _id("cmpl"))
     object: Literal["text_completion"] = "text_completion"
@@ -143,6 +150,7 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo
+    metrics: PerRequestMetrics | None = None
 
 
 class FunctionCall(BaseModel):
@@ -205,6 +213,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: UsageInfo
     prompt_token_ids: list[int] | None = None
+    metrics: PerRequestMetrics | None = None
 
 
 class ModelCard(BaseModel):
