@@ -253,7 +253,8 @@ class RolloutPlane(Submission):
         continue on the new weights and record where the version changed (`Turn.version_changes`); new
         rollouts start under `version`. `mode="abort"` (vLLM frees the KV of requests in flight): token
         turns the pause aborted resume from the tokens they had, token-exact, once the servers resumed.
-        See `rollout_actors.inference.weights`."""
+        Needs `init_weight_transfer` first. A failure once the update started leaves the servers paused
+        (`WeightUpdateFailure.paused`) until a retry succeeds. See `rollout_actors.inference.weights`."""
         if version <= self.policy_version:
             raise ValueError(f"policy version {version} is not newer than {self.policy_version}")
         servers = list(self._endpoints())

@@ -216,7 +216,8 @@ def test_chat_returns_tool_calls_reasoning_and_token_ids_in_vllm_fields(standin,
     (tool_call,) = message.tool_calls
     assert tool_call.function.name == "calculator"
     assert json.loads(tool_call.function.arguments) == {"expression": "(17 * 23) + 45"}
-    assert message.model_extra["reasoning"].startswith("I should use the calculator")  # vLLM 0.33's name
+    # vLLM 0.33 keeps the newlines around the reasoning (only the tags go)
+    assert message.model_extra["reasoning"].strip("\n").startswith("I should use the calculator")
     assert "reasoning_content" not in message.model_extra
     ids = choice.model_extra["token_ids"]
     prompt = response.model_extra["prompt_token_ids"]

@@ -443,3 +443,122 @@ def test_the_load_reader_reads_vllms_series_with_the_key(bare):
     }
     with pytest.raises(MetricsMissing):
         parse_load("standin_requests_in_flight 0\n")
+
+
+# ------------------------------------------------------------------ vLLM 0.33 rows (issue 23), stand-in side
+
+NCCL_INIT = {"master_address": "127.0.0.1", "master_port": 29500, "rank_offset": 1, "world_size": 2}
+NCCL_UPDATE = {"names": ["lm_head.weight"], "dtype_names": ["bfloat16"], "shapes": [[8, 8]]}
+
+
+def test_unseeded_requests_sample_at_random_as_vllm_does(standin):
+    """Row 13: without a seed vLLM samples at random; n unseeded copies of a prompt are not n clones."""
+    body = {"model": BUNDLED_MODEL, "prompt": [1, 2, 3], "max_tokens": 12, "return_token_ids": True}
+    with httpx.Client(base_url=standin.url, timeout=30, trust_env=False) as http:
+        unseeded = [
+            tuple(http.post("/v1/completions", json=body).json()["choices"][0]["token_ids"]) for _ in range(4)
+        ]
+        seeded = [
+            tuple(http.post("/v1/completions", json=body | {"seed": 7}).json()["choices"][0]["token_ids"])
+            for _ in range(2)
+        ]
+    assert len(set(unseeded)) > 1
+    assert seeded[0] == seeded[1]  # a seed still reproduces
+
+
+def test_a_pause_queues_new_requests_in_keep_mode_and_refuses_them_in_abort_mode_with_vllms_503():
+    """Row 10, read against 0.33.0 (`EngineCoreProc.pause_generation`: `reject_new_requests = mode !=
+    "keep"`): keep queues a new request until resume; abort and wait answer it 503 with vLLM's message."""
+
+    async def scenario(server: StandinServer):
+        async with httpx.AsyncClient(base_url=server.url, timeout=30, trust_env=False) as http:
+            body = {"model": BUNDLED_MODEL, "prompt": [1, 2, 3], "max_tokens": 4}
+            assert (await http.post("/pause", params={"mode": "keep"})).status_code == 200
+            queued = asyncio.create_task(http.post("/v1/completions", json=body))
+            waiting = await _until(http, lambda m: m["waiting"] == 1)
+            assert not queued.done()
+            assert (await http.post("/resume")).status_code == 200
+            answered = await queued
+            assert (await http.post("/pause", params={"mode": "abort"})).status_code == 200
+            refused = await http.post("/v1/completions", json=body)
+            await http.post("/resume")
+            return waiting, answered, refused
+
+    with StandinServer(served_like_vllm()) as server:
+        waiting, answered, refused = run(scenario(server))
+    assert waiting["waiting"] == 1 and answered.status_code == 200
+    assert refused.status_code == 503
+    assert refused.json()["error"] == {
+        "message": "Generation is paused. Please retry after it resumes.",
+        "type": "ServiceUnavailableError",
+        "param": None,
+        "code": 503,
+    }
+
+
+def test_the_stand_in_takes_weight_updates_only_as_vllms_nccl_engine_does():
+    """Row 2 and 3 on the server side: no update before `/init_weight_transfer_engine`, `update_info`
+    checked per backend, a second start refused while one is open, a refused update ends the session."""
+    with (
+        StandinServer(served_like_vllm()) as server,
+        httpx.Client(base_url=server.url, timeout=10, trust_env=False) as http,
+    ):
+        assert http.post("/start_weight_update").status_code == 200
+        uninitialised = http.post("/update_weights", json={"update_info": NCCL_UPDATE})
+        assert (
+            uninitialised.status_code == 500 and "not initialized" in uninitialised.json()["error"]["message"]
+        )
+        assert (
+            http.post("/init_weight_transfer_engine", json={"init_info": {"master_port": 1}}).status_code
+            == 400
+        )
+        assert http.post("/init_weight_transfer_engine", json={"init_info": NCCL_INIT}).status_code == 200
+        assert http.post("/start_weight_update").status_code == 200  # the refusal above ended the session
+        second = http.post("/start_weight_update")
+        assert second.status_code == 500 and "already active" in second.json()["error"]["message"]
+        assert http.post("/update_weights", json={"update_info": {"names": ["x"]}}).status_code == 400
+        assert http.post("/finish_weight_update", json={}).status_code == 500  # the session ended with it
+        assert http.post("/start_weight_update").status_code == 200
+        assert http.post("/update_weights", json={"update_info": NCCL_UPDATE}).status_code == 200
+        assert http.post("/finish_weight_update", json={"weight_version": "1"}).status_code == 200
+        assert http.get("/weight_info").json() == {"weight_version": "1"}
+
+
+def test_a_failed_weight_update_leaves_the_servers_paused_until_a_retry_succeeds():
+    """Row 3: once the update started, a failure must not resume servers that may hold half the new
+    weights under the old label. The session is closed, so a retry can start one and resumes on success."""
+    from rollout_actors.inference.weights import WeightUpdateFailure, WeightUpdater
+
+    async def broken_transfer() -> None:
+        raise ConnectionError("trainer's NCCL broadcast died")
+
+    async def scenario(server: StandinServer):
+        updater = WeightUpdater(timeout_s=10)
+        try:
+            with pytest.raises(WeightUpdateFailure) as uninitialised:
+                await updater.update([server.base_url], NCCL_UPDATE, version=1)
+            with pytest.raises(ValueError, match="dtype_names"):
+                await updater.update([server.base_url], {"names": ["x"]}, version=1)
+            async with httpx.AsyncClient(base_url=server.url, timeout=10, trust_env=False) as http:
+                untouched = (await http.get("/is_paused")).json()["is_paused"]
+                await updater.init_transfer([server.base_url], NCCL_INIT)
+                with pytest.raises(ConnectionError):
+                    await updater.update(
+                        [server.base_url], NCCL_UPDATE, version=1, transfer=broken_transfer()
+                    )
+                after_failure = (await http.get("/is_paused")).json()["is_paused"]
+                label = (await http.get("/weight_info")).json()["weight_version"]
+                report = await updater.update([server.base_url], NCCL_UPDATE, version=1)
+                after_retry = (await http.get("/is_paused")).json()["is_paused"]
+                relabelled = (await http.get("/weight_info")).json()["weight_version"]
+        finally:
+            await updater.aclose()
+        return uninitialised.value, untouched, after_failure, label, report, after_retry, relabelled
+
+    with StandinServer(served_like_vllm()) as server:
+        uninitialised, untouched, after_failure, label, report, after_retry, relabelled = run(
+            scenario(server)
+        )
+    assert uninitialised.stage == "init_weight_transfer_engine" and untouched is False
+    assert after_failure is True and label == "default"
+    assert report.version == 1 and after_retry is False and relabelled == "1"

@@ -13,6 +13,7 @@ out (`skip_special_tokens`). When `max_tokens` cuts the turn, `finish_reason` is
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -118,6 +119,10 @@ class Answers:
             self._check_tool_choice(req)
             prompts = [self._render(req)]
             limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+            if self.parsers.reasoning_parser is not None and _thinking(req):
+                # A thinking Qwen3 always opens a think block, and vLLM's qwen3 parser reads a turn without
+                # one as all reasoning: the scripted policy thinks on every such turn.
+                config = dataclasses.replace(config, think_rate=1.0)
         _check_cache_salt(getattr(req, "cache_salt", None))
         drafts = []
         for prompt_ids in prompts:
@@ -245,8 +250,9 @@ class Answers:
         parse_tools = (
             bool(req.tools) and req.tool_choice != "none" and self.parsers.tool_call_parser is not None
         )
-        thinking = (req.chat_template_kwargs or {}).get("enable_thinking", True) is not False
-        message = parse_turn(sampled.text, parse_tools, self.parsers.reasoning_parser is not None, thinking)
+        message = parse_turn(
+            sampled.text, parse_tools, self.parsers.reasoning_parser is not None, _thinking(req)
+        )
         finish = "tool_calls" if message.tool_calls else sampled.finish_reason
         logprobs = None
         if req.logprobs:
@@ -412,6 +418,11 @@ def _check_cache_salt(salt: Any) -> None:
             "'\\\\' or NUL.",
             "cache_salt",
         )
+
+
+def _thinking(req: Any) -> bool:
+    """Qwen3's `enable_thinking` (chat template kwarg, default on), as vLLM's qwen3 parser reads it."""
+    return (req.chat_template_kwargs or {}).get("enable_thinking", True) is not False
 
 
 def _spans(draft: Draft) -> list[dict[str, Any]]:
