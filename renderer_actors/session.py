@@ -307,8 +307,12 @@ class RendererSession:
                 return await call
         except TimeoutError:
             _cancel(call)
-            if method == "ready":  # still loading at the rollout's deadline: not a loss to dispatch again
-                raise RendererLoadFailed(f"{what}: not loaded within the rollout's deadline") from None
+            if method == "ready":
+                # Still loading when the call's time ran out: alive, and nothing of this request's doing
+                # (a load that hangs or fails is the pool's to end: `startup_timeout_s`). Re-dispatched,
+                # never counted as poison evidence (`culprit` False), within its own bound.
+                lost = Loss(part=part, how="wedged", call=method, step=self.step, name=name, culprit=False)
+                raise PartLost(f"{what}: still loading when the call's time ran out", lost=lost) from None
             lost = Loss(part=part, how="wedged", call=method, step=self.step, name=name)
             raise PartLost(f"{what} did not answer within its deadline", lost=lost) from None
         except RenderCallFailed as exc:
