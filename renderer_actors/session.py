@@ -307,8 +307,12 @@ class RendererSession:
                 return await call
         except TimeoutError:
             _cancel(call)
-            if method == "ready":  # still loading at the rollout's deadline: not a loss to dispatch again
-                raise RendererLoadFailed(f"{what}: not loaded within the rollout's deadline") from None
+            if method == "ready":
+                # Still loading when the call's time ran out: alive, and nothing of this request's doing
+                # (a load that hangs or fails is the pool's to end: `startup_timeout_s`). Re-dispatched,
+                # never counted as poison evidence (`culprit` False), within its own bound.
+                lost = Loss(part=part, how="wedged", call=method, step=self.step, name=name, culprit=False)
+                raise PartLost(f"{what}: still loading when the call's time ran out", lost=lost) from None
             lost = Loss(part=part, how="wedged", call=method, step=self.step, name=name)
             raise PartLost(f"{what} did not answer within its deadline", lost=lost) from None
         except RenderCallFailed as exc:
@@ -331,19 +335,28 @@ class RendererSession:
 
 
 def _far_fault(exc: RayTaskError, what: str, method: str) -> Fault:
-    """The fault a call raised on the renderer's (or the pool's) side, typed as it was raised there."""
+    """The fault a call raised on the renderer's (or the pool's) side, typed as it was raised there: a
+    load's failure (or the pool's hold of one) a `RendererLoadFailed`, `caller` where the load refused
+    what the key names; the pool's refusal a `RendererUnavailable`."""
     cause = remote_cause(exc)
-    if isinstance(cause, Fault):  # typed on the far side (the pool's startup hold, a load's CallerError)
-        if method == "ready" and isinstance(cause, CallerError):  # the load refused what the key names
-            return RendererLoadFailed(
-                f"{what}: {cause}", type_name=cause.type_name, traceback=str(exc), kind="caller"
-            )
+    if method == "ready" or (isinstance(cause, Fault) and cause.fault == "load"):
+        caller = isinstance(cause, CallerError) or (isinstance(cause, Fault) and cause.kind == "caller")
+        return RendererLoadFailed(
+            f"{what}: {cause}"
+            if isinstance(cause, Fault)
+            else f"{what} failed: {type(cause).__name__}: {cause}",
+            type_name=cause.type_name if isinstance(cause, Fault) else None,
+            traceback=str(exc),
+            kind="caller" if caller else "infrastructure",
+        )
+    if isinstance(cause, Fault):
+        by_class = {"unavailable": RendererUnavailable, "caller": RendererCallerError}.get(cause.fault)
+        if by_class is not None:
+            return by_class(str(cause), type_name=cause.type_name, traceback=str(exc))
         fault = Fault.from_failure(cause.failure, kind=cause.kind)
         fault.traceback = fault.traceback or str(exc)
         return fault
     message = f"{what} failed: {type(cause).__name__}: {cause}"
-    if method == "ready":  # the load itself raised: the renderer could not load the key
-        return RendererLoadFailed(message, traceback=str(exc))
     if method != "lease" and isinstance(cause, ValueError):
         return RendererCallerError(message, traceback=str(exc))
     return RendererUnavailable(message, traceback=str(exc))

@@ -108,3 +108,24 @@ def test_the_rule_is_declared_data_that_refuses_unknown_keys():
     )
     assert RedispatchRule().redispatches(lost.error)
     assert not RedispatchRule(parts=("worker",)).redispatches(lost.error)
+
+
+def test_a_fault_raised_on_the_renderer_side_reaches_the_rollout_typed_as_it_was_raised():
+    """Ray carries the far side's exception as the cause of a `RayTaskError`; the session types it from
+    the cause's class, never from its message: a load's failure is never a lost part (never re-dispatched)."""
+    from renderer_actors.pool import RendererBudgetSpent, RendererStartupError
+    from renderer_actors.session import RendererLoadFailed, RendererUnavailable, _far_fault
+    from renderer_actors.tokenizer import TokenizerNotFound, TokenizerUnavailable
+
+    cases = [
+        (TokenizerUnavailable("no such directory"), "ready", RendererLoadFailed, "infrastructure"),
+        (TokenizerNotFound("no hub id"), "ready", RendererLoadFailed, "caller"),
+        (OSError("disk"), "ready", RendererLoadFailed, "infrastructure"),
+        (RendererStartupError("failed to start", kind="caller"), "lease", RendererLoadFailed, "caller"),
+        (RendererBudgetSpent("restart budget spent"), "lease", RendererUnavailable, "infrastructure"),
+    ]
+    for cause, method, expected, kind in cases:
+        cause = pickle.loads(pickle.dumps(cause))  # as Ray ships it
+        fault = _far_fault(RayTaskError("f", "traceback text", cause), f"renderer {method}", method)
+        assert isinstance(fault, expected) and fault.kind == kind, (cause, fault)
+        assert fault.failure.lost is None and fault.failure.traceback

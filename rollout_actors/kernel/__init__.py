@@ -127,9 +127,10 @@ class Loss(BaseModel):
     name: str | None = None
     """Which actor (for people; no rule reads it: a replacement has another name)."""
     culprit: bool | None = None
-    """Whether this request's own call wedged the part: True when the part named it, False when it named
-    another request's call (this one was collateral), None when nobody can tell (a death, a frozen
-    process). The poison rule never counts a collateral loss."""
+    """Whether this request's own call wedged the part: True when the part named it; False when it named
+    another request's call (this one was collateral) or the loss says nothing of this request (a
+    renderer still loading, a pool that gave no verdict); None when nobody can tell (a death, a frozen
+    process). The poison rule never counts a loss whose culprit is False."""
 
     def point(self) -> tuple[str, str, str | None, int | None]:
         """What makes two losses "the same way at the same point": part, how, call, step."""
