@@ -64,7 +64,8 @@ def controller(limit: int = 40, in_flight: int = 40, **config):
     lanes.get("train").in_flight = in_flight
     plane = FakePlane(lanes)
     reader = ScriptedReader()
-    config = ConcurrencyConfig(**{"min_limit": 4, "smoothing": 1.0, **config})
+    law = {"min_limit": 4, "smoothing": 1.0, "grow_below": 0.75, "aim": 0.8, "grow_factor": 1.25}
+    config = ConcurrencyConfig(**{**law, **config})  # the law's arithmetic below, whatever the defaults
     return ConcurrencyController(plane, config, reader), plane, reader
 
 
