@@ -141,3 +141,12 @@ def test_the_servers_own_queue_time_is_recorded_where_it_reports_it():
         answers = asyncio.run(asyncio.wait_for(scenario(server), 90))
     waits = sorted(answer.queue_s for answer in answers)
     assert waits[0] < LATENCY_S / 2 and waits[1] >= LATENCY_S * 0.9, waits
+
+
+def test_vllm_is_launched_to_report_per_request_timing_unless_told_not_to():
+    from rollout_actors.inference.server_actor import ServerSpec, standin_options, vllm_command
+
+    assert "--enable-per-request-metrics" in vllm_command(ServerSpec(model="m"), "127.0.0.1", 8000)
+    quiet = ServerSpec(model="m", per_request_metrics=False)
+    assert "--enable-per-request-metrics" not in vllm_command(quiet, "127.0.0.1", 8000)
+    assert standin_options(ServerSpec(kind="standin", model=BUNDLED_MODEL)).enable_per_request_metrics
