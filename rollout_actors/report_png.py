@@ -81,7 +81,7 @@ def _stacked_means(
         )
         bottom = [b + m for b, m in zip(bottom, means, strict=True)]
     if any(bottom):
-        ax.legend(loc="upper right", fontsize=8)
+        ax.legend(loc="best", fontsize=8)
 
 
 def _mark_phases(ax: Any, run: Timeline, legend: bool = False) -> None:
@@ -136,7 +136,7 @@ def figure(results: list[dict[str, Any]]) -> Any:
             counts[bins.index(turn.ended)] += 1
         means = [q / n if n else 0.0 for q, n in zip(queued, counts, strict=True)]
         ax.step(bins.mids, means, where="mid", color="black", label="of model: server queue")
-        ax.legend(loc="upper right", fontsize=8)
+        ax.legend(loc="best", fontsize=8)
     _mark_phases(ax, run)
     ax.set(title="time per turn by phase", xlabel="turn ended at (s)", ylabel="mean seconds per turn")
 
@@ -213,7 +213,7 @@ def figure(results: list[dict[str, Any]]) -> Any:
             )
             bottom = [b + c for b, c in zip(bottom, counts, strict=True)]
         _mark_phases(ax, run)
-        ax.legend(loc="upper right", fontsize=8)
+        ax.legend(loc="best", fontsize=8)
         ax.set(title="failures by kind over time", xlabel="answered at (s)", ylabel="results")
     else:
         _note(ax, f"no failures\n({len(spans)} results, all ok)")

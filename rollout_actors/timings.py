@@ -58,7 +58,8 @@ class RolloutTimings(BaseModel):
     submitted_at: float | None = None
     """Wall-clock time (`time.time()`) the plane accepted the request: where the run's timeline starts."""
     lane_s: float = 0.0
-    """Waiting for a slot in its lane (back-pressure: the lane was full)."""
+    """From submission to its dispatch starting: waiting for a slot in its lane (back-pressure: the lane was
+    full), and for the driver's event loop to run it (a wave of thousands submitted at once)."""
     env_pool_s: float = 0.0
     """Waiting for its env pool to start (cold start: the environment's first servers load it)."""
     worker_s: float = 0.0
