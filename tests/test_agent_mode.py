@@ -199,16 +199,16 @@ def test_agent_failures_and_a_rewritten_history_give_their_documented_results(ra
     (by_killed, by_never, by_rewrite, by_silent), left = run(scenario())
     # Killed mid-call: the environment's failure, with how it ended and its output tail; its call was
     # cancelled with it, so no half-finished turn is recorded.
-    assert by_killed.kind == "infrastructure" and by_killed.error.type == "AgentFailed", by_killed.error
+    assert by_killed.kind == "env" and by_killed.error.type == "AgentFailed", by_killed.error
     assert "signal 9" in by_killed.error.message
     assert "calling the model (turn 0)" in by_killed.error.message
     assert by_killed.turns == []
     # Never calls: stopped before the rollout's deadline, reported with its output tail, its key redacted.
-    assert by_never.kind == "infrastructure" and by_never.error.type == "AgentFailed", by_never.error
+    assert by_never.kind == "env" and by_never.error.type == "AgentFailed", by_never.error
     assert "did not finish" in by_never.error.message
     assert "agent waiting without calling, key=[redacted]" in by_never.error.message
     # Finished without a single call: nothing to train on, reported as the environment's failure.
-    assert by_silent.kind == "infrastructure" and by_silent.error.type == "AgentMadeNoCalls", by_silent.error
+    assert by_silent.kind == "env" and by_silent.error.type == "AgentMadeNoCalls", by_silent.error
     assert "agent" in by_silent.error.message and by_silent.turns == []
     # A rewritten history forks explicitly: the second call starts branch 1 from a full render, and both
     # branches stay token-exact and trainable.

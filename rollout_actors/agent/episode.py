@@ -60,9 +60,11 @@ async def run_agent_episode(
             if not recorded and not calls.turns_spent:
                 message = "the agent finished without calling the model"
                 failure = Failure(
-                    type="AgentMadeNoCalls", message=f"{message}; output tail:\n{tail}" if tail else message
+                    type="AgentMadeNoCalls",
+                    message=f"{message}; output tail:\n{tail}" if tail else message,
+                    fault="env",
                 )
-                raise EnvCallFailed(failure, "infrastructure")
+                raise EnvCallFailed(failure, "env")
     finally:
         stop.cancel()
         if run is not None and not run.done():
