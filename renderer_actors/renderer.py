@@ -13,6 +13,11 @@ the new messages' tokens, never re-tokenising what was sampled, `None` when it c
 - **`fork_on_rewrite`** checks every turn against a full render, so a template that would render the
   history differently forks even where the library could have extended it.
 - **Sampled tokens are never swapped**: a fork is a new branch; the old one keeps what was sampled.
+- **The model's template is the reference** (README, "Template fidelity"): the `default` family renders
+  with the template itself, arguments as sampled, and learns the template's reasoning whitespace (parse
+  is the inverse of render) and its turn close (a stop id); the bundled model has its own renderer
+  (`bundled.py`); where the library deliberately departs from a template (Qwen3, thinking off), the
+  template wins unless `template_faithful=False`.
 - **A completion without a stop token** (cut by `length`) is closed as the library's family defines it
   (the library synthesises the close, e.g. `</think>` + `<|im_end|>`), marked `synthetic_close`.
 
