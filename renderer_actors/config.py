@@ -33,8 +33,8 @@ class RendererConfig(BaseModel):
     """Tokenizer name or path; `None` means the model name from `ClientConfig`."""
     family: str = "auto"
     """A renderer of the `renderers` package by name (`qwen3`, `qwen3.5`, `deepseek-v3`, `glm-4.5`,
-    `kimi-k2`, `llama-3`, `gpt-oss`, ..., or `default` for any chat template), `auto` to resolve it from
-    the model name, or `custom` with `custom` set."""
+    `kimi-k2`, `llama-3`, `gpt-oss`, ..., or `default` for any chat template), `bundled` (the bundled
+    model's template), `auto` to resolve it from the model name, or `custom` with `custom` set."""
     custom: Ref | None = None
     """A custom renderer class (the library's custom-renderer shape: `config_class` + `(tokenizer, config)`)
     named by a Ref; its config holds the renderer config's fields. Resolved on the renderer side, against
@@ -53,6 +53,11 @@ class RendererConfig(BaseModel):
     fork only when neither can. `fork_on_rewrite`: also check every turn against a full render of the
     conversation and fork whenever the template would render the history differently (costs a full
     render per turn)."""
+    template_faithful: bool = True
+    """True: the model's chat template is the reference, also where the library deliberately departs
+    from it (Qwen3 with `enable_thinking=False` re-emits the prefilled empty think block on past turns;
+    the template drops it, which rewrites every past turn: such a trajectory forks each turn). False:
+    keep the library's deviation (a stable history that the template itself would not render)."""
     multiplex: int = Field(default=256, ge=1)
     """Concurrent rollouts per renderer actor before the pool grows. Not part of the pool key."""
 

@@ -40,6 +40,7 @@ class RendererKey(BaseModel):
     """Only for `auto` and `custom` (a named family carries them inside `renderer_config`)."""
     custom: Ref | None = None
     history: Literal["append", "fork_on_rewrite"] = "append"
+    template_faithful: bool = True
 
     @classmethod
     def from_config(cls, model: str, config: RendererConfig) -> RendererKey:
@@ -63,6 +64,7 @@ class RendererKey(BaseModel):
                 template_kwargs=dict(config.template_kwargs),
                 custom=config.custom,
                 history=config.history,
+                template_faithful=config.template_faithful,
             )
         if family == "auto":
             family = BUNDLED_FAMILY if name == BUNDLED_MODEL else _mapped_family(name)
@@ -78,12 +80,14 @@ class RendererKey(BaseModel):
                 renderer_config=settings,
                 template_kwargs=dict(config.template_kwargs),
                 history=config.history,
+                template_faithful=config.template_faithful,
             )
         return cls(
             model=name,
             family=family,
             renderer_config=library_config(family, config),
             history=config.history,
+            template_faithful=config.template_faithful,
         )
 
     def to_json(self) -> str:
@@ -109,10 +113,12 @@ def library_config(family: str, config: RendererConfig) -> dict[str, Any]:
     from renderers.base import merge_chat_template_kwargs
     from renderers.configs import config_from_name
 
+    from renderer_actors.bundled import BUNDLED_RENDERER, BundledRendererConfig
+
     if family in ("auto", "custom"):
         raise CallerError(f"renderer: family {family!r} is not a concrete renderer")
     try:
-        config_class = type(config_from_name(family))
+        config_class = BundledRendererConfig if family == BUNDLED_RENDERER else type(config_from_name(family))
     except ValueError as exc:
         raise CallerError(f"renderer: unknown family {family!r}: {exc}") from None
     settings = {**config.options}

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from renderer_actors.bundled import BUNDLED_RENDERER, BundledRenderer, BundledRendererConfig
 from renderer_actors.key import RendererKey
 from renderer_actors.tokenizer import FastTokenizer
 from rollout_actors.kernel import CallerError, RefResolver
@@ -36,6 +37,10 @@ def build_library_renderer(
         config = AutoRendererConfig.model_validate(key.renderer_config)
         renderer = create_renderer(tokenizer, config, chat_template_kwargs=key.template_kwargs or None)
         return renderer, renderer.config.name
+    if key.family == BUNDLED_RENDERER:
+        return BundledRenderer(
+            tokenizer, BundledRendererConfig.model_validate(key.renderer_config)
+        ), key.family
     config = type(config_from_name(key.family)).model_validate(key.renderer_config)
     return create_renderer(tokenizer, config), key.family
 

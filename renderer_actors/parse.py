@@ -44,7 +44,7 @@ class ParsedCompletion(BaseModel):
     content: str | None = None
     """Text outside the reasoning and tool calls; None when there is none."""
     reasoning: str | None = None
-    """The reasoning (also an unclosed one); None when the turn had none."""
+    """The reasoning (also an unclosed one); None when the turn had no think block, "" for an empty one."""
     tool_calls: list[ToolCall] = Field(default_factory=list)
     """Every tool-call attempt, whatever its status."""
     message: dict[str, Any] = Field(default_factory=dict)
@@ -59,10 +59,20 @@ class ParsedCompletion(BaseModel):
     environments that parse reasoning and tool-call markup from text themselves."""
 
 
+_LIBRARY = object()
+
+
 def from_library(
-    parsed: Any, ids: Sequence[int], stop_ids: frozenset[int], text: str = ""
+    parsed: Any,
+    ids: Sequence[int],
+    stop_ids: frozenset[int],
+    reasoning: Any = _LIBRARY,
+    content: Any = _LIBRARY,
+    text: str = "",
 ) -> ParsedCompletion:
-    """Map a library `ParsedResponse` for completion `ids` onto a `ParsedCompletion`."""
+    """Map a library `ParsedResponse` for completion `ids` onto a `ParsedCompletion`; `reasoning` and
+    `content` replace the library's where the renderer reads them the template's way; `text` is the
+    completion as decoded (`ParsedCompletion.text`)."""
     calls = [
         ToolCall(
             name=call.name,
@@ -73,8 +83,8 @@ def from_library(
         )
         for call in parsed.tool_calls
     ]
-    content = parsed.content or None
-    reasoning = parsed.reasoning_content
+    content = (parsed.content if content is _LIBRARY else content) or None
+    reasoning = parsed.reasoning_content if reasoning is _LIBRARY else reasoning
     return ParsedCompletion(
         content=content,
         reasoning=reasoning,

@@ -13,6 +13,11 @@ the new messages' tokens, never re-tokenising what was sampled, `None` when it c
 - **`fork_on_rewrite`** checks every turn against a full render, so a template that would render the
   history differently forks even where the library could have extended it.
 - **Sampled tokens are never swapped**: a fork is a new branch; the old one keeps what was sampled.
+- **The model's template is the reference** (README, "Template fidelity"): the `default` family renders
+  with the template itself, arguments as sampled, and learns the template's reasoning whitespace (parse
+  is the inverse of render) and its turn close (a stop id); the bundled model has its own renderer
+  (`bundled.py`); where the library deliberately departs from a template (Qwen3, thinking off), the
+  template wins unless `template_faithful=False`.
 - **A completion without a stop token** (cut by `length`) is closed as the library's family defines it
   (the library synthesises the close, e.g. `</think>` + `<|im_end|>`), marked `synthetic_close`.
 
@@ -26,11 +31,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from renderer_actors.bundled import BUNDLED_RENDERER
 from renderer_actors.calls import BridgeReply, BridgeRequest, Rendered, StartReply
 from renderer_actors.config import DEFAULT_RENDERER_PREFIXES
 from renderer_actors.key import RendererKey
 from renderer_actors.library import build_library_renderer
 from renderer_actors.parse import ParsedCompletion, from_library
+from renderer_actors.template_shape import BUNDLED_SHAPE, ThinkShape, probe_close, probe_shape, template_ids
 from renderer_actors.tokenizer import FastTokenizer
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
@@ -50,7 +57,37 @@ class Renderer:
         self.always_needs_history = key.history == "fork_on_rewrite"
         self.library = library
         self.tokenizer = tokenizer
-        self.stop_ids = frozenset(library.get_stop_token_ids())
+        self.library_bridges = True
+        """False where the library's bridge extends although the template rewrites (see below)."""
+        self.template_kwargs: dict[str, Any] = {}
+        self.shape: ThinkShape | None = None
+        """The template's reasoning shape where the parse follows it (bundled, `default`)."""
+        self._history_renderer: Any = None
+        self._generation_prompt: list[int] = []
+        close = None
+        if family == "default":
+            # The template is the renderer: it renders and closes turns its own way.
+            self.template_kwargs = dict(getattr(library.config, "model_extra", None) or {})
+            self.shape = probe_shape(tokenizer, self.template_kwargs)
+            close = probe_close(tokenizer, tokenizer.backend, self.template_kwargs)
+        elif family == BUNDLED_RENDERER:
+            self.shape = BUNDLED_SHAPE
+        elif family == "qwen3" and key.template_faithful and not library.config.enable_thinking:
+            # The library re-emits the prefilled empty think block on past turns (its deliberate
+            # deviation); Qwen3's template renders history the same whatever `enable_thinking` is, so
+            # history renders as with thinking on, and only the generation prompt differs. The
+            # template drops that block from every past turn: the library's bridge would miss the
+            # rewrite, so every turn is checked against the full render (and forks).
+            self._history_renderer = type(library)(
+                tokenizer, library.config.model_copy(update={"enable_thinking": True})
+            )
+            probe = [{"role": "user", "content": "u"}]
+            self._generation_prompt = library.render_ids(probe, add_generation_prompt=True)[
+                len(library.render_ids(probe)) :
+            ]
+            self.library_bridges = False
+        self.stop_ids = frozenset(library.get_stop_token_ids()) | ({close} if close is not None else set())
+        """The family's stop ids, and the template's own turn close where it is another token."""
 
     @classmethod
     def load(
@@ -76,19 +113,54 @@ class Renderer:
         tools: list[dict[str, Any]] | None = None,
         add_generation_prompt: bool = True,
     ) -> Rendered:
-        rendered = self.library.render(messages, tools=tools, add_generation_prompt=add_generation_prompt)
-        return Rendered(
-            ids=list(rendered.token_ids),
-            message_index=list(rendered.message_indices),
-            sampled=list(rendered.sampled_mask),
+        if self.family == "default":
+            return self._render_by_template(messages, tools, add_generation_prompt)
+        library = self._history_renderer or self.library
+        rendered = library.render(
+            messages, tools=tools, add_generation_prompt=add_generation_prompt and library is self.library
         )
+        ids, index, sampled = (
+            list(rendered.token_ids),
+            list(rendered.message_indices),
+            list(rendered.sampled_mask),
+        )
+        if library is not self.library and add_generation_prompt:
+            ids += self._generation_prompt
+            index += [-1] * len(self._generation_prompt)
+            sampled += [False] * len(self._generation_prompt)
+        return Rendered(ids=ids, message_index=index, sampled=sampled)
 
     def render_ids(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, add_generation_prompt: bool
     ) -> list[int]:
+        """The conversation's ids as the model's template renders them (the reference for every turn)."""
+        if self.family == "default":
+            return template_ids(self.tokenizer, messages, tools, add_generation_prompt, self.template_kwargs)
+        if self._history_renderer is not None:
+            ids = list(self._history_renderer.render_ids(messages, tools=tools))
+            return ids + self._generation_prompt if add_generation_prompt else ids
         return list(
             self.library.render_ids(messages, tools=tools, add_generation_prompt=add_generation_prompt)
         )
+
+    def _render_by_template(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, add_generation_prompt: bool
+    ) -> Rendered:
+        """The template's render with each token attributed to its message (one render per message)."""
+        ids: list[int] = []
+        index: list[int] = []
+        sampled: list[bool] = []
+        for i, message in enumerate(messages):
+            upto = template_ids(self.tokenizer, messages[: i + 1], tools, False, self.template_kwargs)
+            added = len(upto) - len(ids)
+            index += [i] * added
+            sampled += [message.get("role") == "assistant"] * added
+            ids = upto
+        if add_generation_prompt:
+            ids = self.render_ids(messages, tools, True)
+            index += [-1] * (len(ids) - len(index))
+            sampled += [False] * (len(ids) - len(sampled))
+        return Rendered(ids=ids, message_index=index[: len(ids)], sampled=sampled[: len(ids)])
 
     def start(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> StartReply:
         check_roles(messages, ROLES, "messages")
@@ -103,9 +175,20 @@ class Renderer:
         """`prompt_tail`: the end of the prompt the completion was sampled after (its generation prompt
         tells the library whether reasoning was prefilled open)."""
         ids = list(completion_ids)
-        parsed = self.library.parse_response(ids, tools=tools, prompt_ids=list(prompt_tail or []) or None)
-        text = self.decode(ids[:-1] if ids and ids[-1] in self.stop_ids else ids)
-        return from_library(parsed, ids, self.stop_ids, text)
+        stop = next((i for i, token in enumerate(ids) if token in self.stop_ids), len(ids))
+        body = ids[:stop]
+        tail = list(prompt_tail or []) or None
+        parsed = self.library.parse_response(body, tools=tools, prompt_ids=tail)
+        reasoning, content = parsed.reasoning_content, parsed.content
+        if self.shape is not None:
+            calls = [call.token_span[0] for call in parsed.tool_calls if call.token_span]
+            before_calls = self.decode(body[: min(calls, default=len(body))])
+            prefill = self.shape.prefill(self.decode(tail)) if tail else None
+            reasoning, content, _ = self.shape.split(before_calls, prefill, bool(parsed.tool_calls))
+        else:
+            reasoning = _library_reasoning(reasoning, parsed, self.decode(body), tail and self.decode(tail))
+        text = self.decode(body)
+        return from_library(parsed, ids, self.stop_ids, reasoning=reasoning, content=content, text=text)
 
     # ------------------------------------------------------------------------------- trajectories
 
@@ -118,7 +201,7 @@ class Renderer:
             message = self.parse(completion, request.tools, request.prompt_tail).message
         synthetic = not (completion and completion[-1] in self.stop_ids)
         reply = {"synthetic_close": synthetic, "assistant_message": message}
-        extension = self._library_extension(request)
+        extension = self._library_extension(request) if self.library_bridges else None
         if extension is not None and not self.always_needs_history:
             return BridgeReply(
                 appended_ids=extension, synthetic_ids=self._close_length(extension, synthetic), **reply
@@ -134,7 +217,13 @@ class Renderer:
             return BridgeReply(
                 appended_ids=appended, synthetic_ids=self._close_length(appended, synthetic), **reply
             )
-        lead = "the library could not bridge this turn" if extension is None else "fork_on_rewrite"
+        lead = (
+            "fork_on_rewrite"
+            if extension is not None
+            else "the library could not bridge this turn"
+            if self.library_bridges
+            else "the template rewrites past turns"
+        )
         return BridgeReply(prompt_ids=full, forked=True, fork_reason=f"{lead}; {why}", **reply)
 
     def _close_length(self, appended: list[int], synthetic: bool) -> int:
@@ -180,6 +269,21 @@ class Renderer:
             f"the template renders the conversation differently from token {at} of {len(prefix)}: "
             f"trajectory {ours!r}, template {theirs!r}"
         )
+
+
+def _library_reasoning(reasoning: str | None, parsed: Any, text: str, prompt_text: str | None) -> str | None:
+    """The library families' parse, made the inverse of their render where it is not: a think block cut
+    by a length stop loses the newline its opening marker carries (as a closed one does), and an empty
+    think block that was sampled is an empty reasoning, not none."""
+    if reasoning is not None and parsed.reasoning_complete is False:
+        return reasoning.lstrip("\n")
+    if reasoning is None and "</think>" in text:
+        opened = text.lstrip().startswith("<think>") or bool(
+            prompt_text and prompt_text.endswith(("<think>", "<think>\n"))
+        )
+        if opened and not text.split("</think>", 1)[0].replace("<think>", "").strip():
+            return ""
+    return reasoning
 
 
 def check_new_messages(messages: list[dict[str, Any]]) -> None:

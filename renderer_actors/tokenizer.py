@@ -31,8 +31,8 @@ from rollout_actors.kernel.faults import CallerError, LoadFailed
 
 BUNDLED_MODEL = "ray-rollouts/qwen3-bundled"
 """The model name that means "the bundled tokenizer" to renderers and the stand-in server."""
-BUNDLED_FAMILY = "qwen3"
-"""The `renderers` family `auto` resolves the bundled tokenizer to (it carries Qwen3's special tokens)."""
+BUNDLED_FAMILY = "bundled"
+"""The renderer `auto` resolves the bundled tokenizer to: its own template's (`renderer_actors.bundled`)."""
 
 # Qwen2/Qwen3 pre-tokenizer: digits split one by one (unlike tiktoken's cl100k `\p{N}{1,3}`).
 QWEN_PATTERN = (

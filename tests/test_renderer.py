@@ -68,13 +68,19 @@ def test_key_is_the_library_config_canonicalised_and_ignores_multiplex():
     auto = RendererKey.from_config(BUNDLED_MODEL, RendererConfig(multiplex=4))
     explicit = RendererKey.from_config(
         "other-model",
-        RendererConfig(tokenizer=BUNDLED_MODEL, family="qwen3", template_kwargs={"enable_thinking": True}),
+        RendererConfig(tokenizer=BUNDLED_MODEL, family="bundled", template_kwargs={"enable_thinking": True}),
     )
-    assert auto.family == "qwen3" and auto.to_json() == explicit.to_json()
-    assert auto.renderer_config == {"name": "qwen3", "enable_thinking": True, "thinking_retention": None}
+    assert auto.family == "bundled" and auto.to_json() == explicit.to_json()
+    assert auto.renderer_config == {
+        "name": "bundled",
+        "enable_thinking": True,
+        "drop_past_reasoning": False,
+        "thinking_retention": None,
+    }
     assert RendererKey.from_config(BUNDLED_MODEL, RendererConfig(history="fork_on_rewrite")) != auto
     off = RendererKey.from_config(BUNDLED_MODEL, RendererConfig(template_kwargs={"enable_thinking": False}))
     assert off != auto
+    assert RendererKey.from_config(BUNDLED_MODEL, RendererConfig(template_faithful=False)) != auto
 
 
 def test_every_library_family_is_available_by_name_and_hub_models_resolve_automatically():
@@ -135,10 +141,16 @@ def test_tool_turns_extend_through_the_library_bridge_token_exactly():
     assert t.prompt == full  # the library's extension is exactly the template's render here
 
 
-def test_a_new_user_turn_after_reasoning_forks_with_the_reason_when_the_template_drops_it():
-    """Qwen3's template drops reasoning before the last user message: the library cannot bridge, a full
-    render does not start with the trajectory, so it forks explicitly and says where."""
-    r = renderer()
+@pytest.mark.parametrize(
+    "config",
+    [{"family": "qwen3"}, {"template_kwargs": {"drop_past_reasoning": True}}],
+    ids=["qwen3", "bundled"],
+)
+def test_a_new_user_turn_after_reasoning_forks_with_the_reason_when_the_template_drops_it(config):
+    """Qwen3's template (and the bundled one with `drop_past_reasoning`) drops reasoning before the last
+    user message: the library cannot bridge, a full render does not start with the trajectory, so it
+    forks explicitly and says where."""
+    r = renderer(**config)
     t = Trajectory(r, [{"role": "user", "content": "hi"}])
     completion = r.encode("<think>\nhmm\n</think>\n\nhello") + [IM_END]
     before = t.prompt + completion
@@ -158,7 +170,7 @@ def test_thinking_retention_all_keeps_sampled_reasoning_across_user_turns():
 
 
 def test_fork_on_rewrite_forks_where_the_library_extends_but_the_template_rewrites():
-    r = renderer(thinking_retention="all", history="fork_on_rewrite")
+    r = renderer(family="qwen3", thinking_retention="all", history="fork_on_rewrite")
     t = Trajectory(r, [{"role": "user", "content": "hi"}])
     completion = r.encode("<think>\nhmm\n</think>\n\nhello") + [IM_END]
     reply = t.bridge(completion, [{"role": "user", "content": "again"}])

@@ -184,7 +184,7 @@ async def encode(session: RendererSession, text: str) -> list[int]:
 
 def test_rewriting_template_forks_through_the_session(make_pool):
     pool = make_pool()
-    config = RendererConfig(history="fork_on_rewrite")  # Qwen3's template drops past reasoning
+    config = RendererConfig(family="qwen3", history="fork_on_rewrite")  # Qwen3's drops past reasoning
 
     async def scenario():
         session = await RendererSession.open(pool, BUNDLED_MODEL, config, timeout=30)
@@ -207,7 +207,8 @@ def test_a_session_sends_the_history_up_front_once_a_bridge_of_that_kind_needed_
     pool = make_pool()
 
     async def scenario():
-        session = await RendererSession.open(pool, BUNDLED_MODEL, RendererConfig(), timeout=30)
+        config = RendererConfig(family="qwen3")  # Qwen3's template, on the bundled tokenizer
+        session = await RendererSession.open(pool, BUNDLED_MODEL, config, timeout=30)
 
         async def bridge(messages: list[dict]) -> tuple[BridgeStep, int]:
             """The step and how many calls the renderer served for it."""
