@@ -180,14 +180,14 @@ class Renderer:
         tail = list(prompt_tail or []) or None
         parsed = self.library.parse_response(body, tools=tools, prompt_ids=tail)
         reasoning, content = parsed.reasoning_content, parsed.content
+        text = self.decode(body)
         if self.shape is not None:
             calls = [call.token_span[0] for call in parsed.tool_calls if call.token_span]
             before_calls = self.decode(body[: min(calls, default=len(body))])
             prefill = self.shape.prefill(self.decode(tail)) if tail else None
             reasoning, content, _ = self.shape.split(before_calls, prefill, bool(parsed.tool_calls))
         else:
-            reasoning = _library_reasoning(reasoning, parsed, self.decode(body), tail and self.decode(tail))
-        text = self.decode(body)
+            reasoning = _library_reasoning(reasoning, parsed, text, tail and self.decode(tail))
         return from_library(parsed, ids, self.stop_ids, reasoning=reasoning, content=content, text=text)
 
     # ------------------------------------------------------------------------------- trajectories

@@ -63,10 +63,10 @@ class ConcurrencyConfig(BaseModel):
     max_limit: int = Field(default=4096, ge=1)
     interval_s: float = Field(default=1.0, gt=0, le=60)
     """Seconds between polls: vLLM refreshes its gauges about once a second."""
-    grow_below: float = Field(default=0.8, gt=0, le=1)
+    grow_below: float = Field(default=0.75, gt=0, le=1)
     max_rise: float = Field(default=0.05, ge=0, le=1)
     """Growth waits while KV usage rose more than this since the last poll (it has not caught up yet)."""
-    aim: float = Field(default=0.85, gt=0, le=1)
+    aim: float = Field(default=0.8, gt=0, le=1)
     """A growth step goes no further than the limit that would put KV usage here."""
     shrink_above: float = Field(default=0.9, gt=0, le=1)
     preempt_at: float = Field(default=0.97, gt=0, le=1)

@@ -17,7 +17,7 @@ rollouts (two model turns each) for the whole run.
 Phases, side by side in one run (the lane drained between them):
   fixed N     the train lane's limit set to N, for each of `--limits`
   controller  the lane starts at the smallest limit and `ConcurrencyController` steers it from the server's
-              `/metrics` (`vllm:kv_cache_usage_perc`, `vllm:num_requests_waiting`)
+              `/metrics` (`vllm:kv_cache_usage_perc`, `vllm:num_requests_waiting`, `vllm:num_preemptions_total`)
 Each phase runs `--phase-s` seconds after a warm-up of a fifth of that; only the measured part counts:
   rollouts/s  rollouts finished `ok` per second
   p99 s       99th percentile of a rollout's latency, from the lane admitting it to its result

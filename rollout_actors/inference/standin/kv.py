@@ -67,15 +67,19 @@ class BlockPool:
         if num_blocks < 1:
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
-        self._refs = [0] * num_blocks
-        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._refs = array("l", [0]) * num_blocks
+        self._fresh = 0
+        """Blocks from here on were never used: the head of the free queue, ahead of every freed block
+        (kept as a count so a 4M-token cache costs no memory until used)."""
+        self._free: OrderedDict[int, None] = OrderedDict()
+        """Freed blocks, least recently freed first."""
         self._hash_of: dict[int, bytes] = {}
         self._cached: dict[bytes, int] = {}
 
     @property
     def num_free(self) -> int:
         """Blocks no request holds, cached or not: what `allocate` can hand out."""
-        return len(self._free)
+        return self.num_blocks - self._fresh + len(self._free)
 
     def usage(self) -> float:
         return 1.0 - self.num_free / self.num_blocks
@@ -96,14 +100,19 @@ class BlockPool:
     def take(self, blocks: Sequence[int]) -> None:
         for block in blocks:
             if self._refs[block] == 0:
-                del self._free[block]
+                del self._free[block]  # a cached block was freed before, so it is not a fresh one
             self._refs[block] += 1
 
     def allocate(self, count: int) -> list[int] | None:
-        if count > len(self._free):
+        if count > self.num_free:
             return None
         blocks = []
-        for _ in range(count):
+        fresh = min(count, self.num_blocks - self._fresh)
+        for block in range(self._fresh, self._fresh + fresh):
+            self._refs[block] = 1
+            blocks.append(block)
+        self._fresh += fresh
+        for _ in range(count - fresh):
             block, _ = self._free.popitem(last=False)
             evicted = self._hash_of.pop(block, None)
             if evicted is not None:
