@@ -98,14 +98,28 @@ def assert_token_exact(standin, result: Result) -> None:
         assert run(resample(standin, prompt)) == turn.completion_ids
 
 
-async def held(plane: RolloutPlane, *envs: Ref) -> dict:
+async def held(plane: RolloutPlane, *envs: Ref, settle_s: float = 10.0) -> dict:
     """What the (one) worker still holds (clients, connections, its agent endpoint's routes) and the env
-    sessions still open in the pools of `envs`."""
+    sessions still open in the pools of `envs`. A connection the client side just closed is seen closed
+    by the endpoint a moment later: asked again for up to `settle_s` until nothing is held."""
     worker = plane._workers.live()[0].handle
-    resources = await worker.debug_resources.remote()
     pools = [ray.get_actor(PoolNames(plane.names.prefix).env_pool(env)) for env in envs]
-    resources["env_sessions"] = [(await pool.stats.remote()).sessions for pool in pools]
-    return resources
+    give_up = time.monotonic() + settle_s
+    while True:
+        resources = await worker.debug_resources.remote()
+        resources["env_sessions"] = [(await pool.stats.remote()).sessions for pool in pools]
+        if _nothing_held(resources) or time.monotonic() > give_up:
+            return resources
+        await asyncio.sleep(0.2)
+
+
+def _nothing_held(held: dict) -> bool:
+    return (
+        held["open_clients"] == 0
+        and not any(held["env_sessions"])
+        and held["agent"]["routes"] == 0
+        and held["agent"]["connections"] == 0
+    )
 
 
 def assert_nothing_held(held: dict) -> None:

@@ -105,7 +105,7 @@ def vf_classic(kind: str) -> Ref:
 CASES = {
     "skyrl": [(SKY_ENV, i % 4, 11 + i) for i in range(5)],
     "vf-tools": [(vf_classic("tools"), i % 3, 21 + i) for i in range(4)],
-    "vf-follow-up": [(vf_classic("follow_up"), i % 4, 31 + i) for i in range(4)],
+    "vf-follow-up": [(vf_classic("follow_up"), i % 4, 31 + i) for i in range(8)],
     "vf-group": [(vf_classic("group"), 0, 41)],
     "vf-raises": [(vf_classic("raises"), 0, 51)],
 }

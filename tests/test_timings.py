@@ -129,10 +129,12 @@ def test_the_servers_own_queue_time_is_recorded_where_it_reports_it():
         client = openai.AsyncOpenAI(
             base_url=server.base_url, api_key="EMPTY", max_retries=0, default_headers=headers
         )
-        sampling, prompt = SamplingConfig(max_tokens=16, seed=1), list(range(1, 150))
+        sampling = SamplingConfig(max_tokens=16, seed=1)
+        # Two different prompts: identical ones would share their cached prefix blocks and both fit.
+        prompts = [list(range(1 + k, 150 + k)) for k in range(2)]
         try:
             return await asyncio.gather(
-                *(complete_tokens(client, BUNDLED_MODEL, prompt, sampling, deadline_s=60) for _ in range(2))
+                *(complete_tokens(client, BUNDLED_MODEL, p, sampling, deadline_s=60) for p in prompts)
             )
         finally:
             await client.close()
@@ -146,7 +148,9 @@ def test_the_servers_own_queue_time_is_recorded_where_it_reports_it():
 def test_vllm_is_launched_to_report_per_request_timing_unless_told_not_to():
     from rollout_actors.inference.server_actor import ServerSpec, standin_options, vllm_command
 
-    assert "--enable-per-request-metrics" in vllm_command(ServerSpec(model="m"), "127.0.0.1", 8000)
-    quiet = ServerSpec(model="m", per_request_metrics=False)
+    assert "--enable-per-request-metrics" in vllm_command(
+        ServerSpec(model="Qwen/Qwen3-8B"), "127.0.0.1", 8000
+    )
+    quiet = ServerSpec(model="Qwen/Qwen3-8B", per_request_metrics=False)
     assert "--enable-per-request-metrics" not in vllm_command(quiet, "127.0.0.1", 8000)
     assert standin_options(ServerSpec(kind="standin", model=BUNDLED_MODEL)).enable_per_request_metrics
