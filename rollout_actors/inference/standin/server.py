@@ -298,7 +298,7 @@ def _overrides(state: StandinState, request: Request) -> tuple[PolicyConfig, flo
     return config, latency, per_token
 
 
-def _seed_for(state: StandinState, model: str, seed: int | None, config: PolicyConfig) -> int:
+def _seed_for(state: StandinState, model: str, seed: int | None) -> int:
     # Without a seed vLLM samples at random: each such request draws its own from the server's generator
     # (seeded by `--seed`, as vLLM's engine generator is), so n unseeded copies of a prompt differ.
     base = state.unseeded.getrandbits(63) if seed is None else seed
@@ -341,9 +341,7 @@ async def _run(
         for draft in plan.drafts:
             draft.spans = [(engine.weight_version, 0)]
             if engine.weight_version != drafted_under:  # new weights landed while it waited
-                answers.resample_tail(
-                    plan, draft, 0, _seed_for(state, plan.model, plan.req.seed, plan.config)
-                )
+                answers.resample_tail(plan, draft, 0, _seed_for(state, plan.model, plan.req.seed))
         slot.token_ids = lead.prompt_ids + lead.sampled.ids  # what the engine grows into
         elapsed = 0.0
         while True:
@@ -359,7 +357,7 @@ async def _run(
             await engine.resumed()
             version = engine.weight_version
             if version != lead.spans[-1][0] and done < len(lead.sampled.ids):
-                seed = _seed_for(state, plan.model, plan.req.seed, plan.config)
+                seed = _seed_for(state, plan.model, plan.req.seed)
                 for draft in plan.drafts:
                     answers.resample_tail(plan, draft, done, seed)
                     draft.spans.append((version, done))
@@ -384,7 +382,7 @@ def build_app(state: StandinState) -> TrafficGate:
                 return _error(f"The model `{body.model}` does not exist.", "NotFoundError", 404, "model")
             config, latency, per_token = _overrides(state, request)
             drafted_under = state.engine.weight_version
-            plan = state.answers.plan(kind, body, model, _seed_for(state, model, body.seed, config), config)
+            plan = state.answers.plan(kind, body, model, _seed_for(state, model, body.seed), config)
         except RequestError as exc:
             return _error(str(exc), "BadRequestError", 400, exc.param)
         if state.options.admin:
