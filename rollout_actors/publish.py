@@ -8,8 +8,9 @@
 
 Order of a publication: capture (the caller's path: copies only) -> write safetensors and
 `adapter_config.json` to shared storage (the publisher's writer thread) -> `POST /v1/load_lora_adapter`
-on every server (bounded timeout, bounded retries) -> switch `current()` in one assignment. Any failure
-leaves the previous policy active and unloads the adapter from the servers that had taken it.
+on every server (bounded timeout; bounded retries of what may pass: a dropped connection, 502-504) ->
+switch `current()` in one assignment. Any failure leaves the previous policy active and unloads the
+adapter from the servers that had taken it.
 """
 
 from __future__ import annotations
@@ -48,6 +49,10 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_LOAD_TIMEOUT_S = 120.0  # seconds per attempt: vLLM reads the adapter from disk and warms it on GPU
 DEFAULT_RETRIES = 2  # a restarting server or a dropped connection, not a server that keeps refusing
+RETRIED_STATUSES = frozenset({502, 503, 504})
+"""Answers that say "not now" (a proxy, or a server still starting). vLLM 0.33.0 answers a 500 only when
+`add_lora` raised (`openai/models/serving.py`: the loader refused the files, or the engine is dead): the
+same files get the same answer, so a 500 is a refusal like a 4xx and is not retried."""
 DEFAULT_WRITE_TIMEOUT_S = 300.0  # 256 MiB to a slow network filesystem, with room to spare
 RETRY_BACKOFF = (0.5, 2.0)  # first delay, cap: retries spread over seconds, never a tight loop
 ALREADY_LOADED = "has already been loaded"
@@ -310,8 +315,8 @@ class PolicyPublisher:
             if (attempt or accept_loaded) and response.status_code == 400 and ALREADY_LOADED in text:
                 return None  # an earlier attempt that timed out on our side did land
             failure = Failure(type="LoadRefused", message=text, status_code=response.status_code)
-            if response.status_code < 500:
-                return failure  # a refusal: asking again gets the same answer
+            if response.status_code not in RETRIED_STATUSES:
+                return failure  # a refusal (4xx, or the loader's 500): asking again gets the same answer
         return failure
 
     async def _unload_all(self, servers: list[str], name: str) -> None:

@@ -41,7 +41,8 @@ from rollout_actors.inference.standin.wire import (
 
 RENDER_CACHE_SIZE = 1024  # distinct conversations in flight at once, roughly; each entry is its prompt ids
 ALTERNATIVE_STRIDE = 7919  # spreads the made-up top-logprob alternatives over the vocabulary
-_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+_TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
+"""vLLM 0.33.0 `Hermes2ProToolParser.tool_call_regex`: a closed call, or an unclosed one running to the end."""
 
 
 class RequestError(ValueError):
@@ -358,8 +359,9 @@ def parse_turn(
     Reasoning (`vllm/parser/qwen3.py`): with thinking on (`chat_template_kwargs.enable_thinking`, default
     true) a turn starts IN reasoning (Qwen3's template may open `<think>` in the prompt); it ends at
     `</think>` or at the first `<tool_call>`; a turn with neither is all reasoning and has no content.
-    Nothing is stripped but the tags. Tool calls (`hermes`): every `<tool_call>` body must be JSON with a
-    name, else the whole text stays content; the content is what precedes the first call."""
+    Nothing is stripped but the tags. Tool calls (`hermes`): every `<tool_call>` body, the last one also
+    without its `</tool_call>`, must be a JSON object with `name` and `arguments`, else the whole text stays
+    content; the content is what precedes the first call."""
     reasoning, content = None, text
     if parse_reasoning and thinking:
         body = text[len("<think>") :] if text.startswith("<think>") else text
@@ -373,9 +375,9 @@ def parse_turn(
     calls: list[ToolCall] = []
     if parse_tools and "<tool_call>" in content:
         try:
-            for body in _TOOL_CALL.findall(content):
-                call = json.loads(body)
-                arguments = json.dumps(call.get("arguments", {}), ensure_ascii=False)
+            for closed, unclosed in _TOOL_CALL.findall(content):
+                call = json.loads(closed or unclosed)
+                arguments = json.dumps(call["arguments"], ensure_ascii=False)
                 calls.append(ToolCall(function=FunctionCall(name=call["name"], arguments=arguments)))
         except (ValueError, KeyError, TypeError, AttributeError):
             calls = []
