@@ -138,6 +138,7 @@ class RendererActor:
             load_s=time.monotonic() - started,
             pid=os.getpid(),
             vocab_size=renderer.tokenizer.backend.get_vocab_size(with_added_tokens=True),
+            stop_token_ids=sorted(renderer.stop_ids),
         )
         self._renderer = renderer
         settle_actor()  # the tokenizer is loaded: it lives as long as this process

@@ -106,6 +106,11 @@ class RendererInfo(BaseModel):
     vocab_size: int = 0
     """Token ids the tokenizer knows (added tokens included): a sampled id at or past it is the
     server's fault, never a token to record."""
+    stop_token_ids: list[int] = Field(default_factory=list)
+    """The family's stop ids and the template's own turn close, sent as `stop_token_ids` with every
+    token-mode call: vLLM stops by itself only on the tokenizer's eos and `generation_config.json`'s
+    `eos_token_id`, and a template may close turns with another token (as the library's own client does,
+    they are always sent; one vLLM stops on anyway changes nothing but `stop_reason`)."""
 
 
 @dataclass(frozen=True)

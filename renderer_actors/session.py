@@ -148,6 +148,11 @@ class RendererSession:
         return self._info.vocab_size or None if self._info is not None else None
 
     @property
+    def stop_token_ids(self) -> list[int]:
+        """The renderer's stop ids to send with each token-mode call (empty before a renderer answered)."""
+        return self._info.stop_token_ids if self._info is not None else []
+
+    @property
     def prompt_ids(self) -> list[int]:
         """The current prompt (a copy)."""
         return list(self._prompt or [])

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -160,6 +160,7 @@ async def complete_tokens(
     *,
     deadline_s: float,
     vocab_size: int | None = None,
+    stop_token_ids: Sequence[int] = (),
     tags: CallTags | None = None,
     prompt_json: PromptJson | None = None,
 ) -> Sampled:
@@ -176,6 +177,8 @@ async def complete_tokens(
     fields: dict[str, Any] = {"model": model, **_sampling_kwargs(sampling)}
     fields["logprobs"] = 1 if sampling.logprobs else 0  # 0: the sampled tokens alone, for their ids
     fields.update({**sampling.extra_body, **_protocol_fields(tags, token_mode=True)})
+    if stop_token_ids:  # the renderer's (the template's turn close among them), with any the caller set
+        fields["stop_token_ids"] = sorted({*stop_token_ids, *sampling.extra_body.get("stop_token_ids", ())})
     call = client.post(
         "/completions",
         cast_to=httpx.Response,

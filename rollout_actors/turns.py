@@ -203,6 +203,7 @@ class TokenTurns:
                     sampling,
                     deadline_s=request.client.call_deadline,
                     vocab_size=self._renderer.vocab_size,
+                    stop_token_ids=self._renderer.stop_token_ids,
                     tags=tags,
                     prompt_json=self._prompt_json,
                 )

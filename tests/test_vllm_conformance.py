@@ -35,6 +35,9 @@ from env_pools import TEST_REF_PREFIXES
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from renderer_actors.config import RendererConfig
+from renderer_actors.key import RendererKey
+from renderer_actors.renderer import Renderer
 from renderer_actors.tokenizer import BUNDLED_MODEL, bundled_tokenizer_dir
 from rollout_actors.inference.server_actor import MODEL_FAMILIES, ServerSpec, vllm_command
 from rollout_actors.inference.standin import StandinServer
@@ -445,6 +448,9 @@ def test_every_body_the_plane_sent_is_a_vllm_request_with_nothing_left_over(vllm
 
 
 def test_the_sampling_vllm_derives_from_each_body_is_the_sampling_asked_for(vllm, sent):
+    renderer = Renderer.load(RendererKey.from_config(BUNDLED_MODEL, RendererConfig()))
+    renderer_stops = set(renderer.stop_ids)
+    assert renderer.tokenizer.convert_tokens_to_ids("<|endoftext|>") in renderer_stops  # not the eos
     seen = set()
     for item in sent:
         body = item["body"]
@@ -465,8 +471,11 @@ def test_the_sampling_vllm_derives_from_each_body_is_the_sampling_asked_for(vllm
         assert params.max_tokens == sampling.max_tokens
         if chat:
             assert (params.logprobs is not None) == sampling.logprobs
+            assert not params.stop_token_ids  # the server's template, and vLLM's own eos ids
         else:  # token mode asks for 0 top alternatives just to read the sampled ids
             assert params.logprobs == (1 if sampling.logprobs else 0)
+            # every stop id of the renderer that rendered the prompt, so vLLM stops where it would close
+            assert set(params.stop_token_ids) == renderer_stops
         assert "truncate_prompt_tokens" not in body and "prompt_embeds" not in body
     assert seen == set(SAMPLINGS)
 
@@ -639,6 +648,18 @@ CANNED_TURNS = [
     '<tool_call>\n{"name": "calculator", "arguments": {"expression": "3"}}\n</tool_call>',
     "<think>\nunclosed reasoning that never ends",
     "<think>\n\n</think>\n\nEmpty thoughts.",
+    # hermes' regex also takes an unclosed final call running to the end of the text
+    '<tool_call>\n{"name": "calculator", "arguments": {"expression": "1 + 1"}}',
+    '<tool_call>\n{"name": "calculator", "arguments": {"expression": "1 + 1"}}\n',
+    '<tool_call>\n{"name": "calculator", "arguments": {"expression": "1 +',
+    '<think>\nCall it.\n</think>\n\nSure. <tool_call>\n{"name": "calculator", "arguments": {"expression": "4"}}',
+    '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2"}}\n</tool_call>\n'
+    '<tool_call>\n{"name": "calculator", "arguments": {"expression": "3"}}',
+    '<tool_call>\n{"name": "calculator", "arguments": {}}\n</tool_call> and then <tool_call>',
+    '<tool_call>\n{"name": "calculator"}\n</tool_call>',
+    '<tool_call>\n["calculator", {}]\n</tool_call>',
+    '<tool_call>\n{"name": "calculator", "arguments": "not an object"}\n</tool_call>',
+    '<tool_call>\n{"name": "calculator", "arguments": {"s": "\\u00e9t\\u00e9 \\ud83d\\ude00"}}\n</tool_call>',
 ]
 CALC_TOOL = {
     "type": "function",
@@ -674,10 +695,10 @@ def test_the_stand_in_parses_a_turn_as_vllms_qwen3_and_hermes_parsers_do(qwen3_p
     if content is not None:
         extracted = tool_parser.extract_tool_calls(content, request)
         if extracted.tools_called:
-            calls = [(c.function.name, json.loads(c.function.arguments)) for c in extracted.tool_calls]
+            calls = [(c.function.name, c.function.arguments) for c in extracted.tool_calls]
             content = extracted.content
     ours = parse_turn(text, parse_tools=True, parse_reasoning=True)
-    our_calls = [(c.function.name, json.loads(c.function.arguments)) for c in ours.tool_calls]
+    our_calls = [(c.function.name, c.function.arguments) for c in ours.tool_calls]  # the text, byte for byte
     assert (ours.reasoning, ours.content or None, our_calls) == (reasoning, content or None, calls)
 
 
