@@ -55,9 +55,10 @@ class RendererConfig(BaseModel):
     render per turn)."""
     template_faithful: bool = True
     """True: the model's chat template is the reference, also where the library deliberately departs
-    from it (Qwen3 with `enable_thinking=False` re-emits the prefilled empty think block on past turns;
-    the template drops it, which rewrites every past turn: such a trajectory forks each turn). False:
-    keep the library's deviation (a stable history that the template itself would not render)."""
+    from it (Qwen3, 3.5 and 3.6 with `enable_thinking=False` re-emit the prefilled empty think block on
+    past turns; the template drops it, which rewrites every past turn: such a trajectory forks each
+    turn). False: keep the library's deviation (a stable history that the template itself would not
+    render). Qwen3.8 keeps it either way (`renderer.THINKING_OFF_HISTORY`)."""
     multiplex: int = Field(default=256, ge=1)
     """Concurrent rollouts per renderer actor before the pool grows. Not part of the pool key."""
 

@@ -47,6 +47,13 @@ NEW_MESSAGE_ROLES = frozenset({"user", "tool", "system"})
 SHOWN_TOKENS = 12  # tokens of each side a fork reason quotes
 
 
+THINKING_OFF_HISTORY = frozenset({"qwen3", "qwen3.5", "qwen3.6"})
+"""Families whose template renders past turns the same with thinking on and off, where the library
+re-emits the empty think block on them with thinking off (its documented deviation): with
+`template_faithful` their history renders as with thinking on. Not `qwen3.8`: its `enable_thinking`
+also changes the system prompt, so it keeps the library's deviation (README, template fidelity)."""
+
+
 class Renderer:
     """Render / parse / bridge for one `RendererKey`. Synchronous and CPU-bound: the renderer actor runs
     each call inline (each is short)."""
@@ -72,9 +79,9 @@ class Renderer:
             close = probe_close(tokenizer, tokenizer.backend, self.template_kwargs)
         elif family == BUNDLED_RENDERER:
             self.shape = BUNDLED_SHAPE
-        elif family == "qwen3" and key.template_faithful and not library.config.enable_thinking:
+        elif family in THINKING_OFF_HISTORY and key.template_faithful and not library.config.enable_thinking:
             # The library re-emits the prefilled empty think block on past turns (its deliberate
-            # deviation); Qwen3's template renders history the same whatever `enable_thinking` is, so
+            # deviation); these templates render history the same whatever `enable_thinking` is, so
             # history renders as with thinking on, and only the generation prompt differs. The
             # template drops that block from every past turn: the library's bridge would miss the
             # rewrite, so every turn is checked against the full render (and forks).

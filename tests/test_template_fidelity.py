@@ -322,18 +322,23 @@ def test_the_bundled_model_keeps_past_reasoning_across_user_turns_as_its_templat
 
 # ------------------------------------------------------------------- qwen3, thinking off (a deviation)
 
-QWEN3_OFF = {"family": "qwen3", "template_kwargs": {"enable_thinking": False}}
+
+def qwen3_off(family: str = "qwen3", **config: Any) -> Renderer:
+    off = RendererConfig(family=family, template_kwargs={"enable_thinking": False}, **config)
+    return Renderer.load(RendererKey.from_config(BUNDLED_MODEL, off))
 
 
-def qwen3_off(**config: Any) -> Renderer:
-    return Renderer.load(RendererKey.from_config(BUNDLED_MODEL, RendererConfig(**QWEN3_OFF, **config)))
-
-
-def test_qwen3_thinking_off_renders_history_as_the_template_and_forks_where_it_rewrites():
-    """Qwen3's template renders past turns the same whatever `enable_thinking` is (it drops the empty
-    think block the generation prompt prefilled); only its generation prompt differs."""
-    r = qwen3_off()
-    on = Renderer.load(RendererKey.from_config(BUNDLED_MODEL, RendererConfig(family="qwen3")))
+@pytest.mark.parametrize("family", ["qwen3", "qwen3.5", "qwen3.6"])
+def test_qwen3_thinking_off_renders_history_as_the_template_and_forks_where_it_rewrites(family):
+    """Qwen3's template (and, as the library documents its deviation, Qwen3.5's and 3.6's) renders past
+    turns the same whatever `enable_thinking` is (it drops the empty think block the generation prompt
+    prefilled); only its generation prompt differs."""
+    r = qwen3_off(family)
+    on = Renderer.load(
+        RendererKey.from_config(
+            BUNDLED_MODEL, RendererConfig(family=family, template_kwargs={"enable_thinking": True})
+        )
+    )
     history = [
         {"role": "user", "content": "hi"},
         {"role": "assistant", "content": "hello"},
@@ -358,8 +363,13 @@ def test_qwen3_thinking_off_renders_history_as_the_template_and_forks_where_it_r
     )
 
 
-def test_qwen3_thinking_off_keeps_the_librarys_stable_history_when_switched_to():
-    r = qwen3_off(template_faithful=False)
+@pytest.mark.parametrize(
+    ("family", "faithful"), [("qwen3", False), ("qwen3.5", False), ("qwen3.6", False), ("qwen3.8", True)]
+)
+def test_qwen3_thinking_off_keeps_the_librarys_stable_history_when_switched_to(family, faithful):
+    """`template_faithful=False`, and Qwen3.8 always: its `enable_thinking` also changes the system
+    prompt, so history cannot be rendered as with thinking on (the library's deviation stays)."""
+    r = qwen3_off(family, template_faithful=faithful)
     history = [
         {"role": "user", "content": "hi"},
         {"role": "assistant", "content": "hello"},
