@@ -33,7 +33,7 @@ from rollout_actors.concurrency import ConcurrencyController
 from rollout_actors.config import PlaneConfig
 from rollout_actors.failures import log_failure
 from rollout_actors.inference.load import LoadReader
-from rollout_actors.inference.weights import WeightUpdater, WeightUpdateReport
+from rollout_actors.inference.weights import Joiner, WeightUpdater, WeightUpdateReport
 from rollout_actors.kernel import Loss, RefResolver
 from rollout_actors.kernel.faults import Unavailable, ray_loss
 from rollout_actors.lanes import Lane, Lanes
@@ -229,15 +229,16 @@ class RolloutPlane(Submission):
         return self._updater
 
     async def init_weight_transfer(
-        self, init_info: dict[str, Any], *, transfer: Awaitable[Any] | None = None
+        self, init_info: dict[str, Any], *, transfer: Awaitable[Any] | None = None, join: Joiner | None = None
     ) -> None:
         """vLLM's `/init_weight_transfer_engine` on every live server, once before the first
         `update_weights` (NCCL: `init_info` names the trainer's rendezvous; `transfer`, the trainer joining
-        the group, runs while the calls are open)."""
+        the group, runs while the calls are open). `join(url)` gives a server that joins later (a
+        replacement) its own `TransferJoin` before it takes traffic; without it such a server is kept out."""
         servers = list(self._endpoints())
         if not servers:
             raise RuntimeError("no live inference server to initialise")
-        await self._weight_updater().init_transfer(servers, init_info, transfer=transfer)
+        await self._weight_updater().init_transfer(servers, init_info, transfer=transfer, join=join)
 
     async def update_weights(
         self,
@@ -315,6 +316,8 @@ class RolloutPlane(Submission):
     async def prepare_server(self, url: str) -> None:
         """Make a server that is about to join routing serve the active policy (load the active adapter).
         `InferenceServerSet.before_routing` when the plane was given the set; raising keeps it out."""
+        if self._updater is not None:
+            await self._updater.join_server(url)  # its weight transfer first: updates need it
         if self._weights_version:
             if self.weights_loader is None:
                 raise RuntimeError(

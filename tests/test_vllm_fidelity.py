@@ -8,6 +8,7 @@ import asyncio
 import json
 import os
 import re
+import signal
 from pathlib import Path
 
 import numpy as np
@@ -562,3 +563,116 @@ def test_a_failed_weight_update_leaves_the_servers_paused_until_a_retry_succeeds
     assert uninitialised.stage == "init_weight_transfer_engine" and untouched is False
     assert after_failure is True and label == "default"
     assert report.version == 1 and after_retry is False and relabelled == "1"
+
+
+@pytest.mark.slow
+def test_a_replacement_server_joins_the_weight_transfer_before_it_takes_a_full_update(ray_session):
+    """vLLM's NCCL engine refuses every update on a server that never had `/init_weight_transfer_engine`
+    (the stand-in as strictly): a replacement the server set starts after `init_weight_transfer` gets its
+    own init through `join` before it takes traffic, then takes the next full update like the others."""
+    from waiting import wait_until
+
+    from rollout_actors.inference.server_set import InferenceServerSet
+    from rollout_actors.inference.weights import TransferJoin
+    from rollout_actors.kernel.supervision import RestartIntensity
+
+    spec = ServerSpec(
+        kind="standin", model=BUNDLED_MODEL, host="127.0.0.1", startup_timeout_s=180, num_cpus=0
+    )
+    refused_before_join: dict[str, str] = {}
+
+    async def join(url: str) -> TransferJoin:
+        # The trainer's side: here, first show that the fresh server refuses an update without init.
+        async with httpx.AsyncClient(base_url=url.removesuffix("/v1"), timeout=10, trust_env=False) as http:
+            assert (await http.post("/start_weight_update")).status_code == 200
+            refused = await http.post("/update_weights", json={"update_info": NCCL_UPDATE})
+            refused_before_join[url] = f"{refused.status_code} {refused.json()['error']['message']}"
+        return TransferJoin({**NCCL_INIT, "master_port": 29501})
+
+    async def scenario():
+        servers = InferenceServerSet(spec, replicas=1, restart=RestartIntensity(max_restarts=2, window_s=60))
+        config = PlaneConfig(
+            workers=1,
+            worker_num_cpus=0.25,
+            env_pool={"num_cpus": 0.25},
+            allowed_ref_prefixes=TEST_REF_PREFIXES,
+        )
+        plane = RolloutPlane(config, servers=servers)
+        try:
+            await servers.start()
+            await plane.start()
+            await plane.init_weight_transfer(NCCL_INIT, join=join)
+            victim = servers.status()[0].pid
+            os.kill(victim, signal.SIGKILL)
+            await wait_until(
+                lambda: servers.endpoints() and servers.status()[0].pid != victim, timeout=200
+            )  # the replacement may reuse the address: it is told apart by its process
+            (replacement,) = servers.endpoints()
+            report = await plane.update_weights(NCCL_UPDATE, version=1)
+            async with httpx.AsyncClient(timeout=10, trust_env=False) as http:
+                label = (await http.get(f"{replacement.removesuffix('/v1')}/weight_info")).json()
+        finally:
+            await plane.close()
+            await servers.aclose()
+        return replacement, report, label
+
+    replacement, report, label = run(scenario(), deadline=500)
+    assert refused_before_join == {
+        replacement: "500 NCCL weight transfer not initialized. Call init_transfer_engine() first."
+    }
+    assert report.servers == [replacement.removesuffix("/v1")] and label == {"weight_version": "1"}
+
+
+def test_without_join_a_server_that_joins_after_init_is_kept_out_and_a_reused_address_is_not_trusted():
+    """Weight updater alone, on one stand-in: after `init_transfer`, a joining server (here the same address,
+    as a replacement may reuse it) is refused without `join`, and is not counted as initialised."""
+    from rollout_actors.inference.weights import WeightUpdateFailure, WeightUpdater
+
+    async def scenario(server: StandinServer):
+        updater = WeightUpdater(timeout_s=10)
+        try:
+            await updater.init_transfer([server.base_url], NCCL_INIT)
+            with pytest.raises(RuntimeError, match="pass `join`"):
+                await updater.join_server(server.base_url)
+            with pytest.raises(WeightUpdateFailure) as refused:
+                await updater.update([server.base_url], NCCL_UPDATE, version=1)
+        finally:
+            await updater.aclose()
+        return refused.value
+
+    with StandinServer(served_like_vllm()) as server:
+        refused = run(scenario(server))
+    assert refused.stage == "init_weight_transfer_engine" and not refused.paused
+
+
+def test_a_500_from_load_lora_adapter_is_not_retried(standin, tmp_path):
+    """vLLM 0.33.0 answers 500 when its loader raised on the files (`openai/models/serving.py`): the same
+    files fail the same way, so the publisher gives up after one attempt (here an adapter past the server's
+    max rank, which a publisher told looser limits lets through)."""
+    from rollout_actors.lora import AdapterLimits
+
+    path = adapter_dir(tmp_path / "too-wide", rank=128)
+
+    async def scenario():
+        publisher = PolicyPublisher(
+            [standin.base_url], tmp_path / "published", load_timeout_s=10, retries=2,
+            limits=AdapterLimits(max_lora_rank=128),
+        )  # fmt: skip
+        loads: list[str] = []
+
+        async def count(request) -> None:
+            if request.url.path.endswith("/load_lora_adapter"):
+                loads.append(str(request.url))
+
+        publisher._http.event_hooks["request"].append(count)
+        try:
+            with pytest.raises(PublishFailure) as caught:
+                await (await publisher.publish(path, version=1)).wait(timeout=30)
+        finally:
+            await publisher.aclose()
+        return caught.value, loads
+
+    failure, loads = run(scenario())
+    assert failure.stage == "load" and failure.failure.status_code == 500
+    assert "max_lora_rank" in failure.failure.message
+    assert len(loads) == 1

@@ -1,7 +1,8 @@
 """Full-weight updates on running servers, the way vLLM takes them, without dropping rollouts in flight.
 
     updater = WeightUpdater(api_key_var="VLLM_KEY")
-    await updater.init_transfer(servers, init_info, transfer=trainer_joins_group)   # once per server
+    await updater.init_transfer(servers, init_info, transfer=trainer_joins_group, join=trainer_adds)
+    await updater.join_server(replacement)     # a server that joins later: its own init, via `join`
     report = await updater.update(servers, update_info, version=7)
 
 Per server, with vLLM's routes (vLLM 0.33.0, `vllm/entrypoints/rl/online/api_router.py`; served with
@@ -32,8 +33,8 @@ from __future__ import annotations
 import asyncio
 import base64
 import time
-from collections.abc import Awaitable
-from typing import Any, Literal
+from collections.abc import Awaitable, Callable
+from typing import Any, Literal, NamedTuple
 
 from pydantic import BaseModel
 
@@ -68,6 +69,19 @@ class WeightUpdateReport(BaseModel):
     """From the first pause sent until the last server confirmed resume: how long sampling stood still."""
     total_s: float
     """The whole update as the caller waited for it."""
+
+
+class TransferJoin(NamedTuple):
+    """How a server joining after `init_transfer` (a replacement) enters the trainer's transfer: its own
+    `init_info` (NCCL: a rendezvous and ranks for the group the trainer forms with it) and `transfer`, the
+    trainer's side of that join, run while the server's call is open."""
+
+    init_info: dict[str, Any]
+    transfer: Awaitable[Any] | None = None
+
+
+Joiner = Callable[[str], Awaitable[TransferJoin]]
+"""Given a joining server's URL, the trainer prepares its side and says how the server joins."""
 
 
 class WeightUpdateFailure(Exception):
@@ -145,19 +159,57 @@ class WeightUpdater:
         self.backend = backend
         """The servers' `--weight-transfer-config` backend (`ServerSpec.weight_transfer_backend`)."""
         self._initialised: set[str] = set()
+        self._joiner: Joiner | None = None
+        self._transfer_started = False
 
     async def aclose(self) -> None:
         await self._http.aclose()
 
     async def init_transfer(
-        self, servers: list[str], init_info: dict[str, Any], *, transfer: Awaitable[Any] | None = None
+        self,
+        servers: list[str],
+        init_info: dict[str, Any],
+        *,
+        transfer: Awaitable[Any] | None = None,
+        join: Joiner | None = None,
     ) -> None:
         """`/init_weight_transfer_engine` on every server (once each, before its first update). `transfer`
-        (the trainer joining the same process group) runs while the calls are open."""
+        (the trainer joining the same process group) runs while the calls are open. `join` brings a server
+        that joins later (`join_server`) into the transfer; without it such a server is refused."""
         roots = _roots(servers)
+        if join is not None:
+            self._joiner = join
         problems = init_info_problems(self.backend, init_info)
         if problems:
             raise ValueError("; ".join(problems))
+        await self._init(roots, init_info, transfer)
+        self._transfer_started = True
+
+    async def join_server(self, server: str) -> None:
+        """Before `server` joins routing (a replacement): once transfers were initialised, give it its own
+        `/init_weight_transfer_engine` through the `join` callback, since vLLM's NCCL backend fails every
+        update on a server that never had one. Raises (keeping it out) when there is no `join`.
+
+        The address is forgotten first: a replacement may reuse a dead server's host and port, and the new
+        process has no transfer engine whatever the old one had. Waits for an update in flight."""
+        root = _roots([server])[0]
+        self._initialised.discard(root)
+        if not self._transfer_started:
+            return  # the first init_transfer will reach it with the others
+        if self._joiner is None:
+            raise RuntimeError(
+                f"{root} joins after init_weight_transfer and vLLM refuses its updates until it has one: "
+                "pass `join` to init_weight_transfer to bring new servers into the transfer"
+            )
+        init_info, transfer = await self._joiner(server)
+        problems = init_info_problems(self.backend, init_info)
+        if problems:
+            raise ValueError(f"join of {root}: " + "; ".join(problems))
+        await self._init([root], init_info, transfer)
+
+    async def _init(
+        self, roots: list[str], init_info: dict[str, Any], transfer: Awaitable[Any] | None
+    ) -> None:
         async with self._one_at_a_time:
             call = self._each(
                 roots,
