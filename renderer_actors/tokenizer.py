@@ -20,8 +20,10 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import socket
 import tempfile
 import threading
+import time
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
@@ -299,14 +301,51 @@ def _load_library_tokenizer(name: str):
     return _from_hub(name, library_load, hub_timeout_s())
 
 
+PROXY_VARS = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
+
+
+def hub_unreachable(timeout_s: float) -> str | None:
+    """Why the hub cannot answer at all, where the machine says so at once (offline mode, a host name that
+    does not resolve, a refused or unroutable connection); None when it may answer. Through a proxy only
+    the proxy knows: None. A machine without hub access learns it in milliseconds here, where the hub
+    client would retry until `timeout_s` ran out."""
+    from urllib.parse import urlsplit
+
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return "HF_HUB_OFFLINE is set"
+    if any(os.environ.get(var) for var in PROXY_VARS):
+        return None
+    endpoint = urlsplit(constants.ENDPOINT)
+    host = endpoint.hostname or ""
+    port = endpoint.port or (80 if endpoint.scheme == "http" else 443)
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return None
+    except TimeoutError:
+        return f"no connection to {host}:{port} within {timeout_s:g} s"
+    except OSError as exc:  # gaierror (no such host), refused, unreachable network
+        return f"{host}:{port} cannot be reached: {exc}"
+
+
 def _from_hub(name: str, library_load: Any, timeout_s: float):
     """`library_load(name)` in a daemon thread, waited on for `timeout_s`: the hub client's own retries
     cannot be bounded from outside, so a load past the bound is abandoned (its thread ends with its
-    retries) and this one fails. Not under `_build_lock`: an abandoned load must not hold it."""
+    retries) and this one fails. Not under `_build_lock`: an abandoned load must not hold it. A hub the
+    network says is not there fails at once (`hub_unreachable`)."""
     if timeout_s <= 0:
         raise TokenizerUnavailable(
             f"tokenizer {name!r} is not in local files and hub loads are off ({HUB_TIMEOUT_ENV}=0)"
         )
+    started = time.monotonic()
+    unreachable = hub_unreachable(timeout_s)
+    if unreachable is not None:
+        raise TokenizerUnavailable(
+            f"tokenizer {name!r} is not in local files and the hub is unreachable ({unreachable}); put it in "
+            "the Hugging Face cache or name a local path"
+        )
+    timeout_s = max(0.0, timeout_s - (time.monotonic() - started))
     outcome: dict[str, Any] = {}
 
     def fetch() -> None:
