@@ -170,7 +170,7 @@ def format_timings(run: Timeline) -> list[str]:
     lines = [
         f"cold start: {secs(run.cold_start_s)} until the first turn began (env pool start "
         f"{secs(run.longest('env_pool_s'))}, renderer slot {secs(run.longest('renderer_s'))} at most); "
-        f"first result at {secs(run.first_result_s)}"
+        f"first result at {secs(run.first_result_s)}, last at {secs(run.end_s)} (after the first submit)"
     ]
     steady = run.steady_rates()
     if steady is not None:

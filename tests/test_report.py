@@ -114,6 +114,7 @@ def test_the_timeline_starts_at_the_first_submission_and_marks_the_cold_start_ap
     )
     text = format_summary(summarize(_timed_run(fail=False, lag=False)))
     assert "cold start: 5.05 s" in text and "first result at 6.26 s" in text
+    assert f"last at {run.end_s:.2f} s (after the first submit)" in text
     assert "  env_pool " in text and "  lane " not in text  # no lane was full: that wait is left out
     queue = next(line for line in text.splitlines() if line.startswith("    queue "))  # under model
     assert queue.split()[1:3] == ["200.0", "ms"] and queue.endswith(
