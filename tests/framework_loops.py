@@ -78,7 +78,68 @@ def verifiers_classic(case: dict[str, Any]) -> dict[str, Any]:
     return {"reward": state["reward"], "metrics": state["metrics"], "messages": messages}
 
 
-LOOPS = {"skyrl-gym": skyrl_gym, "verifiers-0.3": verifiers_classic}
+def verifiers_v1(case: dict[str, Any]) -> dict[str, Any]:
+    """verifiers' own episode (`SingleAgentEnv.run_episode`: its rollout, interception server, stops
+    and scoring), the chat loop in process (`framework_vf_chat`), and a model server on localhost whose
+    completions are the given assistant messages, in order."""
+    import asyncio
+    import os
+    import time
+
+    import verifiers.v1 as vf
+    from aiohttp import web
+
+    answers = list(case["assistant"])
+
+    async def completion(request: web.Request) -> web.Response:
+        body = await request.json()
+        message = answers.pop(0)
+        reply = {"role": "assistant", "content": message.get("content")}
+        if message.get("tool_calls"):
+            reply["tool_calls"] = message["tool_calls"]
+        choice = {
+            "index": 0,
+            "message": reply,
+            "finish_reason": "tool_calls" if reply.get("tool_calls") else "stop",
+        }
+        return web.json_response(
+            {"id": "scripted", "object": "chat.completion", "created": int(time.time()), "model": body["model"],
+             "choices": [choice], "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}
+        )  # fmt: skip
+
+    async def episode() -> dict[str, Any]:
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", completion)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = runner.addresses[0][1]
+        os.environ["SCRIPTED_MODEL_KEY"] = "unused"
+        config = vf.SingleAgentEnvConfig(
+            taskset={**case.get("taskset_config", {}), "id": case["taskset"]},
+            agent={"harness": {"id": "framework-vf-chat"}, "runtime": {"type": "subprocess"}},
+        )
+        env = vf.load_environment(config)
+        client = vf.EvalClientConfig(base_url=f"http://127.0.0.1:{port}/v1", api_key_var="SCRIPTED_MODEL_KEY")
+        task = next(t for t in env.taskset if t.data.idx == case["index"])
+        try:
+            async with env.serving():
+                result = await env.run_episode(task, vf.ModelContext(model="policy", client=client))
+        finally:
+            await runner.cleanup()
+        [trace] = result.traces
+        assert trace.ok, trace.errors
+        messages = [m.model_dump(mode="json", exclude_none=True) for m in trace.messages]
+        return {"reward": trace.reward, "metrics": dict(trace.metrics), "messages": messages,
+                "stop_condition": trace.stop_condition}  # fmt: skip
+
+    outcome = asyncio.run(episode())
+    assert not answers, f"{len(answers)} assistant turns left unused"
+    return outcome
+
+
+LOOPS = {"skyrl-gym": skyrl_gym, "verifiers-0.3": verifiers_classic, "verifiers-0.4": verifiers_v1}
 
 if __name__ == "__main__":
     outcome = LOOPS[sys.argv[1]](json.load(sys.stdin))
