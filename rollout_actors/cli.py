@@ -33,7 +33,7 @@ RUN_FLAGS: list[tuple[str, str, Any, str]] = [
     ("--tasks", "run.tasks", int, "number of tasks (task indices 0..N-1)"),
     ("--group-size", "run.group_size", int, "rollouts per task (one group)"),
     ("--max-turns", "run.max_turns", int, "model turns per rollout at most"),
-    ("--mode", "run.mode", str, "token ids (token) or relayed chat (chat)"),
+    ("--mode", "run.mode", str, "token ids (token), relayed chat (chat), the env's own agent (agent)"),
     ("--seed", "run.seed", int, "base sampling seed (each rollout of a task adds its index)"),
     ("--deadline", "run.deadline_s", float, "per-rollout deadline, seconds"),
     ("--ray-address", "run.ray_address", str, "join this Ray cluster (default: $RAY_ADDRESS or local)"),
