@@ -88,8 +88,8 @@ class VerifiersV1Env(Environment):
         from verifiers.v1.utils import loaders  # noqa: PLC0415
 
         self._vf = vf
-        self._gate.check(_plugin_module(self._taskset_id))
-        self._check_plugged(self._taskset_config)
+        self._gate.check(plugin_module(self._taskset_id))
+        check_plugged(self._gate, self._taskset_config)
         env_cls = loaders.environment_class(self._taskset_id)
         if env_cls is not vf.SingleAgentEnv:
             raise CallerError(
@@ -140,25 +140,6 @@ class VerifiersV1Env(Environment):
         return await self._framework(self._score(state))
 
     # ---------------------------------------------------------------- checks at load
-
-    def _check_plugged(self, taskset_config: dict[str, Any]) -> None:
-        """Functions a config plugs in are imported by verifiers: they pass the same gate as the taskset."""
-        task = taskset_config.get("task") or {}
-        for kind in ("stops", "metrics", "rewards"):
-            for name, spec in (task.get(kind) or {}).items():
-                fn = (spec or {}).get("fn")
-                if fn is None:
-                    continue
-                module = fn.split(":")[0] if ":" in fn else fn.rpartition(".")[0]
-                if module.endswith(".py") or "/" in module:
-                    raise CallerError(
-                        f"{kind}.{name}: a function from a file ({fn!r}) is not importable here"
-                    )
-                self._gate.check(module)
-        if task.get("judges"):
-            raise CallerError(
-                f"{self._taskset_id}: judges make model calls of their own, which this adapter cannot"
-            )
 
     def _refuse_needs(self, taskset: Any, config: Any) -> None:
         vf, sample = self._vf, self._tasks[0]
@@ -278,10 +259,27 @@ class VerifiersV1Env(Environment):
         )
 
 
-def _plugin_module(plugin_id: str) -> str:
-    """The module verifiers imports for a taskset id (its loaders' rule: a built-in of that name first)."""
+def check_plugged(gate: PackageGate, taskset_config: dict[str, Any]) -> None:
+    """Functions a config plugs in are imported by verifiers: they pass the same gate as the taskset."""
+    task = taskset_config.get("task") or {}
+    for kind in ("stops", "metrics", "rewards"):
+        for name, spec in (task.get(kind) or {}).items():
+            fn = (spec or {}).get("fn")
+            if fn is None:
+                continue
+            module = fn.split(":")[0] if ":" in fn else fn.rpartition(".")[0]
+            if module.endswith(".py") or "/" in module:
+                raise CallerError(f"{kind}.{name}: a function from a file ({fn!r}) is not importable here")
+            gate.check(module)
+    for judge in task.get("judges") or []:
+        if isinstance(judge, dict) and judge.get("id"):
+            gate.check(plugin_module(judge["id"], "judges"))
+
+
+def plugin_module(plugin_id: str, group: str = "tasksets") -> str:
+    """The module verifiers imports for a plugin id (its loaders' rule: a built-in of that name first)."""
     module = plugin_id.rsplit("/", 1)[-1].split("@", 1)[0].replace("-", "_").lower()
-    namespaced = f"verifiers.v1.tasksets.{module}"
+    namespaced = f"verifiers.v1.{group}.{module}"
     try:
         builtin = importlib.util.find_spec(namespaced) is not None
     except ModuleNotFoundError:
