@@ -96,7 +96,7 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--env-runtime-env",
         dest="plane.env_pool.runtime_env",
-        type=json.loads,
+        type=_runtime_env_arg,
         default=argparse.SUPPRESS,
         help="JSON: the env pool's own packages (pip, py_executable, working_dir, py_modules, env_vars)",
     )
@@ -150,6 +150,23 @@ def main(argv: list[str] | None = None) -> int:
         print(to_toml(config), end="")
         return 0
     return run(config)
+
+
+def _runtime_env_arg(text: str) -> dict:
+    """`--env-runtime-env`: local folders (`py_modules`, `working_dir`) given relative to where the command
+    runs are made absolute here, where they are meant: the pool that uploads them runs elsewhere."""
+    value = json.loads(text)
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("a JSON object")
+
+    def local(path: object) -> object:
+        return str(Path(path).resolve()) if isinstance(path, str) and Path(path).exists() else path
+
+    if isinstance(value.get("py_modules"), list):
+        value["py_modules"] = [local(path) for path in value["py_modules"]]
+    if "working_dir" in value:
+        value["working_dir"] = local(value["working_dir"])
+    return value
 
 
 def report(path: str, png: str | None) -> int:

@@ -78,10 +78,10 @@ def verifiers_classic(case: dict[str, Any]) -> dict[str, Any]:
     return {"reward": state["reward"], "metrics": state["metrics"], "messages": messages}
 
 
-def verifiers_v1(case: dict[str, Any]) -> dict[str, Any]:
-    """verifiers' own episode (`SingleAgentEnv.run_episode`: its rollout, interception server, stops
+def verifiers_v1(case: dict[str, Any]) -> list[dict[str, Any]]:
+    """verifiers' own episodes (`SingleAgentEnv.run_episode`: its rollout, interception server, stops
     and scoring), the chat loop in process (`framework_vf_chat`), and a model server on localhost whose
-    completions are the given assistant messages, in order."""
+    completions are each episode's given assistant messages, in order. One outcome per episode."""
     import asyncio
     import os
     import time
@@ -89,7 +89,7 @@ def verifiers_v1(case: dict[str, Any]) -> dict[str, Any]:
     import verifiers.v1 as vf
     from aiohttp import web
 
-    answers = list(case["assistant"])
+    answers: list[dict[str, Any]] = []
 
     async def completion(request: web.Request) -> web.Response:
         body = await request.json()
@@ -97,23 +97,19 @@ def verifiers_v1(case: dict[str, Any]) -> dict[str, Any]:
         reply = {"role": "assistant", "content": message.get("content")}
         if message.get("tool_calls"):
             reply["tool_calls"] = message["tool_calls"]
-        choice = {
-            "index": 0,
-            "message": reply,
-            "finish_reason": "tool_calls" if reply.get("tool_calls") else "stop",
-        }
+        finish = "tool_calls" if reply.get("tool_calls") else "stop"
         return web.json_response(
             {"id": "scripted", "object": "chat.completion", "created": int(time.time()), "model": body["model"],
-             "choices": [choice], "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}
+             "choices": [{"index": 0, "message": reply, "finish_reason": finish}],
+             "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}
         )  # fmt: skip
 
-    async def episode() -> dict[str, Any]:
+    async def episodes() -> list[dict[str, Any]]:
         app = web.Application()
         app.router.add_post("/v1/chat/completions", completion)
         runner = web.AppRunner(app)
         await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
         port = runner.addresses[0][1]
         os.environ["SCRIPTED_MODEL_KEY"] = "unused"
         config = vf.SingleAgentEnvConfig(
@@ -122,21 +118,28 @@ def verifiers_v1(case: dict[str, Any]) -> dict[str, Any]:
         )
         env = vf.load_environment(config)
         client = vf.EvalClientConfig(base_url=f"http://127.0.0.1:{port}/v1", api_key_var="SCRIPTED_MODEL_KEY")
-        task = next(t for t in env.taskset if t.data.idx == case["index"])
+        tasks = {t.data.idx: t for t in env.taskset}
+        outcomes = []
         try:
             async with env.serving():
-                result = await env.run_episode(task, vf.ModelContext(model="policy", client=client))
+                for item in case["episodes"]:
+                    answers[:] = item["assistant"]
+                    result = await env.run_episode(
+                        tasks[item["index"]], vf.ModelContext(model="policy", client=client)
+                    )
+                    assert not answers, f"{len(answers)} assistant turns left unused"
+                    [trace] = result.traces
+                    assert trace.ok, trace.errors
+                    outcomes.append(
+                        {"reward": trace.reward, "metrics": dict(trace.metrics),
+                         "messages": [m.model_dump(mode="json", exclude_none=True) for m in trace.messages],
+                         "stop_condition": trace.stop_condition}
+                    )  # fmt: skip
         finally:
             await runner.cleanup()
-        [trace] = result.traces
-        assert trace.ok, trace.errors
-        messages = [m.model_dump(mode="json", exclude_none=True) for m in trace.messages]
-        return {"reward": trace.reward, "metrics": dict(trace.metrics), "messages": messages,
-                "stop_condition": trace.stop_condition}  # fmt: skip
+        return outcomes
 
-    outcome = asyncio.run(episode())
-    assert not answers, f"{len(answers)} assistant turns left unused"
-    return outcome
+    return asyncio.run(episodes())
 
 
 LOOPS = {"skyrl-gym": skyrl_gym, "verifiers-0.3": verifiers_classic, "verifiers-0.4": verifiers_v1}
