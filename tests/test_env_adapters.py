@@ -349,3 +349,11 @@ def test_the_readme_environment_commands_run_end_to_end(command, tmp_path):
     (results,) = list(tmp_path.glob("rollouts-*.jsonl"))
     kinds = [json.loads(line).get("kind", "ok") for line in results.read_text().splitlines()]
     assert len(kinds) == tasks * 4 and set(kinds) == {"ok"}, (kinds, done.stdout[-2000:])
+
+
+def test_pip_tells_a_requirement_that_cannot_be_installed_from_one_that_can():
+    from env_actors.runtime_env_check import pip_problem
+
+    problem = asyncio.run(pip_problem(("ray-rollouts-no-such-package==0.0.1",)))
+    assert problem is not None and "No matching distribution" in problem
+    assert asyncio.run(pip_problem(("pydantic",))) is None  # installed here: nothing to fetch
