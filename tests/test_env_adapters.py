@@ -26,7 +26,7 @@ from rollout_actors.plane import PlaneConfig, RolloutPlane
 from rollout_actors.samples import trainer_samples
 from rollout_actors.wire import ClientConfig, Ref, Result, RolloutRequest, SamplingConfig
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # the shared plane starts four framework pools
 
 SKYRL = "env_actors.adapters.skyrl_gym:SkyRLGymEnv"
 VF_CLASSIC = "env_actors.adapters.verifiers_classic:VerifiersClassicEnv"
