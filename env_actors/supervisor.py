@@ -29,6 +29,7 @@ from typing import Any, Literal
 import ray
 
 from env_actors.config import EnvPoolConfig, WorkerInfo
+from env_actors.runtime_env_check import started_unless_pip_fails
 from env_actors.server import create_env_server
 from env_actors.sessions import OpenSessions
 from rollout_actors.kernel import Failure, Ref
@@ -243,7 +244,8 @@ class Supervisor:
     async def _bring_up(self, slot: ServerSlot, ready_timeout: float) -> SpawnOutcome:
         started = time.monotonic()
         try:
-            response = await asyncio.wait_for(resolve(slot.handle.start.remote()), ready_timeout)
+            start = started_unless_pip_fails(resolve(slot.handle.start.remote()), self.config.runtime_env)
+            response = await asyncio.wait_for(start, ready_timeout)
             if response.success:
                 remaining = max(self.config.probe_timeout_s, ready_timeout - (time.monotonic() - started))
                 await asyncio.wait_for(resolve(slot.handle.health.remote()), remaining)

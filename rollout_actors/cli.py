@@ -33,7 +33,7 @@ RUN_FLAGS: list[tuple[str, str, Any, str]] = [
     ("--tasks", "run.tasks", int, "number of tasks (task indices 0..N-1)"),
     ("--group-size", "run.group_size", int, "rollouts per task (one group)"),
     ("--max-turns", "run.max_turns", int, "model turns per rollout at most"),
-    ("--mode", "run.mode", str, "token ids (token) or relayed chat (chat)"),
+    ("--mode", "run.mode", str, "token ids (token), relayed chat (chat), the env's own agent (agent)"),
     ("--seed", "run.seed", int, "base sampling seed (each rollout of a task adds its index)"),
     ("--deadline", "run.deadline_s", float, "per-rollout deadline, seconds"),
     ("--ray-address", "run.ray_address", str, "join this Ray cluster (default: $RAY_ADDRESS or local)"),
@@ -96,7 +96,7 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--env-runtime-env",
         dest="plane.env_pool.runtime_env",
-        type=json.loads,
+        type=_runtime_env_arg,
         default=argparse.SUPPRESS,
         help="JSON: the env pool's own packages (pip, py_executable, working_dir, py_modules, env_vars)",
     )
@@ -150,6 +150,23 @@ def main(argv: list[str] | None = None) -> int:
         print(to_toml(config), end="")
         return 0
     return run(config)
+
+
+def _runtime_env_arg(text: str) -> dict:
+    """`--env-runtime-env`: local folders (`py_modules`, `working_dir`) given relative to where the command
+    runs are made absolute here, where they are meant: the pool that uploads them runs elsewhere."""
+    value = json.loads(text)
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("a JSON object")
+
+    def local(path: object) -> object:
+        return str(Path(path).resolve()) if isinstance(path, str) and Path(path).exists() else path
+
+    if isinstance(value.get("py_modules"), list):
+        value["py_modules"] = [local(path) for path in value["py_modules"]]
+    if "working_dir" in value:
+        value["working_dir"] = local(value["working_dir"])
+    return value
 
 
 def report(path: str, png: str | None) -> int:

@@ -15,14 +15,14 @@ from __future__ import annotations
 import json
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from renderer_actors.config import RendererConfig
 from rollout_actors.config import PlaneConfig
 from rollout_actors.kernel import JSON
-from rollout_actors.wire import ClientConfig, SamplingConfig
+from rollout_actors.wire import ClientConfig, RolloutMode, SamplingConfig
 
 DEFAULT_ENV = "env_actors.examples.calculator_env:CalculatorEnv"
 CLIENT_PER_SERVER = ("base_url", "model", "api_key_var")
@@ -43,7 +43,8 @@ class JobSettings(_Section):
     """Task indices 0..tasks-1, one group each."""
     group_size: int = Field(default=4, ge=1)
     max_turns: int = Field(default=4, ge=1)
-    mode: Literal["token", "chat"] = "token"
+    mode: RolloutMode = "token"
+    """`agent`: the environment's own agent program drives the turns (an `AgentEnvironment`)."""
     deadline_s: float = Field(default=600.0, gt=0, allow_inf_nan=False)
     """Per-rollout deadline."""
     seed: int = 0

@@ -78,7 +78,71 @@ def verifiers_classic(case: dict[str, Any]) -> dict[str, Any]:
     return {"reward": state["reward"], "metrics": state["metrics"], "messages": messages}
 
 
-LOOPS = {"skyrl-gym": skyrl_gym, "verifiers-0.3": verifiers_classic}
+def verifiers_v1(case: dict[str, Any]) -> list[dict[str, Any]]:
+    """verifiers' own episodes (`SingleAgentEnv.run_episode`: its rollout, interception server, stops
+    and scoring), the chat loop in process (`framework_vf_chat`), and a model server on localhost whose
+    completions are each episode's given assistant messages, in order. One outcome per episode."""
+    import asyncio
+    import os
+    import time
+
+    import verifiers.v1 as vf
+    from aiohttp import web
+
+    answers: list[dict[str, Any]] = []
+
+    async def completion(request: web.Request) -> web.Response:
+        body = await request.json()
+        message = answers.pop(0)
+        reply = {"role": "assistant", "content": message.get("content")}
+        if message.get("tool_calls"):
+            reply["tool_calls"] = message["tool_calls"]
+        finish = "tool_calls" if reply.get("tool_calls") else "stop"
+        return web.json_response(
+            {"id": "scripted", "object": "chat.completion", "created": int(time.time()), "model": body["model"],
+             "choices": [{"index": 0, "message": reply, "finish_reason": finish}],
+             "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}
+        )  # fmt: skip
+
+    async def episodes() -> list[dict[str, Any]]:
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", completion)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        port = runner.addresses[0][1]
+        os.environ["SCRIPTED_MODEL_KEY"] = "unused"
+        config = vf.SingleAgentEnvConfig(
+            taskset={**case.get("taskset_config", {}), "id": case["taskset"]},
+            agent={"harness": {"id": "framework-vf-chat"}, "runtime": {"type": "subprocess"}},
+        )
+        env = vf.load_environment(config)
+        client = vf.EvalClientConfig(base_url=f"http://127.0.0.1:{port}/v1", api_key_var="SCRIPTED_MODEL_KEY")
+        tasks = {t.data.idx: t for t in env.taskset}
+        outcomes = []
+        try:
+            async with env.serving():
+                for item in case["episodes"]:
+                    answers[:] = item["assistant"]
+                    result = await env.run_episode(
+                        tasks[item["index"]], vf.ModelContext(model="policy", client=client)
+                    )
+                    assert not answers, f"{len(answers)} assistant turns left unused"
+                    [trace] = result.traces
+                    assert trace.ok, trace.errors
+                    outcomes.append(
+                        {"reward": trace.reward, "metrics": dict(trace.metrics),
+                         "messages": [m.model_dump(mode="json", exclude_none=True) for m in trace.messages],
+                         "stop_condition": trace.stop_condition}
+                    )  # fmt: skip
+        finally:
+            await runner.cleanup()
+        return outcomes
+
+    return asyncio.run(episodes())
+
+
+LOOPS = {"skyrl-gym": skyrl_gym, "verifiers-0.3": verifiers_classic, "verifiers-0.4": verifiers_v1}
 
 if __name__ == "__main__":
     outcome = LOOPS[sys.argv[1]](json.load(sys.stdin))

@@ -21,11 +21,16 @@ from pathlib import Path
 STACKS = {
     "skyrl-gym": ["skyrl-gym==0.4.0"],
     "verifiers-0.3": ["verifiers==0.3.1"],
+    "verifiers-0.4": ["verifiers==0.4.0"],
 }
 """The releases the adapters are tested against."""
 BUILD_TIMEOUT_S = 1200  # a cold build on a 2-core CI machine takes a few minutes; past this pip is stuck
 FRAMEWORK_ENVS = Path(__file__).parent / "framework_envs"
 """The test environments, shipped to the pools with `runtime_env.py_modules`."""
+FRAMEWORK_VF_TASKS = Path(__file__).parent / "framework_vf_tasks"
+"""The verifiers v1 test taskset: a top-level package, as verifiers loads tasksets by id."""
+FRAMEWORK_VF_CHAT = Path(__file__).parent / "framework_vf_chat"
+"""A verifiers v1 harness (the plain chat loop, in process), for verifiers' own episodes."""
 
 
 def cache_dir() -> Path:

@@ -9,11 +9,14 @@ import asyncio
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-from framework_stacks import FRAMEWORK_ENVS, stack_python
+from framework_envs import PROBLEMS
+from framework_stacks import FRAMEWORK_ENVS, FRAMEWORK_VF_CHAT, FRAMEWORK_VF_TASKS, STACKS, stack_python
+from readme import argv, block, commands
 
 from renderer_actors.config import RendererConfig
 from renderer_actors.key import RendererKey
@@ -23,11 +26,13 @@ from rollout_actors.plane import PlaneConfig, RolloutPlane
 from rollout_actors.samples import trainer_samples
 from rollout_actors.wire import ClientConfig, Ref, Result, RolloutRequest, SamplingConfig
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # the shared plane starts four framework pools
 
 SKYRL = "env_actors.adapters.skyrl_gym:SkyRLGymEnv"
 VF_CLASSIC = "env_actors.adapters.verifiers_classic:VerifiersClassicEnv"
-DEADLINE_S = 240  # a pool's first start in a fresh runtime env imports its framework: tens of seconds here
+VF_V1 = "env_actors.adapters.verifiers_v1:VerifiersV1Env"
+VF_V1_AGENT = "env_actors.adapters.verifiers_agent:VerifiersV1AgentEnv"
+DEADLINE_S = 360  # a pool's first start in a fresh runtime env imports its framework: tens of seconds here
 TESTS = Path(__file__).parent
 
 
@@ -39,8 +44,11 @@ def stack_pool(stack: str) -> dict[str, Any]:
     """An env pool config that runs its servers in `stack`'s interpreter with the test environments."""
     return {
         "num_cpus": 0.25,
-        "env_packages": ["framework_envs."],
-        "runtime_env": {"py_executable": stack_python(stack), "py_modules": [str(FRAMEWORK_ENVS)]},
+        "env_packages": ["framework_envs.", "framework_vf_tasks", "framework_vf_chat"],
+        "runtime_env": {
+            "py_executable": stack_python(stack),
+            "py_modules": [str(FRAMEWORK_ENVS), str(FRAMEWORK_VF_TASKS), str(FRAMEWORK_VF_CHAT)],
+        },
     }
 
 
@@ -77,14 +85,20 @@ async def run_all(rollouts: RolloutPlane, requests: list[RolloutRequest]) -> lis
 
 def own_loop(stack: str, case: dict[str, Any]) -> dict[str, Any]:
     """The framework's own loop over `case`, in the stack's interpreter (a separate process)."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
+    no_proxy = ",".join(filter(None, [os.environ.get("NO_PROXY", ""), "127.0.0.1"]))  # its scripted model
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
+        "NO_PROXY": no_proxy,
+        "no_proxy": no_proxy,
+    }
     done = subprocess.run(
         [stack_python(stack), str(TESTS / "framework_loops.py"), stack],
         input=json.dumps(case),
         capture_output=True,
         text=True,
         env=env,
-        timeout=120,
+        timeout=240,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout)
@@ -102,19 +116,41 @@ def vf_classic(kind: str) -> Ref:
     return Ref(VF_CLASSIC, {"env_id": "framework_envs.vf_classic_envs", "env_args": {"kind": kind}})
 
 
+def vf_v1(taskset_config: dict[str, Any] | None = None) -> Ref:
+    return Ref(VF_V1, {"taskset": "framework-vf-tasks", "taskset_config": taskset_config or {}})
+
+
+VF_V1_AGENT_ENV = Ref(VF_V1_AGENT, {"taskset": "framework-vf-tasks", "harness": {"id": "framework-vf-chat"}})
+"""verifiers' own episode with a chat harness (in process: the `null` harness's uv script needs the
+network to install), its model calls through the rollout's agent-mode endpoint."""
+
+
+def plugged_reward(name: str) -> dict[str, Any]:
+    return {"task": {"rewards": {name: {"fn": f"framework_vf_tasks:{name}", "weight": 0.5}}}}
+
+
 CASES = {
     "skyrl": [(SKY_ENV, i % 4, 11 + i) for i in range(5)],
     "vf-tools": [(vf_classic("tools"), i % 3, 21 + i) for i in range(4)],
     "vf-follow-up": [(vf_classic("follow_up"), i % 4, 31 + i) for i in range(8)],
     "vf-group": [(vf_classic("group"), 0, 41)],
     "vf-raises": [(vf_classic("raises"), 0, 51)],
+    "vf1-math": [(vf_v1(), i % 4, 61 + i) for i in range(6)],
+    "vf1-raises": [(vf_v1(plugged_reward("explodes")), 0, 71)],
+    "vf1-runtime": [(vf_v1(plugged_reward("on_disk")), 0, 72)],
+    "vf1-agent": [(VF_V1_AGENT_ENV, i % 4, 61 + i, "agent") for i in range(4)],
 }
-"""label -> (env, task index, seed) of the rollouts one plane runs, every framework in its own pool."""
+"""label -> (env, task index, seed[, mode]) of the rollouts one plane runs, every framework in its own pool."""
 
 
 @pytest.fixture(scope="module")
 def plane_results(ray_session, standin) -> dict[str, list[Result]]:
-    pools = {SKYRL: stack_pool("skyrl-gym"), VF_CLASSIC: stack_pool("verifiers-0.3")}
+    pools = {
+        SKYRL: stack_pool("skyrl-gym"),
+        VF_CLASSIC: stack_pool("verifiers-0.3"),
+        VF_V1: stack_pool("verifiers-0.4"),
+        VF_V1_AGENT: stack_pool("verifiers-0.4"),
+    }
     labelled = [(label, request(standin, *case)) for label, cases in CASES.items() for case in cases]
     results = run(run_all(plane(pools), [item for _, item in labelled]))
     by_label: dict[str, list[Result]] = {}
@@ -185,6 +221,47 @@ def test_a_raising_reward_function_fails_the_score_with_its_traceback_not_zero(p
     assert "RewardFunctionError" in result.error.traceback
 
 
+def test_verifiers_v1_taskset_matches_its_own_episode_beside_a_classic_one(plane_results):
+    # One plane ran both verifiers APIs at once, each pool in its own interpreter (0.3 and 0.4 clash).
+    assert all(r.kind == "ok" for r in plane_results["vf-follow-up"])
+    results = plane_results["vf1-math"]
+    assert all(r.kind == "ok" for r in results), [r.error for r in results]
+    episodes = [
+        {"index": r.task_index, "assistant": [m for m in r.messages if m["role"] == "assistant"]}
+        for r in results
+    ]
+    own = own_loop("verifiers-0.4", {"taskset": "framework-vf-tasks", "episodes": episodes})
+    for result, theirs in zip(results, own, strict=True):
+        assert result.reward == theirs["reward"]  # exact: the same reward functions, weights and sum
+        assert result.metrics["stop_condition"] == theirs["stop_condition"]
+        metrics = {k: v for k, v in result.metrics.items() if k not in ("turns", "stop_condition")}
+        assert metrics == theirs["metrics"]
+        assert env_messages(result.messages) == env_messages(theirs["messages"])
+    assert len({r.reward for r in results}) > 1, "the stand-in's answers should earn different rewards"
+
+
+def test_a_v1_reward_that_raises_fails_the_score_and_one_that_needs_a_runtime_is_refused(plane_results):
+    [raised] = plane_results["vf1-raises"]
+    assert raised.kind not in ("ok", "caller") and raised.reward is None
+    assert "ZeroDivisionError: the grader divided by zero" in raised.error.traceback
+    [refused] = plane_results["vf1-runtime"]
+    assert refused.kind == "caller"
+    assert "needs what this adapter cannot give: a runtime for its reward on_disk" in refused.error.message
+
+
+def test_verifiers_v1_with_its_own_harness_in_agent_mode_matches_token_mode_token_for_token(plane_results):
+    agent, token = plane_results["vf1-agent"], plane_results["vf1-math"]
+    for result, twin in zip(agent, token, strict=False):  # the same task and seed in both modes
+        assert result.kind == "ok", result.error
+        assert (result.task_index, result.reward) == (twin.task_index, twin.reward)
+        assert result.metrics["stop_condition"] == twin.metrics["stop_condition"]
+        assert [t.new_prompt_ids for t in result.turns] == [t.new_prompt_ids for t in twin.turns]
+        assert [t.completion_ids for t in result.turns] == [t.completion_ids for t in twin.turns]
+        [sample] = trainer_samples(result)
+        assert sum(sample.loss_mask) == sum(len(t.completion_ids) for t in result.turns)
+    assert len({r.reward for r in agent}) > 1, "the stand-in's answers should earn different rewards"
+
+
 def _rows_command(stack: str) -> list[str]:
     code = "import json, framework_envs.sky_math as m; print(json.dumps(m.rows()))"
     return ["env", f"PYTHONPATH={TESTS}", stack_python(stack), "-c", code]
@@ -203,3 +280,80 @@ def test_a_runtime_env_that_cannot_build_fails_its_rollouts_with_the_build_error
     # A pip install that fails is reported as soon as Ray reports it (not at the readiness deadline).
     assert failed_pip.kind == "caller", failed_pip.error
     assert "runtime_env failed to build" in failed_pip.error.message
+
+
+README_SECTION = "Bring your environments: verifiers and skyrl-gym"
+README_RUN_DEADLINE_S = (
+    600  # an embedded Ray, the stand-in, a pool loading its framework: minutes when loaded
+)
+
+
+def readme_packages(folder: Path) -> None:
+    """The packages the README's commands name, written as a user's would be: the test environments,
+    self-contained (no import of `framework_envs`)."""
+    inline = ("from framework_envs import PROBLEMS", f"PROBLEMS = {PROBLEMS!r}")
+    sources = {
+        "my_vf_env": (FRAMEWORK_ENVS / "vf_classic_envs.py").read_text().replace(*inline),
+        "my_sky_env": (FRAMEWORK_ENVS / "sky_math.py")
+        .read_text()
+        .replace(*inline)
+        .replace("framework_envs.sky_math:RetryMath", "my_sky_env:RetryMath"),
+        "my_taskset": (FRAMEWORK_VF_TASKS / "__init__.py").read_text().replace(*inline),
+    }
+    for name, source in sources.items():
+        (folder / name).mkdir()
+        (folder / name / "__init__.py").write_text(source)
+
+
+def as_tested(args: list[str]) -> list[str]:
+    """A README command with this suite's two substitutions (README.md says which): `pip` -> the cached
+    interpreter with those packages, the `null` harness -> the same chat loop in process."""
+    args = list(args)
+    flag = args.index("--env-runtime-env") + 1
+    runtime_env = json.loads(args[flag])
+    [stack] = [name for name, wanted in STACKS.items() if wanted == runtime_env["pip"]]
+    runtime_env = {
+        "py_executable": stack_python(stack),
+        **{k: v for k, v in runtime_env.items() if k != "pip"},
+    }
+    if '"harness": {"id": "null"}' in args[args.index("--env-config") + 1]:
+        config = json.loads(args[args.index("--env-config") + 1])
+        config["harness"] = {"id": "framework-vf-chat"}
+        args[args.index("--env-config") + 1] = json.dumps(config)
+        runtime_env["py_modules"] = [*runtime_env["py_modules"], str(FRAMEWORK_VF_CHAT)]
+        args += ["--env-package", "framework_vf_chat"]
+    args[flag] = json.dumps(runtime_env)
+    return args
+
+
+README_COMMANDS = [c for c in commands(block(README_SECTION, "bash")) if c.startswith("rollouts run")]
+
+
+@pytest.mark.timeout(README_RUN_DEADLINE_S + 60)
+@pytest.mark.parametrize("command", README_COMMANDS, ids=lambda c: argv(c)[argv(c).index("--env") + 1])
+def test_the_readme_environment_commands_run_end_to_end(command, tmp_path):
+    readme_packages(tmp_path)
+    args = as_tested(argv(command))
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # the CLI's own embedded Ray
+    rollouts = os.path.join(os.path.dirname(sys.executable), "rollouts")
+    done = subprocess.run(
+        [rollouts, *args[1:], "--no-progress"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=README_RUN_DEADLINE_S,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    tasks = int(args[args.index("--tasks") + 1])
+    (results,) = list(tmp_path.glob("rollouts-*.jsonl"))
+    kinds = [json.loads(line).get("kind", "ok") for line in results.read_text().splitlines()]
+    assert len(kinds) == tasks * 4 and set(kinds) == {"ok"}, (kinds, done.stdout[-2000:])
+
+
+def test_pip_tells_a_requirement_that_cannot_be_installed_from_one_that_can():
+    from env_actors.runtime_env_check import pip_problem
+
+    problem = asyncio.run(pip_problem(("ray-rollouts-no-such-package==0.0.1",)))
+    assert problem is not None and "No matching distribution" in problem
+    assert asyncio.run(pip_problem(("pydantic",))) is None  # installed here: nothing to fetch

@@ -3,6 +3,8 @@
 - `verifiers_classic:VerifiersClassicEnv`: a verifiers classic environment (`verifiers.legacy` of 0.3.x, the
   top level of older releases): `load_environment(**args)`, its dataset, its multi-turn loop, its rubric.
 - `verifiers_v1:VerifiersV1Env`: a verifiers 0.4 taskset whose agent is a plain chat loop.
+- `verifiers_agent:VerifiersV1AgentEnv`: a verifiers 0.4 environment run by verifiers itself, its harness
+  calling the model through the rollout's agent-mode endpoint (`mode="agent"`).
 - `skyrl_gym:SkyRLGymEnv`: a skyrl-gym text environment (`make`, `init`, `step(raw text)`, `close`).
 
 Two allowlists guard them. The adapter classes are in the default Ref allowlist (`env_actors.adapters.`),
@@ -72,6 +74,10 @@ class FrameworkLoop:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name=name, daemon=True)
         self._thread.start()
+
+    def run_sync(self, coro: Coroutine[Any, Any, T], timeout: float) -> T:
+        """Run `coro` on the framework's loop from a thread that is not on it (a synchronous `load`)."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
 
     async def run(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run `coro` on the framework's loop and wait for it here. Cancelling the waiter cancels it."""
