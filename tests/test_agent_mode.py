@@ -16,6 +16,7 @@ import psutil
 import pytest
 import ray
 from env_pools import TEST_REF_PREFIXES
+from waiting import runner
 
 from env_actors.examples.calculator_env import CalculatorEnv
 from renderer_actors.tokenizer import BUNDLED_MODEL
@@ -33,8 +34,7 @@ PROGRAM = Ref(target="env_actors.faults.agents:ProgramAgentEnv")
 RIGHT = {"X-Standin-Correct-Rate": "1"}  # the stand-in answers right: both modes must reach reward 1
 
 
-def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, DEADLINE_S))
+run = runner(DEADLINE_S)
 
 
 def plane() -> RolloutPlane:

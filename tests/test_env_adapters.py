@@ -5,7 +5,6 @@ packages, `framework_stacks.py`), beside the plane's own packages, in one plane.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import subprocess
@@ -14,6 +13,7 @@ from typing import Any
 
 import pytest
 from framework_stacks import FRAMEWORK_ENVS, stack_python
+from waiting import runner
 
 from renderer_actors.config import RendererConfig
 from renderer_actors.key import RendererKey
@@ -31,8 +31,7 @@ DEADLINE_S = 240  # a pool's first start in a fresh runtime env imports its fram
 TESTS = Path(__file__).parent
 
 
-def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, DEADLINE_S))
+run = runner(DEADLINE_S)
 
 
 def stack_pool(stack: str) -> dict[str, Any]:

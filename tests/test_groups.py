@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from adapters import unload_adapters
 from env_pools import TEST_REF_PREFIXES
-from waiting import wait_until
+from waiting import runner, wait_until
 
 from renderer_actors.tokenizer import BUNDLED_MODEL
 from rollout_actors.groups import Stragglers
@@ -27,8 +27,7 @@ ECHO = Ref(target="env_actors.faults.envs:EchoEnv", config={"num_tasks": 8, "tur
 DEADLINE_S = 120
 
 
-def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, DEADLINE_S))
+run = runner(DEADLINE_S)
 
 
 def plane(**overrides) -> RolloutPlane:

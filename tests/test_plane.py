@@ -11,7 +11,7 @@ import pytest
 import ray
 from adapters import served_models, unload_adapters
 from env_pools import TEST_REF_PREFIXES
-from waiting import wait_until
+from waiting import runner, wait_until
 
 from renderer_actors.tokenizer import BUNDLED_MODEL
 from rollout_actors.plane import PlaneConfig, RolloutPlane
@@ -24,8 +24,7 @@ MATH = Ref(target="env_actors.examples.math_env:MathEnv")
 DEADLINE_S = 120
 
 
-def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, DEADLINE_S))
+run = runner(DEADLINE_S)
 
 
 def plane(**overrides) -> RolloutPlane:

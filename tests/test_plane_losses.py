@@ -4,14 +4,13 @@ once, a rollout whose env server or renderer was lost is re-dispatched under its
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
 
 import pytest
 import ray
 from env_pools import TEST_REF_PREFIXES
-from waiting import eventually, wait_until
+from waiting import eventually, runner, wait_until
 
 from renderer_actors.tokenizer import BUNDLED_MODEL
 from rollout_actors.plane import PlaneConfig, RolloutPlane
@@ -24,8 +23,7 @@ CALC = Ref(target="env_actors.examples.calculator_env:CalculatorEnv")
 DEADLINE_S = 180
 
 
-def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, DEADLINE_S))
+run = runner(DEADLINE_S)
 
 
 def plane(**overrides) -> RolloutPlane:

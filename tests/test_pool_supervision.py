@@ -17,7 +17,7 @@ import psutil
 import pytest
 import ray
 from env_pools import TEST_REF_PREFIXES
-from waiting import wait_until
+from waiting import runner, wait_until
 
 from renderer_actors.tokenizer import BUNDLED_MODEL
 from rollout_actors.plane import PlaneConfig, RolloutPlane
@@ -34,8 +34,7 @@ IN_FLIGHT = 6
 SUPERVISION = {"probe_interval_s": 0.2, "hang_timeout_s": 10.0}
 
 
-def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, DEADLINE_S))
+run = runner(DEADLINE_S)
 
 
 def plane(**overrides) -> RolloutPlane:

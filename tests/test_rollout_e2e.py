@@ -9,6 +9,7 @@ import os
 import openai
 import pytest
 from env_pools import TEST_REF_PREFIXES
+from waiting import runner
 
 from renderer_actors.tokenizer import BUNDLED_MODEL
 from rollout_actors.kernel.collector import YOUNG_THRESHOLD
@@ -24,8 +25,7 @@ CALC = Ref(target="env_actors.examples.calculator_env:CalculatorEnv")
 DEADLINE_S = 90  # every test here answers well inside this, or fails instead of hanging
 
 
-def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, DEADLINE_S))
+run = runner(DEADLINE_S)
 
 
 def small_plane(**overrides) -> RolloutPlane:
