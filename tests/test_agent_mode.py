@@ -15,13 +15,13 @@ import openai
 import psutil
 import pytest
 import ray
-from env_pools import TEST_REF_PREFIXES
+from planes import plane_factory
 from waiting import runner
 
 from env_actors.examples.calculator_env import CalculatorEnv
 from renderer_actors.tokenizer import BUNDLED_MODEL
 from rollout_actors.naming import PoolNames
-from rollout_actors.plane import PlaneConfig, RolloutPlane
+from rollout_actors.plane import RolloutPlane
 from rollout_actors.samples import trainer_samples, turn_prompts
 from rollout_actors.wire import ClientConfig, Ref, Result, RolloutRequest, SamplingConfig
 
@@ -37,16 +37,7 @@ RIGHT = {"X-Standin-Correct-Rate": "1"}  # the stand-in answers right: both mode
 run = runner(DEADLINE_S)
 
 
-def plane() -> RolloutPlane:
-    return RolloutPlane(
-        PlaneConfig(
-            lanes={"train": 16},
-            workers=1,
-            worker_num_cpus=0.5,
-            env_pool={"num_cpus": 0.25},
-            allowed_ref_prefixes=TEST_REF_PREFIXES,
-        )
-    )
+plane = plane_factory(lanes={"train": 16}, worker_num_cpus=0.5)
 
 
 def program_task(behaviour: str = "normal", **where) -> dict:

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from adapters import unload_adapters
 from env_pools import TEST_REF_PREFIXES
+from planes import plane_factory
 from waiting import runner, wait_until
 
 from renderer_actors.tokenizer import BUNDLED_MODEL
@@ -30,16 +31,7 @@ DEADLINE_S = 120
 run = runner(DEADLINE_S)
 
 
-def plane(**overrides) -> RolloutPlane:
-    config = dict(
-        lanes={"train": 8, "eval": 4},
-        workers=1,
-        worker_num_cpus=0.25,
-        env_pool={"num_cpus": 0.25},
-        allowed_ref_prefixes=TEST_REF_PREFIXES,
-    )
-    config.update(overrides)
-    return RolloutPlane(PlaneConfig(**config))
+plane = plane_factory(lanes={"train": 8, "eval": 4})
 
 
 def request(standin, latency_s: float = 0.0, env=MATH, **overrides) -> RolloutRequest:

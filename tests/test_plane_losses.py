@@ -9,11 +9,11 @@ import signal
 
 import pytest
 import ray
-from env_pools import TEST_REF_PREFIXES
+from planes import plane_factory
 from waiting import eventually, runner, wait_until
 
 from renderer_actors.tokenizer import BUNDLED_MODEL
-from rollout_actors.plane import PlaneConfig, RolloutPlane
+from rollout_actors.plane import RolloutPlane
 from rollout_actors.wire import ClientConfig, Ref, RolloutRequest, SamplingConfig
 
 # every test here starts real actors or servers (a plane, a pool, a server process): seconds each
@@ -26,18 +26,7 @@ DEADLINE_S = 180
 run = runner(DEADLINE_S)
 
 
-def plane(**overrides) -> RolloutPlane:
-    config = dict(
-        lanes={"train": 64, "eval": 1},
-        workers=2,
-        worker_num_cpus=0.25,
-        hang_timeout_s=5.0,
-        probe_interval_s=0.5,
-        env_pool={"num_cpus": 0.25},
-        allowed_ref_prefixes=TEST_REF_PREFIXES,
-    )
-    config.update(overrides)
-    return RolloutPlane(PlaneConfig(**config))
+plane = plane_factory(lanes={"train": 64, "eval": 1}, workers=2, hang_timeout_s=5.0, probe_interval_s=0.5)
 
 
 def request(standin, index: int, env: Ref = CALC, latency_s: float = 0.0, **overrides) -> RolloutRequest:

@@ -8,12 +8,12 @@ import os
 
 import openai
 import pytest
-from env_pools import TEST_REF_PREFIXES
+from planes import plane_factory
 from waiting import runner
 
 from renderer_actors.tokenizer import BUNDLED_MODEL
 from rollout_actors.kernel.collector import YOUNG_THRESHOLD
-from rollout_actors.plane import PlaneConfig, RolloutPlane
+from rollout_actors.plane import RolloutPlane
 from rollout_actors.samples import turn_prompts
 from rollout_actors.wire import ClientConfig, Ref, RendererConfig, Result, RolloutRequest, SamplingConfig
 
@@ -28,16 +28,7 @@ DEADLINE_S = 90  # every test here answers well inside this, or fails instead of
 run = runner(DEADLINE_S)
 
 
-def small_plane(**overrides) -> RolloutPlane:
-    config = dict(
-        lanes={"train": 32, "eval": 8},
-        workers=1,
-        worker_num_cpus=0.5,
-        env_pool={"num_cpus": 0.25},
-        allowed_ref_prefixes=TEST_REF_PREFIXES,
-    )
-    config.update(overrides)
-    return RolloutPlane(PlaneConfig(**config))
+small_plane = plane_factory(lanes={"train": 32, "eval": 8}, worker_num_cpus=0.5)
 
 
 def request(standin, env=CALC, **overrides) -> RolloutRequest:
