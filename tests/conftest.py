@@ -63,6 +63,9 @@ def _unit_tests_stay_ray_free(request):
 def ray_session():
     import ray
 
+    # The raylet gives the dashboard agent this long to come up; its default (~30 s) is not enough on a
+    # loaded 2-core machine, and the raylet then aborts the whole session's startup.
+    os.environ.setdefault("RAY_agent_register_timeout_ms", "300000")
     if not ray.is_initialized():
         # Logical CPUs above the physical two: actors here mostly wait, and tests pack many of them.
         ray.init(
