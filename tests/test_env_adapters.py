@@ -74,12 +74,13 @@ async def run_all(rollouts: RolloutPlane, requests: list[RolloutRequest]) -> lis
     return [by_id[item.request_id] for item in requests]
 
 
-def own_loop(stack: str, case: dict[str, Any]) -> dict[str, Any]:
-    """The framework's own loop over `case`, in the stack's interpreter (a separate process)."""
+def own_loops(stack: str, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The framework's own loop over each of `cases`, in the stack's interpreter (one separate process for
+    all of them: importing a framework takes seconds)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run(
         [stack_python(stack), str(TESTS / "framework_loops.py"), stack],
-        input=json.dumps(case),
+        input=json.dumps(cases),
         capture_output=True,
         text=True,
         env=env,
@@ -126,6 +127,7 @@ def test_skyrl_gym_env_matches_its_own_loop_with_per_step_rewards(plane_results)
     renderer = Renderer.load(RendererKey.from_config(BUNDLED_MODEL, RendererConfig()))
     rows = json.loads(subprocess.check_output(_rows_command("skyrl-gym"), text=True))
     rewards = set()
+    cases = []
     for result in plane_results["skyrl"]:
         assert result.kind == "ok", result.error
         # the raw text each step received: the sampled ids decoded, the closing stop token left out
@@ -135,10 +137,8 @@ def test_skyrl_gym_env_matches_its_own_loop_with_per_step_rewards(plane_results)
             )
             for t in result.turns
         ]
-        own = own_loop(
-            "skyrl-gym",
-            {"package": "framework_envs.sky_math", "task": rows[result.task_index], "texts": texts},
-        )
+        cases.append({"package": "framework_envs.sky_math", "task": rows[result.task_index], "texts": texts})
+    for result, own in zip(plane_results["skyrl"], own_loops("skyrl-gym", cases), strict=True):
         assert result.reward == pytest.approx(own["reward"])
         assert [t.reward for t in result.turns] == pytest.approx(own["step_rewards"])
         for sample in trainer_samples(result):  # one per branch (a template that rewrites history forks)
@@ -152,16 +152,19 @@ def test_skyrl_gym_env_matches_its_own_loop_with_per_step_rewards(plane_results)
 @pytest.mark.parametrize("label, kind", [("vf-tools", "tools"), ("vf-follow-up", "follow_up")])
 def test_verifiers_classic_env_matches_its_own_loop(plane_results, label, kind):
     rewards = set()
+    cases = []
     for result in plane_results[label]:
         assert result.kind == "ok", result.error
         assistant = [m for m in result.messages if m["role"] == "assistant"]
-        case = {
-            "module": "framework_envs.vf_classic_envs",
-            "env_args": {"kind": kind},
-            "index": result.task_index,
-            "assistant": assistant,
-        }
-        own = own_loop("verifiers-0.3", case)
+        cases.append(
+            {
+                "module": "framework_envs.vf_classic_envs",
+                "env_args": {"kind": kind},
+                "index": result.task_index,
+                "assistant": assistant,
+            }
+        )
+    for result, own in zip(plane_results[label], own_loops("verifiers-0.3", cases), strict=True):
         assert result.reward == pytest.approx(own["reward"])
         assert {k: v for k, v in result.metrics.items() if k != "turns"} == own["metrics"]
         assert env_messages(result.messages) == env_messages(own["messages"])
