@@ -1,8 +1,17 @@
-"""One local Ray for the whole suite (it takes ~10 s to start here), sized for a 2-core machine."""
+"""The suite's shared fixtures: one local Ray for the whole suite (it takes ~10 s to start here), sized for a
+2-core machine, and the stand-in servers.
+
+Two layers. A test that uses Ray (the `ray_session` fixture, directly or through another fixture) or starts
+a Ray cluster of its own (marked `ray` in its module) is a real-actor test and carries the `ray` marker;
+every other test is a Ray-free unit test (fakes, pure functions, or a stand-in server process), and fails if
+it starts Ray. `pytest` runs both; `pytest -m "not ray"` runs only the Ray-free layer, in about a minute.
+Shared helpers live beside this file: `waiting` (run under a deadline, poll), `planes` (small planes),
+`env_pools`, `adapters`."""
 
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 
@@ -21,11 +30,42 @@ def _free_port() -> int:
 METRICS_PORT = _free_port()
 """The session Ray's Prometheus endpoint (`http://127.0.0.1:METRICS_PORT/metrics`), read by the metrics tests."""
 
+RAY_MARKER = "ray: a real-actor test (the session Ray or a Ray cluster of its own); -m 'not ray' skips it"
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", RAY_MARKER)
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if "ray_session" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.ray)
+
+
+def _ray_running() -> bool:
+    ray = sys.modules.get("ray")
+    return ray is not None and ray.is_initialized()
+
+
+@pytest.fixture(autouse=True)
+def _unit_tests_stay_ray_free(request):
+    """A test without the `ray` marker that starts Ray in this process fails: it belongs to the real-actor
+    layer (ask for `ray_session`), or it reached Ray by accident."""
+    if request.node.get_closest_marker("ray") is not None or _ray_running():
+        yield
+        return
+    yield
+    assert not _ray_running(), f"{request.node.nodeid} started Ray without the `ray` marker or `ray_session`"
+
 
 @pytest.fixture(scope="session")
 def ray_session():
     import ray
 
+    # The raylet gives the dashboard agent this long to come up; its default (~30 s) is not enough on a
+    # loaded 2-core machine, and the raylet then aborts the whole session's startup.
+    os.environ.setdefault("RAY_agent_register_timeout_ms", "300000")
     if not ray.is_initialized():
         # Logical CPUs above the physical two: actors here mostly wait, and tests pack many of them.
         ray.init(

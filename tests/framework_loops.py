@@ -4,7 +4,7 @@ Run inside a stack's interpreter (`framework_stacks.py`), with `tests/` on `PYTH
 
     python tests/framework_loops.py skyrl-gym < case.json > outcome.json
 
-`case.json` holds what the plane's rollout ran (the task, the assistant turns it sampled); the outcome is
+`case.json` holds what the plane's rollout ran (or a list of such cases, answered with a list) (the task, the assistant turns it sampled); the outcome is
 what the framework itself makes of the same turns: reward, metrics, and the messages the environment
 added. No model and no network: where a framework insists on calling a model, a client answers it with the
 given assistant messages, in order.
@@ -145,5 +145,8 @@ def verifiers_v1(case: dict[str, Any]) -> list[dict[str, Any]]:
 LOOPS = {"skyrl-gym": skyrl_gym, "verifiers-0.3": verifiers_classic, "verifiers-0.4": verifiers_v1}
 
 if __name__ == "__main__":
-    outcome = LOOPS[sys.argv[1]](json.load(sys.stdin))
+    # One case, or a list of cases run in this one process (the framework is imported once: seconds each).
+    case = json.load(sys.stdin)
+    loop = LOOPS[sys.argv[1]]
+    outcome = [loop(one) for one in case] if isinstance(case, list) else loop(case)
     json.dump(outcome, sys.stdout)

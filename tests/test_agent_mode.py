@@ -15,12 +15,13 @@ import openai
 import psutil
 import pytest
 import ray
-from env_pools import TEST_REF_PREFIXES
+from planes import lent, plane_on_own_loop
+from waiting import runner
 
 from env_actors.examples.calculator_env import CalculatorEnv
 from renderer_actors.tokenizer import BUNDLED_MODEL
 from rollout_actors.naming import PoolNames
-from rollout_actors.plane import PlaneConfig, RolloutPlane
+from rollout_actors.plane import RolloutPlane
 from rollout_actors.samples import trainer_samples, turn_prompts
 from rollout_actors.wire import ClientConfig, Ref, Result, RolloutRequest, SamplingConfig
 
@@ -33,20 +34,15 @@ PROGRAM = Ref(target="env_actors.faults.agents:ProgramAgentEnv")
 RIGHT = {"X-Standin-Correct-Rate": "1"}  # the stand-in answers right: both modes must reach reward 1
 
 
-def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, DEADLINE_S))
+run = runner(DEADLINE_S)
 
 
-def plane() -> RolloutPlane:
-    return RolloutPlane(
-        PlaneConfig(
-            lanes={"train": 16},
-            workers=1,
-            worker_num_cpus=0.5,
-            env_pool={"num_cpus": 0.25},
-            allowed_ref_prefixes=TEST_REF_PREFIXES,
-        )
-    )
+@pytest.fixture(scope="module")
+def shared(ray_session):
+    """(run, plane): one plane for the module (its tests only submit, read their own results and check that
+    nothing is held after them); a plane start with three env pools is seconds here."""
+    with plane_on_own_loop({"train": 16}, DEADLINE_S, worker_num_cpus=0.5) as started:
+        yield started
 
 
 def program_task(behaviour: str = "normal", **where) -> dict:
@@ -129,7 +125,7 @@ def assert_nothing_held(held: dict) -> None:
     assert held["agent"]["connections"] == 0, held  # and the connections its agent opened closed
 
 
-def test_agents_reach_the_token_mode_reward_with_token_exact_turns(ray_session, standin):
+def test_agents_reach_the_token_mode_reward_with_token_exact_turns(shared, standin):
     token, sdk, sub = (
         request(standin, TWIN, mode="token"),
         request(standin, SDK_AGENT),
@@ -142,8 +138,10 @@ def test_agents_reach_the_token_mode_reward_with_token_exact_turns(ray_session, 
     )
     wave = (token, sdk, sub, short_token, short_sdk)
 
+    on_plane, shared_plane = shared
+
     async def scenario():
-        async with plane() as p:
+        async with lent(shared_plane) as p:
             for r in wave:
                 await p.submit(r)
             results = {}
@@ -152,7 +150,7 @@ def test_agents_reach_the_token_mode_reward_with_token_exact_turns(ray_session, 
                 results[result.request_id] = result
             return [results[r.request_id] for r in wave], await held(p, SDK_AGENT, PROGRAM)
 
-    (by_token, by_sdk, by_program, by_short_token, by_short_sdk), left = run(scenario())
+    (by_token, by_sdk, by_program, by_short_token, by_short_sdk), left = on_plane(scenario())
     for result in (by_token, by_sdk, by_program):
         assert result.kind == "ok", result.error
         assert result.reward == 1.0 and not result.forked
@@ -186,7 +184,7 @@ def pids_in(directory) -> list[int]:
     return [int(path.stem) for path in directory.glob("*.pid")]
 
 
-def test_agent_failures_and_a_rewritten_history_give_their_documented_results(ray_session, standin, tmp_path):
+def test_agent_failures_and_a_rewritten_history_give_their_documented_results(shared, standin, tmp_path):
     killed_dir, waiting_dir, rewrite_dir = (tmp_path / name for name in ("killed", "waiting", "rewrite"))
     for directory in (killed_dir, waiting_dir, rewrite_dir):
         directory.mkdir()
@@ -196,13 +194,18 @@ def test_agent_failures_and_a_rewritten_history_give_their_documented_results(ra
     rewrite = request(standin, **program("rewrite", pid_dir=rewrite_dir))
     silent = request(standin, **program("no_calls"))
 
+    on_plane, shared_plane = shared
+
     async def scenario():
-        async with plane() as p:
+        async with lent(shared_plane) as p:
             for r in (killed, never, rewrite, silent):
                 await p.submit(r)
             # Kill the agent while its first call is being sampled (each model call takes 5 s here).
             await asyncio.to_thread(wait_for, lambda: pids_in(killed_dir), "the agent to start")
-            await asyncio.sleep(1.5)
+            # its first call has reached the model (not a fixed sleep: a loaded machine starts agents slowly)
+            await asyncio.to_thread(
+                wait_for, lambda: standin.session_counts().get(killed.request_id), "the agent's first call"
+            )
             os.kill(pids_in(killed_dir)[0], signal.SIGKILL)
             results = {}
             for _ in range(4):
@@ -210,7 +213,7 @@ def test_agent_failures_and_a_rewritten_history_give_their_documented_results(ra
                 results[result.request_id] = result
             return [results[r.request_id] for r in (killed, never, rewrite, silent)], await held(p, PROGRAM)
 
-    (by_killed, by_never, by_rewrite, by_silent), left = run(scenario())
+    (by_killed, by_never, by_rewrite, by_silent), left = on_plane(scenario())
     # Killed mid-call: the environment's failure, with how it ended and its output tail; its call was
     # cancelled with it, so no half-finished turn is recorded.
     assert by_killed.kind == "env" and by_killed.error.type == "AgentFailed", by_killed.error
@@ -239,7 +242,7 @@ def test_agent_failures_and_a_rewritten_history_give_their_documented_results(ra
     assert_nothing_held(left)
 
 
-def test_a_cancelled_rollout_stops_its_agent_and_refuses_its_late_calls(ray_session, standin, tmp_path):
+def test_a_cancelled_rollout_stops_its_agent_and_refuses_its_late_calls(shared, standin, tmp_path):
     leak_file = tmp_path / "endpoint.json"
     stuck = {**RIGHT, "X-Standin-Latency": "60"}
     leaky = request(standin, **program("leak", pid_dir=tmp_path, leak_file=leak_file), headers=stuck)
@@ -257,8 +260,10 @@ def test_a_cancelled_rollout_stops_its_agent_and_refuses_its_late_calls(ray_sess
             await client.close()
         return 200, None
 
+    on_plane, shared_plane = shared
+
     async def scenario():
-        async with plane() as p:
+        async with lent(shared_plane) as p:
             await p.submit(leaky)
             await asyncio.to_thread(wait_for, lambda: pids_in(tmp_path) and leak_file.exists(), "the agent")
             await asyncio.sleep(1.0)  # its first call is in flight (a model call takes 60 s here)
@@ -267,7 +272,7 @@ def test_a_cancelled_rollout_stops_its_agent_and_refuses_its_late_calls(ray_sess
             leaked = json.loads(leak_file.read_text())
             return result, leaked, await late_call(leaked), await held(p, PROGRAM)
 
-    result, leaked, refused, left = run(scenario())
+    result, leaked, refused, left = on_plane(scenario())
     assert result.kind == "cancelled"
     assert refused == (410, "rollout_ended")
     (pid,) = pids_in(tmp_path)

@@ -5,7 +5,6 @@ packages, `framework_stacks.py`), beside the plane's own packages, in one plane.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import subprocess
@@ -17,6 +16,7 @@ import pytest
 from framework_envs import PROBLEMS
 from framework_stacks import FRAMEWORK_ENVS, FRAMEWORK_VF_CHAT, FRAMEWORK_VF_TASKS, STACKS, stack_python
 from readme import argv, block, commands
+from waiting import runner
 
 from renderer_actors.config import RendererConfig
 from renderer_actors.key import RendererKey
@@ -36,8 +36,7 @@ DEADLINE_S = 360  # a pool's first start in a fresh runtime env imports its fram
 TESTS = Path(__file__).parent
 
 
-def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, DEADLINE_S))
+run = runner(DEADLINE_S)
 
 
 def stack_pool(stack: str) -> dict[str, Any]:
@@ -83,8 +82,9 @@ async def run_all(rollouts: RolloutPlane, requests: list[RolloutRequest]) -> lis
     return [by_id[item.request_id] for item in requests]
 
 
-def own_loop(stack: str, case: dict[str, Any]) -> dict[str, Any]:
-    """The framework's own loop over `case`, in the stack's interpreter (a separate process)."""
+def own_loops(stack: str, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The framework's own loop over each of `cases`, in the stack's interpreter (one separate process for
+    all of them: importing a framework takes seconds)."""
     no_proxy = ",".join(filter(None, [os.environ.get("NO_PROXY", ""), "127.0.0.1"]))  # its scripted model
     env = {
         **os.environ,
@@ -94,7 +94,7 @@ def own_loop(stack: str, case: dict[str, Any]) -> dict[str, Any]:
     }
     done = subprocess.run(
         [stack_python(stack), str(TESTS / "framework_loops.py"), stack],
-        input=json.dumps(case),
+        input=json.dumps(cases),
         capture_output=True,
         text=True,
         env=env,
@@ -163,6 +163,7 @@ def test_skyrl_gym_env_matches_its_own_loop_with_per_step_rewards(plane_results)
     renderer = Renderer.load(RendererKey.from_config(BUNDLED_MODEL, RendererConfig()))
     rows = json.loads(subprocess.check_output(_rows_command("skyrl-gym"), text=True))
     rewards = set()
+    cases = []
     for result in plane_results["skyrl"]:
         assert result.kind == "ok", result.error
         # the raw text each step received: the sampled ids decoded, the closing stop token left out
@@ -172,10 +173,8 @@ def test_skyrl_gym_env_matches_its_own_loop_with_per_step_rewards(plane_results)
             )
             for t in result.turns
         ]
-        own = own_loop(
-            "skyrl-gym",
-            {"package": "framework_envs.sky_math", "task": rows[result.task_index], "texts": texts},
-        )
+        cases.append({"package": "framework_envs.sky_math", "task": rows[result.task_index], "texts": texts})
+    for result, own in zip(plane_results["skyrl"], own_loops("skyrl-gym", cases), strict=True):
         assert result.reward == pytest.approx(own["reward"])
         assert [t.reward for t in result.turns] == pytest.approx(own["step_rewards"])
         for sample in trainer_samples(result):  # one per branch (a template that rewrites history forks)
@@ -189,16 +188,19 @@ def test_skyrl_gym_env_matches_its_own_loop_with_per_step_rewards(plane_results)
 @pytest.mark.parametrize("label, kind", [("vf-tools", "tools"), ("vf-follow-up", "follow_up")])
 def test_verifiers_classic_env_matches_its_own_loop(plane_results, label, kind):
     rewards = set()
+    cases = []
     for result in plane_results[label]:
         assert result.kind == "ok", result.error
         assistant = [m for m in result.messages if m["role"] == "assistant"]
-        case = {
-            "module": "framework_envs.vf_classic_envs",
-            "env_args": {"kind": kind},
-            "index": result.task_index,
-            "assistant": assistant,
-        }
-        own = own_loop("verifiers-0.3", case)
+        cases.append(
+            {
+                "module": "framework_envs.vf_classic_envs",
+                "env_args": {"kind": kind},
+                "index": result.task_index,
+                "assistant": assistant,
+            }
+        )
+    for result, own in zip(plane_results[label], own_loops("verifiers-0.3", cases), strict=True):
         assert result.reward == pytest.approx(own["reward"])
         assert {k: v for k, v in result.metrics.items() if k != "turns"} == own["metrics"]
         assert env_messages(result.messages) == env_messages(own["messages"])
@@ -230,7 +232,7 @@ def test_verifiers_v1_taskset_matches_its_own_episode_beside_a_classic_one(plane
         {"index": r.task_index, "assistant": [m for m in r.messages if m["role"] == "assistant"]}
         for r in results
     ]
-    own = own_loop("verifiers-0.4", {"taskset": "framework-vf-tasks", "episodes": episodes})
+    [own] = own_loops("verifiers-0.4", [{"taskset": "framework-vf-tasks", "episodes": episodes}])
     for result, theirs in zip(results, own, strict=True):
         assert result.reward == theirs["reward"]  # exact: the same reward functions, weights and sum
         assert result.metrics["stop_condition"] == theirs["stop_condition"]
@@ -354,6 +356,6 @@ def test_the_readme_environment_commands_run_end_to_end(command, tmp_path):
 def test_pip_tells_a_requirement_that_cannot_be_installed_from_one_that_can():
     from env_actors.runtime_env_check import pip_problem
 
-    problem = asyncio.run(pip_problem(("ray-rollouts-no-such-package==0.0.1",)))
+    problem = run(pip_problem(("ray-rollouts-no-such-package==0.0.1",)))
     assert problem is not None and "No matching distribution" in problem
-    assert asyncio.run(pip_problem(("pydantic",))) is None  # installed here: nothing to fetch
+    assert run(pip_problem(("pydantic",))) is None  # installed here: nothing to fetch

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 
 import pytest
+from waiting import runner
 
 from env_actors.examples import generate_math
 from env_actors.examples.answers import last_boxed, parse_number
@@ -21,8 +21,7 @@ OPERATION = re.compile(
 )
 
 
-def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, 10))
+run = runner(10)
 
 
 async def loaded(env):

@@ -12,7 +12,7 @@ from contextlib import suppress
 import pytest
 import ray
 from env_pools import call_started, env_pool, pool_name, widened
-from waiting import eventually
+from waiting import eventually, run
 
 from env_actors.pool import EnvPoolConfig, EnvStartupError, start_env_pool
 from env_actors.session import EnvCallFailed, EnvSession
@@ -28,10 +28,6 @@ PROBES = dict(probe_interval_s=0.2)
 WEDGE = dict(hang_timeout_s=2.0, probe_interval_s=0.2, probe_timeout_s=0.5)
 """Wedge detection in seconds (production waits longer); only for the tests that need it, so a worker
 starved of CPU on a busy test machine is not mistaken for a wedged one elsewhere."""
-
-
-def run(coro, deadline: float):
-    return asyncio.run(asyncio.wait_for(coro, deadline))
 
 
 def assistant(content: str = "ok") -> dict:

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import ray
 from env_pools import call_started, env_pool
-from waiting import eventually
+from waiting import eventually, run
 
 from env_actors.pool import EnvPoolConfig
 from env_actors.session import EnvCallFailed, EnvSession
@@ -28,11 +28,6 @@ pytestmark = pytest.mark.usefixtures("ray_session")
 
 RECORDS_CLOSES = "env_actors.faults.envs:RecordsClosesEnv"
 SCORE_RAISES = "env_actors.faults.envs:ScoreRaisesEnv"
-
-
-def run(coro, deadline: float):
-    """Each test's own global deadline: a hang fails fast instead of waiting for pytest-timeout."""
-    return asyncio.run(asyncio.wait_for(coro, deadline))
 
 
 def assistant(content: str = "ok") -> dict:

@@ -4,10 +4,9 @@ env server's event loop (a CPU-bound reward never makes the server look wedged).
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 from env_pools import TEST_REF_PREFIXES, env_pool
+from waiting import runner
 
 from env_actors.faults.sync_env import ECHO_PREFIX
 from env_actors.pool import EnvPoolConfig
@@ -27,8 +26,7 @@ WEDGE = dict(hang_timeout_s=2.0, probe_interval_s=0.2, probe_timeout_s=0.5)
 """A loop stalled past 2 s is a wedged worker: far less than the 5 s reward below computes."""
 
 
-def run(coro, deadline: float = 120):
-    return asyncio.run(asyncio.wait_for(coro, deadline))
+run = runner(120)
 
 
 def test_a_five_second_cpu_bound_sync_reward_leaves_its_server_live():

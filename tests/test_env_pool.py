@@ -9,7 +9,7 @@ import json
 import pytest
 import ray
 from env_pools import call_started, env_pool
-from waiting import eventually
+from waiting import eventually, run
 
 from env_actors.interface import EnvCall
 from env_actors.pool import EnvPoolConfig, get_env_pool
@@ -18,11 +18,6 @@ from env_actors.session import EnvCallFailed, EnvSession
 pytestmark = pytest.mark.usefixtures("ray_session")
 
 ECHO = "env_actors.faults.envs:EchoEnv"
-
-
-def run(coro, deadline: float):
-    """Each test's own global deadline: a hang fails fast instead of waiting for pytest-timeout."""
-    return asyncio.run(asyncio.wait_for(coro, deadline))
 
 
 def assistant(content, tool_calls=None):

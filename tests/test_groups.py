@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 from adapters import unload_adapters
 from env_pools import TEST_REF_PREFIXES
-from waiting import wait_until
+from planes import plane_factory
+from waiting import runner, wait_until
 
 from renderer_actors.tokenizer import BUNDLED_MODEL
 from rollout_actors.groups import Stragglers
@@ -27,20 +28,10 @@ ECHO = Ref(target="env_actors.faults.envs:EchoEnv", config={"num_tasks": 8, "tur
 DEADLINE_S = 120
 
 
-def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, DEADLINE_S))
+run = runner(DEADLINE_S)
 
 
-def plane(**overrides) -> RolloutPlane:
-    config = dict(
-        lanes={"train": 8, "eval": 4},
-        workers=1,
-        worker_num_cpus=0.25,
-        env_pool={"num_cpus": 0.25},
-        allowed_ref_prefixes=TEST_REF_PREFIXES,
-    )
-    config.update(overrides)
-    return RolloutPlane(PlaneConfig(**config))
+plane = plane_factory(lanes={"train": 8, "eval": 4})
 
 
 def request(standin, latency_s: float = 0.0, env=MATH, **overrides) -> RolloutRequest:

@@ -15,7 +15,7 @@ import sys
 import psutil
 import pytest
 import ray
-from waiting import wait_until
+from waiting import runner, wait_until
 
 from renderer_actors.tokenizer import BUNDLED_MODEL
 from rollout_actors.inference.server_actor import (
@@ -42,8 +42,7 @@ DEADLINE_S = 90  # per test, well under the suite's 300 s: a hang fails here, wi
 STANDIN = ServerSpec(kind="standin", model=BUNDLED_MODEL, host="127.0.0.1", startup_timeout_s=60, num_cpus=0)
 
 
-def run(coro, deadline: float = DEADLINE_S):
-    return asyncio.run(asyncio.wait_for(coro, deadline))
+run = runner(DEADLINE_S)
 
 
 async def stop(actor) -> None:

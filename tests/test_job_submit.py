@@ -35,6 +35,8 @@ from readme import argv, block, commands
 
 from rollout_actors.wire import Result
 
+pytestmark = pytest.mark.ray  # a Ray head of its own
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 BIN_DIR = Path(sys.executable).parent
 """`ray` and `rollouts` of this interpreter: a pyenv shim on PATH could pick another Python by cwd."""

@@ -6,12 +6,11 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from waiting import runner
 
 from rollout_actors.lanes import Lane
 
-
-def run(scenario) -> None:
-    asyncio.run(asyncio.wait_for(scenario(), 10))
+run = runner(10)
 
 
 async def settle() -> None:
@@ -41,7 +40,7 @@ def test_waiters_get_freed_slots_in_arrival_order_one_per_release():
         await asyncio.gather(*tasks)
         assert order == list(range(6)) and lane.in_flight == 2 and lane.peak == 2
 
-    run(scenario)
+    run(scenario())
 
 
 def test_a_cancelled_waiter_takes_no_slot_and_one_handed_a_slot_gives_it_back():
@@ -59,7 +58,7 @@ def test_a_cancelled_waiter_takes_no_slot_and_one_handed_a_slot_gives_it_back():
         await lane.release()
         assert lane.in_flight == 0 and lane.try_acquire()
 
-    run(scenario)
+    run(scenario())
 
 
 def test_set_limit_wakes_as_many_as_it_allows_and_a_lower_limit_holds_new_ones_until_drained():
@@ -83,4 +82,4 @@ def test_set_limit_wakes_as_many_as_it_allows_and_a_lower_limit_holds_new_ones_u
             await lane.set_limit(0)
         waiters[3].cancel()
 
-    run(scenario)
+    run(scenario())

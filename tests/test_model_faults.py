@@ -7,13 +7,13 @@ would classify it.
 
 from __future__ import annotations
 
-import asyncio
 import glob
 import os
 import time
 
 import pytest
 from env_pools import TEST_REF_PREFIXES
+from waiting import runner
 
 from renderer_actors.tokenizer import BUNDLED_MODEL, load_tokenizer
 from rollout_actors.client import build_client
@@ -28,8 +28,7 @@ SLACK_S = 5.0  # scheduling noise on a loaded 2-core machine; far below what an 
 DEADLINE_S = 60
 
 
-def run(coro, deadline: float = DEADLINE_S):
-    return asyncio.run(asyncio.wait_for(coro, deadline))
+run = runner(DEADLINE_S)
 
 
 def client_config(standin, fault: str, **headers: str) -> ClientConfig:

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.ray  # a two-node Ray cluster of its own, in a subprocess
+
 ROOT = Path(__file__).resolve().parent.parent
 SCENARIO_TIMEOUT_S = 200  # the scenario's own asyncio deadline is 150 s: this only catches a hung process
 

@@ -10,8 +10,8 @@ import signal
 import pytest
 import ray
 from adapters import served_models, unload_adapters
-from env_pools import TEST_REF_PREFIXES
-from waiting import wait_until
+from planes import plane_factory
+from waiting import runner, wait_until
 
 from renderer_actors.tokenizer import BUNDLED_MODEL
 from rollout_actors.plane import PlaneConfig, RolloutPlane
@@ -24,22 +24,10 @@ MATH = Ref(target="env_actors.examples.math_env:MathEnv")
 DEADLINE_S = 120
 
 
-def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, DEADLINE_S))
+run = runner(DEADLINE_S)
 
 
-def plane(**overrides) -> RolloutPlane:
-    config = dict(
-        lanes={"train": 32, "eval": 8},
-        workers=2,
-        worker_num_cpus=0.25,
-        hang_timeout_s=3.0,
-        probe_interval_s=0.5,
-        env_pool={"num_cpus": 0.25},
-        allowed_ref_prefixes=TEST_REF_PREFIXES,
-    )
-    config.update(overrides)
-    return RolloutPlane(PlaneConfig(**config))
+plane = plane_factory(lanes={"train": 32, "eval": 8}, workers=2, hang_timeout_s=3.0, probe_interval_s=0.5)
 
 
 def slow_request(standin, latency_s: float, task_index: int = 0, **overrides) -> RolloutRequest:

@@ -4,17 +4,16 @@ once, a rollout whose env server or renderer was lost is re-dispatched under its
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
 
 import pytest
 import ray
-from env_pools import TEST_REF_PREFIXES
-from waiting import eventually, wait_until
+from planes import plane_factory
+from waiting import eventually, runner, wait_until
 
 from renderer_actors.tokenizer import BUNDLED_MODEL
-from rollout_actors.plane import PlaneConfig, RolloutPlane
+from rollout_actors.plane import RolloutPlane
 from rollout_actors.wire import ClientConfig, Ref, RolloutRequest, SamplingConfig
 
 # every test here starts real actors or servers (a plane, a pool, a server process): seconds each
@@ -24,22 +23,10 @@ CALC = Ref(target="env_actors.examples.calculator_env:CalculatorEnv")
 DEADLINE_S = 180
 
 
-def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, DEADLINE_S))
+run = runner(DEADLINE_S)
 
 
-def plane(**overrides) -> RolloutPlane:
-    config = dict(
-        lanes={"train": 64, "eval": 1},
-        workers=2,
-        worker_num_cpus=0.25,
-        hang_timeout_s=5.0,
-        probe_interval_s=0.5,
-        env_pool={"num_cpus": 0.25},
-        allowed_ref_prefixes=TEST_REF_PREFIXES,
-    )
-    config.update(overrides)
-    return RolloutPlane(PlaneConfig(**config))
+plane = plane_factory(lanes={"train": 64, "eval": 1}, workers=2, hang_timeout_s=5.0, probe_interval_s=0.5)
 
 
 def request(standin, index: int, env: Ref = CALC, latency_s: float = 0.0, **overrides) -> RolloutRequest:

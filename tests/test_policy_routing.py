@@ -3,7 +3,6 @@ that joins routing serves the active policy before its first rollout."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
 
@@ -12,7 +11,7 @@ import openai
 import pytest
 from adapters import served_models, unload_adapters
 from env_pools import TEST_REF_PREFIXES
-from waiting import wait_until
+from waiting import runner, wait_until
 
 from renderer_actors.tokenizer import BUNDLED_MODEL
 from rollout_actors.inference.server_actor import ServerSpec
@@ -30,8 +29,7 @@ DEADLINE_S = 150
 STANDIN = ServerSpec(kind="standin", model=BUNDLED_MODEL, host="127.0.0.1", startup_timeout_s=60, num_cpus=0)
 
 
-def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, DEADLINE_S))
+run = runner(DEADLINE_S)
 
 
 def adapter(seed: int) -> LoraAdapter:

@@ -9,6 +9,7 @@ import uuid
 
 import pytest
 import ray
+from waiting import runner
 
 from rollout_actors import pool_lookup
 from rollout_actors.pool_lookup import PoolLookup, PoolLookupFailed, PoolName, PoolRoute
@@ -23,8 +24,7 @@ class _Pool:
         return self.tag
 
 
-def run(coro, timeout: float = 60.0):
-    return asyncio.run(asyncio.wait_for(coro, timeout))
+run = runner(60.0)
 
 
 def test_each_incarnation_is_looked_up_once_and_a_replacement_replaces_it(ray_session):

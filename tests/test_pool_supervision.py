@@ -16,11 +16,11 @@ from dataclasses import dataclass
 import psutil
 import pytest
 import ray
-from env_pools import TEST_REF_PREFIXES
-from waiting import wait_until
+from planes import plane_factory
+from waiting import runner, wait_until
 
 from renderer_actors.tokenizer import BUNDLED_MODEL
-from rollout_actors.plane import PlaneConfig, RolloutPlane
+from rollout_actors.plane import RolloutPlane
 from rollout_actors.plane_stats import PlaneStats
 from rollout_actors.pool_supervisor import PoolStatus, SupervisedPool
 from rollout_actors.wire import ClientConfig, Ref, Result, RolloutRequest, SamplingConfig
@@ -34,23 +34,12 @@ IN_FLIGHT = 6
 SUPERVISION = {"probe_interval_s": 0.2, "hang_timeout_s": 10.0}
 
 
-def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, DEADLINE_S))
+run = runner(DEADLINE_S)
 
 
-def plane(**overrides) -> RolloutPlane:
-    config = dict(
-        lanes={"train": 32},
-        workers=2,
-        worker_num_cpus=0.25,
-        hang_timeout_s=10.0,
-        probe_interval_s=0.5,
-        env_pool={"num_cpus": 0.25},
-        allowed_ref_prefixes=TEST_REF_PREFIXES,
-        pool_supervision=SUPERVISION,
-    )
-    config.update(overrides)
-    return RolloutPlane(PlaneConfig(**config))
+plane = plane_factory(
+    lanes={"train": 32}, workers=2, hang_timeout_s=10.0, probe_interval_s=0.5, pool_supervision=SUPERVISION
+)
 
 
 def request(standin, latency_s: float = 0.0, task_index: int = 0, env: Ref = MATH) -> RolloutRequest:

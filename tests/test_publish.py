@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from adapters import served_models, unload_adapters
 from safetensors.numpy import load_file
+from waiting import runner
 
 from renderer_actors.tokenizer import BUNDLED_MODEL
 from rollout_actors.lora import CONFIG_FILE, WEIGHTS_FILE, LoraAdapter, lora_config
@@ -23,8 +24,7 @@ except ImportError:  # pragma: no cover
 DEADLINE_S = 60  # per test; publication itself is bounded by the publisher's timeouts
 
 
-def run(coro, deadline: float = DEADLINE_S):
-    return asyncio.run(asyncio.wait_for(coro, deadline))
+run = runner(DEADLINE_S)
 
 
 @pytest.fixture(scope="module")

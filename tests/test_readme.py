@@ -71,6 +71,7 @@ def test_python_block_runs(snippet, ray_session, standin):
 
 
 @pytest.mark.slow
+@pytest.mark.ray  # `rollouts run` starts a Ray of its own
 @pytest.mark.timeout(300)
 def test_quick_start_runs_the_main_job_on_embedded_defaults(tmp_path):
     run = [c for c in commands(block("Quick start", "bash")) if c.startswith("rollouts run")]

@@ -9,7 +9,7 @@ import uuid
 
 import pytest
 import ray
-from waiting import eventually
+from waiting import eventually, runner
 
 from renderer_actors.config import RendererKeyStats
 from renderer_actors.key import RendererKey
@@ -24,9 +24,7 @@ FAST = {"idle_timeout_s": 600.0, "reap_interval_s": 0.2, "health_interval_s": 0.
 IM_END = 151645
 
 
-def run(coro, timeout: float = 60.0):
-    """Every test carries its own deadline, well inside the suite's global one."""
-    return asyncio.run(asyncio.wait_for(coro, timeout))
+run = runner(60.0)
 
 
 @pytest.fixture

@@ -8,11 +8,12 @@ import os
 
 import openai
 import pytest
-from env_pools import TEST_REF_PREFIXES
+from planes import lent, plane_factory, plane_on_own_loop
+from waiting import runner
 
 from renderer_actors.tokenizer import BUNDLED_MODEL
 from rollout_actors.kernel.collector import YOUNG_THRESHOLD
-from rollout_actors.plane import PlaneConfig, RolloutPlane
+from rollout_actors.plane import RolloutPlane
 from rollout_actors.samples import turn_prompts
 from rollout_actors.wire import ClientConfig, Ref, RendererConfig, Result, RolloutRequest, SamplingConfig
 
@@ -24,20 +25,18 @@ CALC = Ref(target="env_actors.examples.calculator_env:CalculatorEnv")
 DEADLINE_S = 90  # every test here answers well inside this, or fails instead of hanging
 
 
-def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, DEADLINE_S))
+run = runner(DEADLINE_S)
 
 
-def small_plane(**overrides) -> RolloutPlane:
-    config = dict(
-        lanes={"train": 32, "eval": 8},
-        workers=1,
-        worker_num_cpus=0.5,
-        env_pool={"num_cpus": 0.25},
-        allowed_ref_prefixes=TEST_REF_PREFIXES,
-    )
-    config.update(overrides)
-    return RolloutPlane(PlaneConfig(**config))
+small_plane = plane_factory(lanes={"train": 32, "eval": 8}, worker_num_cpus=0.5)
+
+
+@pytest.fixture(scope="module")
+def shared(ray_session):
+    """(run, plane): one plane for the tests that only submit and read their own results (a plane start is
+    seconds here); tests that set the plane's config, kill its parts or read its counters start their own."""
+    with plane_on_own_loop({"train": 32, "eval": 8}, DEADLINE_S, worker_num_cpus=0.5) as started:
+        yield started
 
 
 def request(standin, env=CALC, **overrides) -> RolloutRequest:
@@ -55,14 +54,16 @@ async def collect(plane: RolloutPlane, n: int) -> list[Result]:
     return [await plane.next_result(timeout=DEADLINE_S) for _ in range(n)]
 
 
-def test_single_and_multi_turn_token_rollouts_return_exact_sampled_ids(ray_session, standin):
+def test_single_and_multi_turn_token_rollouts_return_exact_sampled_ids(shared, standin):
+    on_plane, shared_plane = shared
+
     async def scenario():
-        async with small_plane() as plane:
+        async with lent(shared_plane) as plane:
             await plane.submit(request(standin, env=MATH, task_index=3))
             await plane.submit(request(standin, env=CALC, task_index=5))
             return {r.request_id: r for r in await collect(plane, 2)}
 
-    results = list(run(scenario()).values())
+    results = list(on_plane(scenario()).values())
     by_env = {len(r.turns) > 1: r for r in results}
     for result in results:
         assert result.kind == "ok", result.error
@@ -95,13 +96,15 @@ def test_single_and_multi_turn_token_rollouts_return_exact_sampled_ids(ray_sessi
             assert run(resample(prompt)) == turn.completion_ids
 
 
-def test_chat_mode_relays_and_records_token_ids(ray_session, standin):
+def test_chat_mode_relays_and_records_token_ids(shared, standin):
+    on_plane, shared_plane = shared
+
     async def scenario():
-        async with small_plane() as plane:
+        async with lent(shared_plane) as plane:
             await plane.submit(request(standin, env=CALC, task_index=2, mode="chat", return_messages=True))
             return await collect(plane, 1)
 
-    (result,) = run(scenario())
+    (result,) = on_plane(scenario())
     assert result.kind == "ok", result.error
     assert len(result.turns) >= 2
     assert all(t.completion_ids and t.new_prompt_ids for t in result.turns)
@@ -115,7 +118,7 @@ def test_chat_mode_relays_and_records_token_ids(ray_session, standin):
     assert len(result.turns) == 2
 
 
-def test_bad_refs_and_malformed_tasks_come_back_as_caller_results(ray_session, standin):
+def test_bad_refs_and_malformed_tasks_come_back_as_caller_results(shared, standin):
     bad = [
         request(standin, env=Ref(target="env_actors.no_such_module:Env")),
         request(standin, env=Ref(target="os:system", config={"command": "true"})),
@@ -124,14 +127,16 @@ def test_bad_refs_and_malformed_tasks_come_back_as_caller_results(ray_session, s
     malformed = request(standin).model_dump(mode="json")
     malformed["sampling"]["temprature"] = 0.5  # typo: refused, not ignored
 
+    on_plane, shared_plane = shared
+
     async def scenario():
-        async with small_plane() as plane:
+        async with lent(shared_plane) as plane:
             for item in bad:
                 await plane.submit(item)
             await plane.submit(malformed)
             return await collect(plane, 4)
 
-    results = run(scenario())
+    results = on_plane(scenario())
     assert [r.kind for r in results] == ["caller"] * 4, [(r.kind, r.error) for r in results]
     messages = " | ".join(r.error.message for r in results)
     assert "no_such_module" in messages
@@ -172,7 +177,7 @@ def test_a_request_cannot_widen_the_allowlist_or_run_a_command_in_an_env_server(
     ("fault", "expect"),
     [("500", "500"), ("timeout", "timed out")],
 )
-def test_server_faults_come_back_as_model_results(ray_session, standin, fault, expect):
+def test_server_faults_come_back_as_model_results(shared, standin, fault, expect):
     client = ClientConfig(
         base_url=standin.base_url,
         model=BUNDLED_MODEL,
@@ -181,32 +186,36 @@ def test_server_faults_come_back_as_model_results(ray_session, standin, fault, e
         max_retries=0,
     )
 
+    on_plane, shared_plane = shared
+
     async def scenario():
-        async with small_plane() as plane:
+        async with lent(shared_plane) as plane:
             await plane.submit(request(standin, client=client))
             return await collect(plane, 1)
 
-    (result,) = run(scenario())
+    (result,) = on_plane(scenario())
     assert result.kind == "model"
     text = f"{result.error.type} {result.error.message} {result.error.status_code}".lower()
     assert expect in text, text
     assert result.error.traceback
 
 
-def test_api_key_secret_never_appears_in_results_or_logs(ray_session, standin, tmp_path):
+def test_api_key_secret_never_appears_in_results_or_logs(shared, standin, tmp_path):
     secret = os.environ["RAY_ROLLOUTS_TEST_SECRET"]
     client = ClientConfig(
         base_url=standin.base_url, model=BUNDLED_MODEL, api_key_var="RAY_ROLLOUTS_TEST_SECRET"
     )
     missing = ClientConfig(base_url=standin.base_url, model=BUNDLED_MODEL, api_key_var="NOT_SET_ANYWHERE_XYZ")
 
+    on_plane, shared_plane = shared
+
     async def scenario():
-        async with small_plane() as plane:
+        async with lent(shared_plane) as plane:
             await plane.submit(request(standin, env=MATH, client=client))
             await plane.submit(request(standin, env=MATH, client=missing, task_index=1))
             return await collect(plane, 2)
 
-    results = run(scenario())
+    results = on_plane(scenario())
     kinds = sorted(r.kind for r in results)
     assert kinds == ["caller", "ok"], [(r.kind, r.error) for r in results]
     dumped = "\n".join(r.model_dump_json() for r in results)
@@ -288,16 +297,18 @@ def test_env_worker_killed_mid_rollout_is_redispatched_and_others_finish(ray_ses
     assert sorted(r.attempts for r in results) == [1] * (4 - killed_sessions) + [2] * killed_sessions
 
 
-def test_invalid_group_comes_back_as_one_caller_result_per_member(ray_session, standin):
+def test_invalid_group_comes_back_as_one_caller_result_per_member(shared, standin):
     malformed = request(standin).model_dump(mode="json")
     malformed["sampling"]["temprature"] = 0.5
 
+    on_plane, shared_plane = shared
+
     async def scenario():
-        async with small_plane() as plane:
+        async with lent(shared_plane) as plane:
             handle = await plane.submit_group(malformed, n=3)
             return handle.request_ids, (await handle.wait(timeout=DEADLINE_S)).results
 
-    ids, results = run(scenario())
+    ids, results = on_plane(scenario())
     assert len(set(ids)) == 3 and sorted(r.request_id for r in results) == sorted(ids)
     assert [r.kind for r in results] == ["caller"] * 3
     assert len({r.group_id for r in results}) == 1 and results[0].group_id is not None
@@ -307,7 +318,7 @@ ECHO = Ref(target="env_actors.faults.envs:EchoEnv", config={"num_tasks": 4, "tur
 
 
 def test_a_trainer_sample_is_the_last_prompt_plus_its_completion_with_synthetic_closes_masked(
-    ray_session, standin
+    shared, standin
 ):
     """Every completion is cut by `length`, so every bridge appends a close token nobody sampled: it is
     marked on the turn that holds it and masked out of the loss, and the sample is exactly what the
@@ -315,8 +326,10 @@ def test_a_trainer_sample_is_the_last_prompt_plus_its_completion_with_synthetic_
     from renderer_actors.tokenizer import load_tokenizer
     from rollout_actors.samples import trainer_samples
 
+    on_plane, shared_plane = shared
+
     async def scenario():
-        async with small_plane() as plane:
+        async with lent(shared_plane) as plane:
             # Keep past reasoning: a cut think block must be bridged (closed synthetically), not dropped
             # by a re-render at the next user turn as the template's own retention would.
             renderer = RendererConfig(thinking_retention="all")
@@ -324,7 +337,7 @@ def test_a_trainer_sample_is_the_last_prompt_plus_its_completion_with_synthetic_
             await plane.submit(request(standin, env=ECHO, sampling=sampling, renderer=renderer))
             return await collect(plane, 1)
 
-    (result,) = run(scenario())
+    (result,) = on_plane(scenario())
     assert result.kind == "ok", result.error
     assert not result.forked
     assert [t.finish_reason for t in result.turns] == ["length"] * 3
@@ -343,11 +356,13 @@ def test_a_trainer_sample_is_the_last_prompt_plus_its_completion_with_synthetic_
     ]
 
 
-def test_a_cancelled_rollout_keeps_the_turns_it_sampled_and_its_start_version(ray_session, standin):
+def test_a_cancelled_rollout_keeps_the_turns_it_sampled_and_its_start_version(shared, standin):
     slow = ClientConfig(base_url=standin.base_url, model=BUNDLED_MODEL, headers={"X-Standin-Latency": "1.0"})
 
+    on_plane, shared_plane = shared
+
     async def scenario():
-        async with small_plane() as plane:
+        async with lent(shared_plane) as plane:
             request_id = await plane.submit(request(standin, env=ECHO, client=slow, task_index=1))
             deadline = asyncio.get_running_loop().time() + 30
             while standin.session_counts().get(request_id, 0) < 2:  # the second turn is being sampled
@@ -356,7 +371,7 @@ def test_a_cancelled_rollout_keeps_the_turns_it_sampled_and_its_start_version(ra
             assert await plane.cancel(request_id)
             return await collect(plane, 1)
 
-    (result,) = run(scenario())
+    (result,) = on_plane(scenario())
     assert result.kind == "cancelled"
     assert len(result.turns) == 1 and result.turns[0].completion_ids
     assert result.policy_version_start == 0

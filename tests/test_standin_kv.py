@@ -10,6 +10,7 @@ import asyncio
 import re
 
 import pytest
+from waiting import runner
 
 try:
     import httpx2 as httpx
@@ -26,8 +27,7 @@ from rollout_actors.inference.standin.kv import BLOCK_SIZE
 DEADLINE_S = 60
 
 
-def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, DEADLINE_S))
+run = runner(DEADLINE_S)
 
 
 def prompt(start: int, length: int) -> list[int]:

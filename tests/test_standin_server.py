@@ -18,6 +18,7 @@ import urllib.request
 
 import openai
 import pytest
+from waiting import runner
 
 from renderer_actors.tokenizer import BUNDLED_MODEL, load_tokenizer
 from rollout_actors.inference.standin import StandinOptions, StandinServer, StandinStartupError
@@ -43,8 +44,7 @@ CALC_USER = {"role": "user", "content": "Compute (17 * 23) + 45 using the calcul
 CALC_ANSWER = 17 * 23 + 45
 
 
-def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, DEADLINE_S))
+run = runner(DEADLINE_S)
 
 
 @pytest.fixture(scope="module")

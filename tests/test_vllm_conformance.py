@@ -10,7 +10,6 @@ module-scoped fixture.
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import importlib.metadata
 import importlib.util
@@ -34,6 +33,7 @@ from conftest import served_like_vllm
 from env_pools import TEST_REF_PREFIXES
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from waiting import runner
 
 from renderer_actors.config import RendererConfig
 from renderer_actors.key import RendererKey
@@ -72,8 +72,7 @@ CHAT = SamplingConfig(temperature=0.6, top_p=0.95, max_tokens=200, seed=3, extra
 SAMPLINGS = {s.max_tokens: s for s in (TOKEN_FULL, TOKEN_BARE, CHAT)}
 
 
-def run(coro: Any, deadline: float = DEADLINE_S) -> Any:
-    return asyncio.run(asyncio.wait_for(coro, deadline))
+run = runner(DEADLINE_S)
 
 
 # ------------------------------------------------------------------------------------------ fixtures

@@ -17,6 +17,7 @@ import pytest
 from conftest import served_like_vllm
 from env_pools import TEST_REF_PREFIXES
 from safetensors.numpy import save_file
+from waiting import runner
 
 from renderer_actors.tokenizer import BUNDLED_MODEL
 from rollout_actors.client import build_client
@@ -56,8 +57,7 @@ CALC_MESSAGES = [
 ]
 
 
-def run(coro, deadline: float = DEADLINE_S):
-    return asyncio.run(asyncio.wait_for(coro, deadline))
+run = runner(DEADLINE_S)
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,5 @@
-"""Polling under a deadline, for tests: a condition that is never reached fails instead of hanging."""
+"""Deadlines for tests: a coroutine run under its global deadline, and polling under a deadline. A hang or a
+condition that is never reached fails instead of waiting for pytest-timeout."""
 
 from __future__ import annotations
 
@@ -6,6 +7,21 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
+
+
+def run(coro: Awaitable[Any], deadline: float) -> Any:
+    """Run `coro` on a fresh event loop under the test's global deadline (seconds), and return its value."""
+    return asyncio.run(asyncio.wait_for(coro, deadline))
+
+
+def runner(default_deadline: float) -> Callable[..., Any]:
+    """`run` with a module's default deadline: `run = runner(DEADLINE_S)`, then `run(coro)` or
+    `run(coro, 30)`."""
+
+    def run_under(coro: Awaitable[Any], deadline: float = default_deadline) -> Any:
+        return run(coro, deadline)
+
+    return run_under
 
 
 async def wait_until(predicate: Callable[[], bool], timeout: float, interval: float = 0.05) -> None:
