@@ -134,3 +134,75 @@ def test_no_key_means_least_loaded(strategy):
 def test_placement_config_refuses_unknown_fields():
     with pytest.raises(ValueError):
         PlacementConfig.model_validate({"strategy": "prefix", "slak": 2})
+
+
+def _prefix_cache_counts(server) -> tuple[float, float]:
+    """(hits, queries) in tokens, from the server's `/metrics`."""
+    import re
+    import urllib.request
+
+    with urllib.request.urlopen(f"{server.url}/metrics", timeout=10) as response:
+        text = response.read().decode()
+
+    def total(name: str) -> float:
+        return sum(float(v) for v in re.findall(rf"^vllm:{name}_total\{{[^}}]*\}} (\S+)$", text, re.M))
+
+    return total("prefix_cache_hits"), total("prefix_cache_queries")
+
+
+@pytest.mark.slow
+def test_a_groups_members_land_on_one_standin_and_meet_its_prefix_cache(ray_session, standin_pair):
+    """Real plane, real stand-ins: two groups of four, each on one server (the two on different ones).
+    Each group's prompt is some 500 tokens: its members after the first find all but the last partial
+    block cached, so each server's hit rate passes 0.6 (3 of 4 prompts nearly whole); members spread two
+    and two would give about 0.4."""
+    import asyncio
+
+    from env_pools import TEST_REF_PREFIXES
+
+    from renderer_actors.tokenizer import BUNDLED_MODEL
+    from rollout_actors.plane import PlaneConfig, RolloutPlane
+    from rollout_actors.wire import SamplingConfig
+
+    endpoints = [server.base_url for server in standin_pair]
+    before = [_prefix_cache_counts(server) for server in standin_pair]
+
+    def group_request(task_index: int) -> RolloutRequest:
+        client = ClientConfig(model=BUNDLED_MODEL, headers={"X-Standin-Latency": "0.3"})
+        question = (
+            " ".join(f"line {task_index}-{i}: the quick brown fox" for i in range(60)) + " What is 2 + 2?"
+        )
+        return RolloutRequest(
+            env=Ref("env_actors.examples.math_env:MathEnv"),
+            task={"question": question, "answer": 4},
+            client=client,
+            sampling=SamplingConfig(max_tokens=32, seed=5),
+        )
+
+    async def scenario():
+        config = PlaneConfig(
+            lanes={"train": 8},
+            workers=1,
+            worker_num_cpus=0.25,
+            env_pool={"num_cpus": 0.25},
+            allowed_ref_prefixes=TEST_REF_PREFIXES,
+            endpoints=endpoints,
+        )
+        async with RolloutPlane(config) as plane:
+            handles = [await plane.submit_group(group_request(task), n=4) for task in (0, 1)]
+            return [await handle for handle in handles]
+
+    groups = asyncio.run(asyncio.wait_for(scenario(), 180))
+    sessions = [server.session_counts() for server in standin_pair]
+    homes = []
+    for group in groups:
+        assert all(r.kind == "ok" for r in group.results), [(r.kind, r.error) for r in group.results]
+        served_by = {
+            i for r in group.results for i, counts in enumerate(sessions) if counts.get(r.request_id)
+        }
+        assert len(served_by) == 1, (group.group_id, sessions)
+        homes.append(served_by.pop())
+    assert sorted(homes) == [0, 1]
+    after = [_prefix_cache_counts(server) for server in standin_pair]
+    rates = [(a[0] - b[0]) / (a[1] - b[1]) for a, b in zip(after, before, strict=True)]
+    assert all(rate > 0.6 for rate in rates), rates
