@@ -10,7 +10,7 @@ cache, but only requests that reach the same server. Strategies:
 - **prefix** (default): a rollout goes to a server that already ran its prefix key (the task, as the
   group's members share it), the least loaded of those, unless that server is past the load bound; then
   to the least-loaded server, which becomes another holder of the key. The bound is relative to the mean
-  (`slack`), with `headroom` so a whole group can land on one server of an idle plane. A server that
+  (`slack`), and never below `floor`, so a whole group can land on one server of an idle plane. A server that
   slows down holds its rollouts longer, so its count passes the bound and its keys spill elsewhere: the
   affinity never locks a saturated server into serving (and thrashing on) what it holds, the failure of
   hashing sessions to servers (prime-rl #3255).
@@ -51,9 +51,10 @@ class PlacementConfig(BaseModel):
     strategy: Strategy = "prefix"
     slack: float = Field(default=1.25, ge=1.0, le=4.0)
     """A server past `slack` x the mean rollouts in flight per server draws no more rollouts by affinity."""
-    headroom: int = Field(default=8, ge=0, le=4096)
-    """Rollouts a server may hold past the mean and still draw by affinity: one GRPO group of the usual
-    size, so a group lands whole on one server even when the plane is nearly idle."""
+    floor: int = Field(default=8, ge=0, le=4096)
+    """A server holding fewer rollouts than this draws by affinity whatever the mean: one GRPO group of
+    the usual size, so a group lands whole on one server of a nearly idle plane. (A bound of mean plus a
+    group let a busy plane run past `slack`.)"""
 
 
 def prefix_key(request: RolloutRequest) -> str:
@@ -106,8 +107,7 @@ class Placement:
     def bound(self, total: int, servers: int) -> float:
         """Most rollouts a server may hold, this one included, and still draw rollouts by affinity, when
         `total` are in flight on `servers` servers counting the one being placed."""
-        mean = total / servers
-        return max(self.config.slack * mean, mean + self.config.headroom)
+        return max(self.config.slack * total / servers, self.config.floor)
 
     def holders(self, key: str) -> list[str]:
         """Servers the key was placed on, most recent last."""
