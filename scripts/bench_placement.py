@@ -216,13 +216,14 @@ async def main(args: argparse.Namespace) -> None:
             flush=True,
         )
         phases: dict[str, Phase] = {}
-        plan: list[tuple[str, Strategy, list[StandinServer]]] = [
-            ("least_loaded", "least_loaded", servers),
-            ("hashed", "hashed", servers),
-            ("prefix", "prefix", servers),
-            ("reference", "least_loaded", [reference]),
-        ]
-        for seed, (name, strategy, targets) in enumerate(plan, start=1):
+        plan: dict[str, tuple[Strategy, list[StandinServer]]] = {
+            "least_loaded": ("least_loaded", servers),
+            "hashed": ("hashed", servers),
+            "prefix": ("prefix", servers),
+            "reference": ("least_loaded", [reference]),
+        }
+        for seed, name in enumerate(args.phases.split(","), start=1):
+            strategy, targets = plan[name]
             texts = questions(tokenizer, args.groups, args.prompt_tokens, seed)
             phases[name] = await run_phase(name, strategy, targets, texts, args)
             print(row(phases[name]), flush=True)
@@ -240,6 +241,11 @@ async def main(args: argparse.Namespace) -> None:
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--quick", action="store_true", help="8 groups, 32 in flight")
+    parser.add_argument(
+        "--phases",
+        default="least_loaded,hashed,prefix,reference",
+        help="which phases, in this order (the last lines need prefix, least_loaded and reference)",
+    )
     parser.add_argument("--servers", type=int, default=4)
     parser.add_argument("--groups", type=int, default=32)
     parser.add_argument("--group-size", type=int, default=8)
