@@ -40,6 +40,7 @@ from rollout_actors.lanes import Lane, Lanes
 from rollout_actors.lora import AdapterLimits
 from rollout_actors.metrics import PlaneMetrics
 from rollout_actors.naming import PoolNames
+from rollout_actors.placement import Placement, prefix_key
 from rollout_actors.plane_stats import PlaneStats, WorkerStats
 from rollout_actors.pool_lookup import PoolRoute
 from rollout_actors.pool_supervisor import PoolUnavailable
@@ -137,6 +138,7 @@ class RolloutPlane(Submission):
         self._cancel_reasons: dict[str, tuple[str, str]] = {}
         self._endpoint_load: Counter[str] = Counter()
         self._rollout_endpoint: dict[str, str] = {}
+        self._placement = Placement(self.config.placement)
         """Rollouts in flight -> their endpoint, in start order (the controller cancels the youngest)."""
         self._controller: ConcurrencyController | None = None
         self._controller_task: asyncio.Task[None] | None = None
@@ -409,7 +411,7 @@ class RolloutPlane(Submission):
     async def _dispatch_on_policy(
         self, request: RolloutRequest, cancelled: asyncio.Event, deadline: float
     ) -> Result:
-        endpoint = self._pick_endpoint()
+        endpoint = self._pick_endpoint(request)
         if endpoint is not None:
             # One endpoint for the rollout's whole life: its turns share one server's prefix cache.
             request = request.model_copy(
@@ -432,11 +434,8 @@ class RolloutPlane(Submission):
         """Request ids of the rollouts in flight on `endpoint`, oldest first."""
         return [rid for rid, url in self._rollout_endpoint.items() if url == endpoint]
 
-    def _pick_endpoint(self) -> str | None:
-        live = list(self._endpoints())
-        if not live:
-            return None
-        return min(live, key=lambda url: self._endpoint_load[url])
+    def _pick_endpoint(self, request: RolloutRequest) -> str | None:
+        return self._placement.place(prefix_key(request), list(self._endpoints()), self._endpoint_load)
 
     async def _dispatch_to_workers(
         self, request: RolloutRequest, cancelled: asyncio.Event, deadline: float
