@@ -217,7 +217,7 @@ async def held(plane: RolloutPlane) -> dict[str, int]:
     for worker in stats.workers:
         with contextlib.suppress(Exception):
             health = await asyncio.wait_for(ray.get_actor(worker.worker).health.remote(), 10)
-            on_servers += health["sessions"]
+            on_servers += health.sessions
     renderer = await ray.get_actor(plane.names.renderer_pool).stats.remote()
     return {
         "env sessions (pool)": stats.sessions,

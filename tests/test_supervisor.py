@@ -62,12 +62,12 @@ class Fakes(ChildKind[Child]):
         self.actors.append(actor := FakeActor())
         return Child(name, actor)
 
-    async def ready(self, child: Child) -> None:
+    async def handshake(self, child: Child) -> None:
         if self.fail_ready:
             raise RuntimeError("load failed")
         await child.handle.health.remote()
 
-    def retired(self, child: Child, reason: str, cause: str) -> None:
+    def on_retired(self, child: Child, reason: str, cause: str) -> None:
         self.lost.append((child.name, cause))
 
     def kill(self, child: Child) -> None:

@@ -2,7 +2,7 @@
 
     class EnvServers(ChildKind[ServerSlot]):         # a kind: placement and growth policy only
         def create(self, name): ...                  # start one actor, return its record (a `Child`)
-        async def ready(self, child): ...            # the readiness handshake; raise a `Fault` on failure
+        async def handshake(self, child): ...        # readiness: loaded and answering; raise on failure
         def tick(self, now): ...                     # growth / shrink, on the supervisor's own tick
 
     servers = Supervisor("env pool math", EnvServers(...), settings)   # settings: one `Supervision`
@@ -86,7 +86,7 @@ class ChildKind(Generic[C]):
     def create(self, name: str) -> C:
         raise NotImplementedError
 
-    async def ready(self, child: C) -> None:
+    async def handshake(self, child: C) -> None:
         await child.handle.health.remote()
 
     async def signs(self, child: C) -> AsyncIterator[Health]:
@@ -97,10 +97,14 @@ class ChildKind(Generic[C]):
             yield await asyncio.wait_for(child.handle.health.remote(), settings.probe_timeout_s)
             await asyncio.sleep(max(0.0, settings.probe_interval_s - (time.monotonic() - sent)))
 
-    def readied(self, child: C) -> None:
+    async def diagnose(self, child: C) -> str:
+        """Why it missed its readiness deadline, as far as can be told."""
+        return "no answer to its readiness handshake"
+
+    def on_ready(self, child: C) -> None:
         """It became ready (before anyone waiting for a ready child is woken)."""
 
-    def retired(self, child: C, reason: str, cause: RetireCause) -> None:
+    def on_retired(self, child: C, reason: str, cause: RetireCause) -> None:
         """It left service (before it is killed): release what it held."""
 
     def kill(self, child: C) -> None:
@@ -211,9 +215,10 @@ class Supervisor(Generic[C]):
 
     # ------------------------------------------------------------------------------------ spawning
 
-    def spawn(self, why: SpawnWhy) -> C | None:
+    def spawn(self, why: SpawnWhy, ready_timeout_s: float | None = None) -> C | None:
         """Start one child (its readiness runs in the background: await `child.up`). None when the budget
-        refuses it (see `refused`), spawning stopped, the supervisor is closed or creation failed."""
+        refuses it (see `refused`), spawning stopped, the supervisor is closed or creation failed.
+        `ready_timeout_s`: this spawn's readiness deadline, if not the setting's."""
         if self.closed or self.stopped:
             return None
         if why != "initial":
@@ -230,25 +235,29 @@ class Supervisor(Generic[C]):
             child = self.kind.create(name)
         except Exception as exc:  # e.g. malformed resources: nothing was created
             self._count_spawn_failure(name, f"could not be created: {exc}")
-            return None
+            if why == "initial":  # the owner is starting: its configuration's fault is its to raise
+                raise
+            return None  # mid-serve: one short and logged, the supervisor lives on
         child.life = Liveness(self.settings.hang_timeout_s)
         self.children[child.name] = child
-        self.tasks.own(self._live(child), child.name)
+        self.tasks.own(self._live(child, ready_timeout_s or self.settings.ready_timeout_s), child.name)
         return child
 
     def budget_spent(self, what: str) -> RestartBudgetSpent:
         """The typed failure for a request that needed a child the budget refused."""
         return RestartBudgetSpent(f"{what} is not restarted: {self.refused or self.budget.spent_message()}")
 
-    async def _live(self, child: C) -> None:
+    async def _live(self, child: C, ready_timeout_s: float) -> None:
         try:
-            await asyncio.wait_for(self.kind.ready(child), self.settings.ready_timeout_s)
+            await asyncio.wait_for(self.kind.handshake(child), ready_timeout_s)
         except asyncio.CancelledError:
             self.retire(child, "cancelled while starting", "shutdown")
             raise
         except Exception as exc:
             if isinstance(exc, TimeoutError):
-                exc = TimeoutError(f"not ready within {self.settings.ready_timeout_s:g} s")
+                exc = TimeoutError(
+                    f"not ready within {ready_timeout_s:g} s: {await self.kind.diagnose(child)}"
+                )
             reason = f"died while starting: {exit_detail(exc)}" if ray_loss(exc) else f"{exc}"
             if not child.up.done():
                 child.up.set_exception(exc)
@@ -260,7 +269,7 @@ class Supervisor(Generic[C]):
         child.state = "ready"
         child.life.heard()
         self._failures_in_a_row = 0
-        self.kind.readied(child)
+        self.kind.on_ready(child)
         child.up.set_result(None)
         self._pulse()
         log.info("%s: %s ready in %.2f s", self.name, child.name, time.monotonic() - child.born)
@@ -318,7 +327,7 @@ class Supervisor(Generic[C]):
             child.gone.set_result((reason, cause))
         self.retired_log.append(f"{child.name}: {reason}")
         try:
-            self.kind.retired(child, reason, cause)
+            self.kind.on_retired(child, reason, cause)
         finally:
             self.kind.kill(child)
             if lost and not self.closed:
