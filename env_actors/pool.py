@@ -31,6 +31,7 @@ from env_actors.sessions import OpenSessions
 from env_actors.supervisor import ServerSlot, Supervisor, exit_detail, resolve
 from rollout_actors.kernel import Failure, Ref
 from rollout_actors.kernel.faults import ray_loss
+from rollout_actors.kernel.supervision import Health
 
 __all__ = ["EnvPool", "EnvPoolConfig", "EnvStartupError", "get_env_pool", "start_env_pool", "stop_env_pool"]
 
@@ -174,15 +175,10 @@ class EnvPool:
             return self._no_live_worker()
         return EnvResponse.ok(self._supervisor.num_tasks)
 
-    async def health(self) -> dict[str, Any]:
+    async def health(self) -> Health:
         """Liveness for the plane's supervisor: answered on the loop that serves every placement, so an
         answer means that loop turns (`loop_stall_s` is 0 by construction)."""
-        return {
-            "loop_stall_s": 0.0,
-            "pid": os.getpid(),
-            "node_id": ray.get_runtime_context().get_node_id(),
-            "ready": len(self._supervisor.ready()),
-        }
+        return Health(pid=os.getpid(), node_id=ray.get_runtime_context().get_node_id())
 
     async def stats(self) -> EnvPoolStats:
         sup = self._supervisor

@@ -91,6 +91,8 @@ class ServerSlot(Child):
 class Supervisor(KernelSupervisor[ServerSlot], ChildKind[ServerSlot]):
     """The server set of one pool: the kernel's supervisor with the environment's policy plugged in."""
 
+    crash_loop_stops = True  # an environment that fails every load fails loudly, for good
+
     def __init__(
         self,
         name: str,

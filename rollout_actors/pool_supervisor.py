@@ -210,7 +210,7 @@ class SupervisedPool:
                 life.excuse(sent - expected)
             try:
                 health = await asyncio.wait_for(handle.health.remote(), settings.hang_timeout_s)
-                life.heard(float(health.get("loop_stall_s", 0.0)))
+                life.heard(health.loop_stall_s)
             except Exception as exc:
                 if ray_loss(exc) == "died":
                     self._lost(handle, "died", _death_detail(exc))

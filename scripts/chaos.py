@@ -316,7 +316,7 @@ class Chaos:
         key_json = next(iter(keys))
         lease = await pool.lease.remote(key_json)
         try:
-            pid = (await asyncio.wait_for(lease.renderer.health.remote(), 10))["pid"]
+            pid = (await asyncio.wait_for(lease.renderer.health.remote(), 10)).pid
         finally:
             await pool.release.remote(lease.lease_id)
         os.kill(pid, signal.SIGKILL)

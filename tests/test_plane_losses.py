@@ -188,7 +188,7 @@ async def _only_renderer_pid(pool) -> int:
     (key_json,) = (await pool.stats.remote()).keys
     lease = await pool.lease.remote(key_json)
     try:
-        return (await lease.renderer.health.remote())["pid"]
+        return (await lease.renderer.health.remote()).pid
     finally:
         await pool.release.remote(lease.lease_id)
 

@@ -150,7 +150,9 @@ def test_a_spent_budget_refuses_the_replacement_with_a_typed_failure():
 
 def test_spawns_failing_in_a_row_past_the_budget_stop_spawning():
     async def body():
-        sup = Supervisor("fakes", Fakes(fail_ready=True), settings(max_restarts=5))
+        kind = Fakes(fail_ready=True)
+        kind.crash_loop_stops = True
+        sup = Supervisor("fakes", kind, settings(max_restarts=5))
         for _ in range(sup.settings.restart.max_restarts + 1):
             child = sup.spawn("initial")
             with pytest.raises(RuntimeError, match="load failed"):

@@ -18,7 +18,7 @@ a child Ray says died, or that wedged, is retired at once (out of service, `gone
 replaced on the same budget growth draws on. Load is never a wedge: a busy child keeps sending signs, and
 the supervisor's own stall is not held against it. A spent budget refuses the spawn (counted, logged once
 per episode); the kind decides what a refusal means (overfill, fail fast with `RestartBudgetSpent`).
-More spawn failures in a row than the budget allows restarts is a crash loop: spawning stops for good.
+More spawn failures in a row than the budget allows restarts is a crash loop: a kind may stop there.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, Generic, Literal, TypeVar
@@ -82,6 +82,9 @@ class ChildKind(Generic[C]):
     and its growth policy. Defaults: readiness and signs of life are answers to `health()`."""
 
     supervisor: Supervisor[C]
+    crash_loop_stops = False
+    """Stop spawning for good once more spawns failed in a row than the budget allows restarts (an
+    environment that fails every load); otherwise spawns resume when the budget's window has room."""
 
     def create(self, name: str) -> C:
         raise NotImplementedError
@@ -100,6 +103,9 @@ class ChildKind(Generic[C]):
     async def diagnose(self, child: C) -> str:
         """Why it missed its readiness deadline, as far as can be told."""
         return "no answer to its readiness handshake"
+
+    def on_spawn_failed(self, child: C, exc: BaseException) -> None:
+        """Its spawn failed (before it is retired): a death while starting, a load error, a timeout."""
 
     def on_ready(self, child: C) -> None:
         """It became ready (before anyone waiting for a ready child is woken)."""
@@ -185,6 +191,8 @@ class Supervisor(Generic[C]):
         self.refused: str | None = None
         """Why the last spawn the budget refused was refused; None once one was allowed again."""
         self.retired_log: deque[str] = deque(maxlen=RETIRED_HISTORY)
+        self.spawned_for: Counter[SpawnWhy] = Counter()
+        self._lives: dict[str, asyncio.Task[None]] = {}
         self._failures_in_a_row = 0
         self._changed = asyncio.Event()
         self.tasks.keep(self._judge, "judge")
@@ -240,7 +248,9 @@ class Supervisor(Generic[C]):
             return None  # mid-serve: one short and logged, the supervisor lives on
         child.life = Liveness(self.settings.hang_timeout_s)
         self.children[child.name] = child
-        self.tasks.own(self._live(child, ready_timeout_s or self.settings.ready_timeout_s), child.name)
+        self.spawned_for[why] += 1
+        life = self._live(child, ready_timeout_s or self.settings.ready_timeout_s)
+        self._lives[child.name] = self.tasks.own(life, child.name)
         return child
 
     def budget_spent(self, what: str) -> RestartBudgetSpent:
@@ -254,6 +264,8 @@ class Supervisor(Generic[C]):
             self.retire(child, "cancelled while starting", "shutdown")
             raise
         except Exception as exc:
+            if child.state == "retired":  # retired meanwhile (shrunk, reported dead): no spawn failure
+                return
             if isinstance(exc, TimeoutError):
                 exc = TimeoutError(
                     f"not ready within {ready_timeout_s:g} s: {await self.kind.diagnose(child)}"
@@ -262,6 +274,7 @@ class Supervisor(Generic[C]):
             if not child.up.done():
                 child.up.set_exception(exc)
             self._count_spawn_failure(child.name, reason)
+            self.kind.on_spawn_failed(child, exc)
             self.retire(child, reason, "died" if ray_loss(exc) == "died" else "spawn_failed")
             return
         if child.state != "starting":
@@ -289,7 +302,8 @@ class Supervisor(Generic[C]):
         self.spawn_failures += 1
         self._failures_in_a_row += 1
         log.warning("%s: spawn of %s failed (%d ready): %s", self.name, name, len(self.ready()), reason)
-        if self._failures_in_a_row > self.settings.restart.max_restarts and not self.stopped:
+        crash_loop = self._failures_in_a_row > self.settings.restart.max_restarts
+        if crash_loop and self.kind.crash_loop_stops and not self.stopped:
             self.stopped = f"{self._failures_in_a_row} spawns failed in a row; last: {reason}"
             log.error("%s stops spawning (crash loop): %s", self.name, self.stopped)
 
@@ -326,6 +340,9 @@ class Supervisor(Generic[C]):
         if not child.gone.done():
             child.gone.set_result((reason, cause))
         self.retired_log.append(f"{child.name}: {reason}")
+        life = self._lives.pop(child.name, None)
+        if life is not None and life is not asyncio.current_task():
+            life.cancel()
         try:
             self.kind.on_retired(child, reason, cause)
         finally:
