@@ -176,7 +176,9 @@ class Supervisor(KernelSupervisor[ServerSlot], ChildKind[ServerSlot]):
                 elif isinstance(exc, TimeoutError):
                     failure = Failure(type="EnvReadinessTimeout", message=str(exc))
                 elif exc is not None and ray_loss(exc) == "died":
-                    died.append(exc)  # its replacement, on the budget, is among the starting ones
+                    died.append(exc)
+                    if time.monotonic() < deadline:
+                        self.spawn("restart", deadline - time.monotonic())
                 elif exc is not None:
                     failure = Failure.from_exception(exc)
         if self.ready():

@@ -120,6 +120,7 @@ class _KeyPool(Supervisor[_Renderer], ChildKind[_Renderer]):
         if ray_loss(exc) is not None:
             # Its process died while loading (killed, its node lost): a death, replaced under the key's
             # restart budget, not a startup failure that would fail every lease for failure_hold_s.
+            self.spawn("restart")
             return
         what = str(exc) if not isinstance(exc, TimeoutError) else f"timed out ({exc})"
         self.startup_failure = f"renderer for {self.key_json} failed to start: {what}"

@@ -14,8 +14,8 @@
 One loop for all (Erlang/OTP's supervisor, with our liveness rule): each child's life runs in one owned
 task (spawn -> ready -> signs of life, each a `Health`, dated back by the loop stall it reports); one tick
 judges silence against `hang_timeout_s` (`Liveness`), excusing the time the supervisor itself was deaf;
-a child Ray says died, or that wedged, is retired at once (out of service, `gone` resolved, killed) and
-replaced on the same budget growth draws on. Load is never a wedge: a busy child keeps sending signs, and
+a ready child Ray says died, or that wedged, is retired at once (out of service, `gone` resolved, killed)
+and replaced on the same budget growth draws on. Load is never a wedge: a busy child keeps sending signs, and
 the supervisor's own stall is not held against it. A spent budget refuses the spawn (counted, logged once
 per episode); the kind decides what a refusal means (overfill, fail fast with `RestartBudgetSpent`).
 More spawn failures in a row than the budget allows restarts is a crash loop: a kind may stop there.
@@ -325,12 +325,13 @@ class Supervisor(Generic[C]):
             self.kind.tick(now)
 
     def retire(self, child: C, reason: str, cause: RetireCause) -> None:
-        """Take a child out of service at once: `gone` resolved, the kind told, the actor killed; one
-        that died or wedged is replaced now, on the budget. Idempotent."""
+        """Take a child out of service at once: `gone` resolved, the kind told, the actor killed; a ready
+        one that died or wedged is replaced now, on the budget (a spawn that failed is the kind's to
+        retry, in its `tick`). Idempotent."""
         if child.state == "retired":
             return
-        lost = cause in ("died", "wedged")
-        if lost and child.state == "ready":
+        lost = cause in ("died", "wedged") and child.state == "ready"
+        if lost:
             self.deaths += 1
             log.warning("%s: %s retired: %s", self.name, child.name, reason)
         child.state = "retired"
