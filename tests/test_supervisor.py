@@ -224,3 +224,36 @@ def test_a_task_that_dies_tells_its_owner():
 
     run(body())
     assert deaths == ["owner: broken: boom"]
+
+
+def test_a_pool_is_restarted_as_a_new_incarnation_then_past_its_budget_answers_at_once():
+    from rollout_actors.config import PoolSupervision
+    from rollout_actors.pool_supervisor import PoolUnavailable, SupervisedPool
+
+    async def body():
+        started: list[str] = []
+
+        async def start(actor_name: str) -> FakeActor:
+            started.append(actor_name)
+            return FakeActor()
+
+        async def stop(handle: FakeActor) -> None:
+            handle.killed = True
+
+        settings = PoolSupervision(
+            restart={"max_restarts": 1, "window_s": 60}, hang_timeout_s=0.5, probe_interval_s=0.05
+        )
+        pool = SupervisedPool("fake pool", "p/pool", start, stop, settings)
+        (await pool.start()).mode = "dead"
+        await until(lambda: pool.incarnation == 2 and pool.state == "serving")
+        assert (await pool.serving(5)).incarnation == 2 and started == ["p/pool", "p/pool@2"]
+        pool.current().mode = "frozen"
+        await until(lambda: pool.state == "failed")
+        with pytest.raises(
+            PoolUnavailable, match=r"restart budget spent \(1 restarts in 60 s\); last loss: wedged"
+        ):
+            await pool.serving(5)
+        assert pool.status().restarts == 1 and pool.status().incarnation == 2
+        await pool.close()
+
+    run(body())

@@ -116,6 +116,8 @@ class ChildKind(Generic[C]):
     def kill(self, child: C) -> None:
         import ray  # Ray is the engine, not the kernel's dependency
 
+        if not ray.is_initialized():  # no actor without Ray; and `ray.kill` would start a cluster
+            return
         try:
             ray.kill(child.handle, no_restart=True)
         except Exception:  # already gone; killing is best effort by nature
