@@ -152,7 +152,7 @@ class InferenceServerSet(Supervisor[_Server], ChildKind[_Server]):
     def on_retired(self, server: _Server, reason: str, cause: RetireCause) -> None:
         if self._status[server.index].state in ("ready", "starting"):
             self._status[server.index] = server.status.model_copy(update={"state": "dead", "reason": reason})
-        if cause != "shutdown":
+        if cause in ("died", "wedged"):
             logger.warning("inference server %s retired: %s", server.status.url, reason)
 
     def kill(self, server: _Server) -> None:
