@@ -141,7 +141,7 @@ class SupervisedPool(Supervisor[_Incarnation], ChildKind[_Incarnation]):
         already gone (one check shared by every caller)."""
         deadline = time.monotonic() + timeout
         if self.state == "failed" and self.serving_since is not None and self.budget.remaining() > 0:
-            self._restarting("the restart window has room again")
+            self._restarting()  # the restart window has room again
         if not verify and holds_value(self._current):  # the common case: no task, no shield per dispatch
             return self._current.result()
         try:
@@ -218,7 +218,7 @@ class SupervisedPool(Supervisor[_Incarnation], ChildKind[_Incarnation]):
             self._lost_at = time.monotonic()
             self.last_loss = reason
             log.error("%s (incarnation %d) lost: %s", self.what, child.number, reason)
-            self._restarting(reason)
+            self._restarting()
         elif self.state == "restarting":
             self.last_loss = f"restart {child.number} failed: {reason}"
             log.error("%s: %s", self.what, self.last_loss)
@@ -243,7 +243,7 @@ class SupervisedPool(Supervisor[_Incarnation], ChildKind[_Incarnation]):
             log.error("%s", message)
             self._current.set_exception(PoolUnavailable(Failure(type="PoolUnavailable", message=message)))
 
-    def _restarting(self, why: str) -> None:
+    def _restarting(self) -> None:
         self.state = "restarting"
         if self._current.done():
             self._current = _future()
