@@ -145,12 +145,12 @@ class TaskOwner:
         return task
 
     def keep(self, loop: Callable[[], Coroutine[Any, Any, Any]], name: str) -> None:
-        """Run `loop()` until `close`; started again (loudly) whenever it dies."""
+        """Run `loop()` until it returns or `close`; started again (loudly) whenever it dies."""
 
         async def kept() -> None:
             while not self.closed:
                 try:
-                    await loop()
+                    return await loop()
                 except asyncio.CancelledError:
                     raise
                 except Exception:
