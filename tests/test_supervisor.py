@@ -257,3 +257,19 @@ def test_a_pool_is_restarted_as_a_new_incarnation_then_past_its_budget_answers_a
         await pool.close()
 
     run(body())
+
+
+def test_a_kinds_growth_policy_waits_for_the_owners_first_spawn():
+    class KeepsOne(Fakes):
+        def tick(self, now: float) -> None:
+            if not self.supervisor.children:
+                self.supervisor.spawn("restart")
+
+    async def body():
+        sup = Supervisor("fakes", KeepsOne(), settings())
+        await asyncio.sleep(0.3)  # the owner is still starting: nothing is spawned behind its back
+        assert not sup.children and sup.budget.remaining() == 2
+        await sup.spawn("initial").up
+        await sup.close()
+
+    run(body())

@@ -197,7 +197,8 @@ class Supervisor(Generic[C]):
         self._lives: dict[str, asyncio.Task[None]] = {}
         self._failures_in_a_row = 0
         self._changed = asyncio.Event()
-        self.tasks.keep(self._judge, "judge")
+        self._judging = False
+        """The judge starts with the first spawn: before it, there is nothing to judge or keep full."""
 
     # ------------------------------------------------------------------------------------ queries
 
@@ -231,6 +232,9 @@ class Supervisor(Generic[C]):
         `ready_timeout_s`: this spawn's readiness deadline, if not the setting's."""
         if self.closed or self.stopped:
             return None
+        if not self._judging:
+            self._judging = True
+            self.tasks.keep(self._judge, "judge")
         if why != "initial":
             if not self.budget.try_spend():
                 self.budget_denials += 1
