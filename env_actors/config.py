@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from rollout_actors.kernel.supervision import RestartIntensity
+from rollout_actors.kernel.supervision import Health, RestartIntensity, Supervision
 
 ENV_RESTARTS = RestartIntensity(max_restarts=3, window_s=60.0)
 """Rides out one OOM plus a retry, few enough that a crash loop fails loudly; a minute catches a crash
@@ -86,6 +86,17 @@ class EnvPoolConfig(BaseModel):
     runtime_env: EnvRuntimeEnv | None = None
     """The packages this pool's servers run with (see `EnvRuntimeEnv`); None: the cluster's own."""
 
+    @property
+    def supervision(self) -> Supervision:
+        """The supervision setting of this pool's servers, as the kernel's supervisor reads it."""
+        return Supervision(
+            restart=self.restart,
+            ready_timeout_s=self.spawn_timeout_s,
+            probe_interval_s=self.probe_interval_s,
+            probe_timeout_s=self.probe_timeout_s,
+            hang_timeout_s=self.hang_timeout_s,
+        )
+
     @model_validator(mode="after")
     def _sizes(self) -> EnvPoolConfig:
         if self.max_workers < self.min_workers:
@@ -107,6 +118,18 @@ class EnvCallLimits:
         return cls(
             reset_s=config.reset_timeout_s, step_s=config.step_timeout_s, score_s=config.score_timeout_s
         )
+
+
+class EnvServerHealth(Health):
+    """An `EnvServer`'s answer to `health()`, from its probe loop (so it answers while env code blocks)."""
+
+    phase: str
+    """`created`, `constructing`, `loading`, `ready` or `failed`."""
+    blocking: str | None = None
+    """The session whose env call holds the server's loop, once it has held it a while."""
+    sessions: int = 0
+    calls: int = 0
+    """Env calls running now (an operator, or a test, sees a call start without guessing)."""
 
 
 class WorkerInfo(BaseModel):

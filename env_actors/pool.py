@@ -31,6 +31,7 @@ from env_actors.sessions import OpenSessions
 from env_actors.supervisor import ServerSlot, Supervisor, exit_detail, resolve
 from rollout_actors.kernel import Failure, Ref
 from rollout_actors.kernel.faults import ray_loss
+from rollout_actors.kernel.supervision import Health
 
 __all__ = ["EnvPool", "EnvPoolConfig", "EnvStartupError", "get_env_pool", "start_env_pool", "stop_env_pool"]
 
@@ -81,7 +82,7 @@ class EnvPool:
                 self._closed = True
                 return EnvResponse.failed(failure)
             self._started = True
-            self._supervisor.own(self._reap_idle_sessions())
+            self._supervisor.tasks.keep(self._reap_idle_sessions, "reap idle sessions")
         if self._closed:
             return self._closed_response()
         return EnvResponse.ok({"num_tasks": self._supervisor.num_tasks})
@@ -174,15 +175,10 @@ class EnvPool:
             return self._no_live_worker()
         return EnvResponse.ok(self._supervisor.num_tasks)
 
-    async def health(self) -> dict[str, Any]:
+    async def health(self) -> Health:
         """Liveness for the plane's supervisor: answered on the loop that serves every placement, so an
         answer means that loop turns (`loop_stall_s` is 0 by construction)."""
-        return {
-            "loop_stall_s": 0.0,
-            "pid": os.getpid(),
-            "node_id": ray.get_runtime_context().get_node_id(),
-            "ready": len(self._supervisor.ready()),
-        }
+        return Health(pid=os.getpid(), node_id=ray.get_runtime_context().get_node_id())
 
     async def stats(self) -> EnvPoolStats:
         sup = self._supervisor
@@ -198,14 +194,14 @@ class EnvPool:
             deaths=sup.deaths,
             restarts_left=sup.budget.remaining(),
             budget_denials=sup.budget_denials,
-            spawning_stopped=sup.spawning_stopped,
-            retired=list(sup.retired),
+            spawning_stopped=sup.stopped,
+            retired=list(sup.retired_log),
         )
 
     async def shutdown(self) -> EnvPoolStats:
         """Stop supervising and kill every worker; in-flight calls fail at once. Idempotent."""
         self._closed = True
-        await self._supervisor.shutdown()
+        await self._supervisor.close()
         return await self.stats()
 
     # ---------------------------------------------------------------------------------- internals
@@ -290,15 +286,15 @@ class EnvPool:
                     if session is None:
                         continue
                     if session_id in idle:
-                        self._supervisor.own(self.end_session(session_id, self._config.close_timeout_s))
+                        self._supervisor.tasks.own(self.end_session(session_id, self._config.close_timeout_s))
                     else:
                         session.last_used = now  # busy on its worker: look again a timeout from now
 
     def _no_live_worker(self) -> EnvResponse:
         sup = self._supervisor
         detail = f"{len(sup.starting())} starting, {sup.budget.remaining()} restarts left"
-        if sup.spawning_stopped:
-            detail += f"; spawning stopped: {sup.spawning_stopped}"
+        if sup.stopped:
+            detail += f"; spawning stopped: {sup.stopped}"
         message = (
             f"no live env worker in pool {self._name!r} ({detail}); failing at once rather than queueing"
         )

@@ -30,14 +30,14 @@ from typing import Any
 import ray
 
 from env_actors.agent import AGENT_GUARD_SLACK_S, AgentEndpoint, run_agent_session
-from env_actors.config import EnvCallLimits, EnvPoolConfig, EnvRuntimeEnv
+from env_actors.config import EnvCallLimits, EnvPoolConfig, EnvRuntimeEnv, EnvServerHealth
 from env_actors.interface import EnvAnswer, EnvCall, EnvResponse, ResetOut, ScoreOut, StepOut, check_index
 from rollout_actors.kernel import DEFAULT_ALLOWED_PREFIXES, CallerError, Failure, Ref, RefResolver
 from rollout_actors.kernel.collector import settle_actor
+from rollout_actors.kernel.loop_watch import HEARTBEAT_S, LoopWatch
 
 PROBE_GROUP = "probe"
 PROBE_GROUP_SIZE = 4  # a probe and slack for probes that outlived their caller's timeout
-HEARTBEAT_S = 0.1  # resolution of `loop_stall_s`; far below any sane hang_timeout_s
 MIN_SERVER_CONCURRENCY = 64
 BATCH_LINGER_S = 0.02
 """Once one call of a batch has answered, how long the others may take to join its reply. Slower ones are
@@ -89,8 +89,9 @@ class EnvServer:
         self._phase = "created"
         """created -> constructing -> loading -> ready | failed; shown in readiness diagnostics."""
         self._sessions: dict[str, Any] = {}
-        self._last_tick = time.monotonic()
-        self._heartbeat: asyncio.Task | None = None
+        self._watch = LoopWatch()
+        """How long the default loop has gone without progress (the `LoopWatch` rule: load is no stall)."""
+        self._sampler: asyncio.Task | None = None
         self._loop_thread: int | None = None
         """The default loop's thread: where a probe looks for the env call that blocks it."""
 
@@ -98,9 +99,8 @@ class EnvServer:
         """Construct the environment from its Ref and load it. Idempotent once ready."""
         if self._env is not None:
             return EnvResponse.ok(self._ready_info(), self._worker)
-        self._last_tick = time.monotonic()
-        if self._heartbeat is None:
-            self._heartbeat = asyncio.create_task(self._beat())
+        self._loop_thread = threading.get_ident()
+        self._watch.bind()
         try:
             self._phase = "constructing"
             env = self._resolver.resolve(self._ref, role="environment")
@@ -130,25 +130,26 @@ class EnvServer:
             "num_tasks": int(self._env.num_tasks()),
         }
 
-    async def _beat(self) -> None:
-        self._loop_thread = threading.get_ident()
-        while True:
-            self._last_tick = time.monotonic()
-            await asyncio.sleep(HEARTBEAT_S)
-
     @ray.method(concurrency_group=PROBE_GROUP)
-    async def health(self) -> dict[str, Any]:
+    async def health(self) -> EnvServerHealth:
         """Liveness, answered from the probe loop even while env code blocks the default loop. `calls`: env
         calls running now (an operator, or a test, sees a call start without guessing)."""
-        stall = time.monotonic() - self._last_tick - HEARTBEAT_S
-        return {
-            "phase": self._phase,
-            "loop_stall_s": max(0.0, stall) if self._heartbeat is not None else 0.0,
-            "blocking": self._blocking_session() if stall > BLOCKING_AFTER_S else None,
-            "sessions": len(self._sessions),
-            "calls": sum(self._busy.values()),
-            "pid": os.getpid(),
-        }
+        if self._sampler is None and self._loop_thread is not None:
+            self._sampler = asyncio.create_task(self._sample())  # on this, the probe group's loop
+        stall = self._watch.stall_s() if self._loop_thread is not None else 0.0
+        return EnvServerHealth(
+            phase=self._phase,
+            loop_stall_s=stall,
+            blocking=self._blocking_session() if stall > BLOCKING_AFTER_S else None,
+            sessions=len(self._sessions),
+            calls=sum(self._busy.values()),
+            pid=os.getpid(),
+        )
+
+    async def _sample(self) -> None:
+        while True:
+            self._watch.sample()
+            await asyncio.sleep(HEARTBEAT_S)
 
     def _blocking_session(self) -> str | None:
         """The session whose env call holds the default loop now: its reset, step or score frame is on that

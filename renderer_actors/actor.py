@@ -29,6 +29,17 @@ from renderer_actors.parse import ParsedCompletion
 from renderer_actors.renderer import Renderer
 from rollout_actors.kernel import Failure
 from rollout_actors.kernel.collector import settle_actor
+from rollout_actors.kernel.supervision import Health
+
+
+class RendererHealth(Health):
+    """A renderer's answer to `health()`."""
+
+    renderer_id: str
+    loaded: bool
+    calls: int
+    """Render calls answered so far."""
+
 
 BATCHABLE = frozenset({"start", "bridge", "parse", "render"})
 """The methods `call_many` runs: the stateless render calls."""
@@ -66,14 +77,14 @@ class RendererActor:
         assert self._info is not None
         return self._info
 
-    async def health(self) -> dict[str, Any]:
+    async def health(self) -> RendererHealth:
         """Answers even while loading: liveness, not readiness."""
-        return {
-            "renderer_id": self._renderer_id,
-            "loaded": self._renderer is not None,
-            "calls": self._calls,
-            "pid": os.getpid(),
-        }
+        return RendererHealth(
+            renderer_id=self._renderer_id,
+            loaded=self._renderer is not None,
+            calls=self._calls,
+            pid=os.getpid(),
+        )
 
     async def start(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> StartReply:
         renderer = await self._loaded()

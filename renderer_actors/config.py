@@ -13,7 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from rollout_actors.kernel import Ref
-from rollout_actors.kernel.supervision import RestartIntensity
+from rollout_actors.kernel.supervision import RestartIntensity, Supervision
 
 ThinkingRetention = Literal["tool_cycle", "all"]
 DEFAULT_RENDERER_PREFIXES: tuple[str, ...] = ("renderer_actors.examples.",)
@@ -83,13 +83,24 @@ class RendererPoolConfig(BaseModel):
     max_renderers_per_key: int = Field(default=64, ge=1)
     """Beyond this, leases overfill the least-loaded renderer instead of growing the pool."""
     restart: RestartIntensity = RENDERER_RESTARTS
-    """Restart intensity per key: every spawn that replaces a renderer of the key that died, wedged or
-    failed to start spends one; the key's first renderer and growth under load do not."""
+    """Restart intensity per key: every spawn after the key's first spends one, growth under load and
+    replacements of renderers that died, wedged or failed to start alike (DESIGN.md contract 9)."""
     max_lease_s: float = 6 * 3600.0
     """A lease never released (its holder's process died) stops counting as load after this."""
     allowed_ref_prefixes: tuple[str, ...] = DEFAULT_RENDERER_PREFIXES
     """Modules a custom renderer Ref may name (the renderer side's allowlist, fixed for the pool's life;
     requests cannot widen it)."""
+
+    @property
+    def supervision(self) -> Supervision:
+        """The supervision setting of each key's renderers, as the kernel's supervisor reads it."""
+        return Supervision(
+            restart=self.restart,
+            ready_timeout_s=self.startup_timeout_s,
+            probe_interval_s=self.health_interval_s,
+            probe_timeout_s=self.health_timeout_s,
+            hang_timeout_s=self.health_timeout_s,
+        )
 
 
 class RendererStats(BaseModel):

@@ -20,12 +20,14 @@ Policy, per `RendererKey` (model, library renderer config + template kwargs, his
 - A dead renderer (reported by a session that saw it die, or missed health checks) is replaced; its
   leases are orphaned and their holders re-lease. A startup failure fails every lease for that key at
   once for `failure_hold_s`, with the renderer's traceback, instead of spawning a doomed renderer per call.
-- Every spawn that replaces a renderer of the key that died, wedged or failed to start spends one restart
-  from the key's budget (`RendererPoolConfig.restart`). With none left the key is not respawned: leases
-  go to its live renderers, or, with none live, fail at once saying so, until the window moves on.
+- Every spawn after the key's first (a renderer more under load, or one replacing a renderer that died,
+  wedged or failed to start) spends one restart from the key's budget (`RendererPoolConfig.restart`). With
+  none left the key does not grow (leases overfill its live renderers) and is not respawned: with none
+  live, leases fail at once saying so, until the window moves on.
 
-The pool owns its background loops (health, reaper) and every renderer's warm-up; `shutdown` stops them
-and kills the renderers. Renderers are created by the pool, so they fate-share with it.
+Each key's renderers are children of the kernel's `Supervisor` (readiness, probes, wedges, replacement);
+the pool keeps only leasing, placement and its reaper. `shutdown` stops them all and kills the renderers.
+Renderers are created by the pool, so they fate-share with it.
 """
 
 from __future__ import annotations
@@ -45,9 +47,17 @@ from renderer_actors.calls import RendererLease
 from renderer_actors.config import RendererKeyStats, RendererPoolConfig, RendererPoolStats, RendererStats
 from renderer_actors.key import RendererKey
 from rollout_actors.kernel import new_id
-from rollout_actors.kernel.faults import CallerError, LoadFailed, Unavailable, ray_loss, remote_cause
+from rollout_actors.kernel.faults import CallerError, LoadFailed, ray_loss, remote_cause
 from rollout_actors.kernel.metric import Metric
-from rollout_actors.kernel.supervision import Liveness, RestartBudget
+from rollout_actors.kernel.supervision import Health
+from rollout_actors.kernel.supervisor import (
+    Child,
+    ChildKind,
+    RestartBudgetSpent,
+    RetireCause,
+    Supervisor,
+    TaskOwner,
+)
 
 log = logging.getLogger(__name__)
 
@@ -68,37 +78,112 @@ class RendererStartupError(LoadFailed):
     of the key fails at once with it for `failure_hold_s` (`caller` when the load refused the key itself)."""
 
 
-class RendererBudgetSpent(Unavailable):
+class RendererBudgetSpent(RestartBudgetSpent):
     """The key's renderers died, wedged or failed to start more often than its restart budget allows."""
 
 
-@dataclass
-class _Renderer:
-    renderer_id: str
-    handle: Any
-    created: float
+@dataclass(eq=False)
+class _Renderer(Child):
     leases: set[str] = field(default_factory=set)
-    ready: bool = False
     idle_since: float = 0.0
-    warm_task: asyncio.Task[None] | None = None
-    life: Liveness | None = None
-    """Set once ready: when it last answered a health call (the kernel's rule, as for every actor)."""
+    linger: bool = False
+    """Its load failed: killed a moment later, so sessions waiting on `ready` get the load's own failure."""
 
 
-@dataclass
-class _KeyPool:
-    key_json: str
-    multiplex: int
-    budget: RestartBudget
-    renderers: dict[str, _Renderer] = field(default_factory=dict)
-    startup_failure: str | None = None
-    startup_kind: str = "infrastructure"
-    """`caller` when the load refused what the key names (a `CallerError` on the renderer's side)."""
-    failed_at: float = 0.0
-    owed: int = 0
-    """Renderers of this key that died, wedged or failed to start and are not respawned yet: the next
-    spawns are restarts (they spend the budget), not growth."""
-    last_death: str = ""
+class _KeyPool(Supervisor[_Renderer], ChildKind[_Renderer]):
+    """The renderers of one key: the kernel's supervisor, with renderer start-up plugged in."""
+
+    def __init__(self, key_json: str, multiplex: int, config: RendererPoolConfig, orphan: Any) -> None:
+        self.key_json, self.multiplex, self.config = key_json, multiplex, config
+        self.startup_failure: str | None = None
+        self.startup_kind = "infrastructure"
+        """`caller` when the load refused what the key names (a `CallerError` on the renderer's side)."""
+        self.failed_at = 0.0
+        self.last_death = ""
+        self.startup_failures = 0
+        self._orphan = orphan
+        super().__init__(RendererKey.from_json(key_json).short(), self, config.supervision)
+
+    def create(self, name: str) -> _Renderer:
+        renderer_id = new_id("renderer")
+        handle = _REMOTE_RENDERER.options(
+            num_cpus=self.config.renderer_num_cpus,
+            max_concurrency=2 * self.multiplex + RENDERER_MIN_CONCURRENCY,
+            scheduling_strategy="SPREAD",  # one node's loss takes a fraction of the renderers
+        ).remote(self.key_json, renderer_id, self.config.allowed_ref_prefixes)
+        return _Renderer(renderer_id, handle, idle_since=time.monotonic())
+
+    async def handshake(self, renderer: _Renderer) -> None:
+        await renderer.handle.ready.remote()
+
+    def on_spawn_failed(self, renderer: _Renderer, exc: BaseException) -> None:
+        if ray_loss(exc) is not None:
+            # Its process died while loading (killed, its node lost): a death, replaced under the key's
+            # restart budget, not a startup failure that would fail every lease for failure_hold_s.
+            self.spawn("restart")
+            return
+        what = str(exc) if not isinstance(exc, TimeoutError) else f"timed out ({exc})"
+        self.startup_failure = f"renderer for {self.key_json} failed to start: {what}"
+        self.startup_kind = "caller" if isinstance(remote_cause(exc), CallerError) else "infrastructure"
+        self.failed_at = time.monotonic()
+        self.startup_failures += 1
+        renderer.linger = True
+        log.warning("%s", self.startup_failure)
+
+    def on_ready(self, renderer: _Renderer) -> None:
+        self.startup_failure = None
+
+    def on_retired(self, renderer: _Renderer, reason: str, cause: RetireCause) -> None:
+        if cause != "shrunk":
+            self.last_death = f"renderer {renderer.name} {reason}"
+        self._orphan(renderer)
+
+    def kill(self, renderer: _Renderer) -> None:
+        if renderer.linger and not self.closed:
+            asyncio.get_running_loop().call_later(FAILED_LOAD_LINGER_S, _kill, renderer.handle)
+        else:
+            _kill(renderer.handle)
+
+    def place(self) -> _Renderer:
+        """The least-loaded renderer with a free slot (ready ones first); one more only when every one is
+        full, on the key's budget (growth and restarts share it); at the limit or refused, overfill."""
+        now = time.monotonic()
+        live = list(self.children.values())
+        if self.startup_failure and now - self.failed_at < self.config.failure_hold_s:
+            if not self.ready():
+                raise RendererStartupError(self.startup_failure, kind=self.startup_kind)
+        free = [r for r in live if len(r.leases) < self.multiplex]
+        renderer = min(free, key=_preference) if free else None
+        if renderer is None and len(live) < self.config.max_renderers_per_key:
+            renderer = self.spawn("initial" if not self.spawns else "grow" if live else "restart")
+            if renderer is None and not live:
+                raise RendererBudgetSpent(
+                    f"renderer for {self.key_json} is not restarted: {self.stopped or self.refused}; "
+                    f"last: {self.last_death}"
+                )
+        return renderer or min(live, key=_preference)
+
+    def stats(self, now: float) -> RendererKeyStats:
+        renderers = sorted(self.children.values(), key=lambda r: r.born)
+        return RendererKeyStats(
+            multiplex=self.multiplex,
+            loads=[len(r.leases) for r in renderers],
+            renderers=[
+                RendererStats(
+                    renderer_id=r.name,
+                    load=len(r.leases),
+                    ready=r.state == "ready",
+                    idle_s=(now - r.idle_since) if not r.leases else 0.0,
+                )
+                for r in renderers
+            ],
+            startup_failure=self.startup_failure,
+            restarts_left=self.budget.remaining(),
+        )
+
+
+def _preference(renderer: _Renderer) -> tuple[bool, int, float]:
+    return (renderer.state != "ready", len(renderer.leases), renderer.born)
 
 
 @dataclass
@@ -120,16 +205,9 @@ class RendererPool:
         self._keys: dict[str, _KeyPool] = {}
         self._leases: dict[str, _Lease] = {}
         self._lost_owners: dict[str, None] = {}
-        self._loops: list[asyncio.Task[None]] = []
+        self._tasks: TaskOwner | None = None
         self._closed = False
-        self._counters = {
-            "spawned": 0,
-            "retired": 0,
-            "replaced": 0,
-            "startup_failures": 0,
-            "expired_leases": 0,
-            "budget_denials": 0,
-        }
+        self._counters = {"retired": 0, "expired_leases": 0}
 
     # ----------------------------------------------------------------------------------- leases
 
@@ -150,14 +228,14 @@ class RendererPool:
         if release_lease_id is not None:
             self._release(release_lease_id)
         if dead_renderer_id is not None:
-            self._replace(dead_renderer_id, "reported dead by a session")
+            self._lost(dead_renderer_id)
         self._check_owner(owner)
         return self._lease_one(self._key_pool(key_json, multiplex), owner)
 
     async def renderer_lost(self, renderer_id: str) -> None:
         """A session saw this renderer die on a call: replace it now, not at the next health check (a
         notice: nobody waits for its answer)."""
-        self._replace(renderer_id, "reported dead by a session")
+        self._lost(renderer_id)
 
     async def lease_many(
         self, key_json: str, multiplex: int, count: int, owner: str | None = None
@@ -191,53 +269,31 @@ class RendererPool:
         """Release several leases; returns how many were held."""
         return sum(self._release(lease_id) for lease_id in lease_ids)
 
-    async def health(self) -> dict[str, Any]:
+    async def health(self) -> Health:
         """Liveness for the plane's supervisor: answered on the loop that serves every lease, so an answer
         means that loop turns (`loop_stall_s` is 0 by construction). Ready once it answers."""
-        return {
-            "loop_stall_s": 0.0,
-            "pid": os.getpid(),
-            "node_id": ray.get_runtime_context().get_node_id(),
-            "keys": len(self._keys),
-        }
+        return Health(pid=os.getpid(), node_id=ray.get_runtime_context().get_node_id())
 
     async def stats(self) -> RendererPoolStats:
         now = time.monotonic()
-        keys = {}
-        for key_json, pool in self._keys.items():
-            renderers = sorted(pool.renderers.values(), key=lambda r: r.created)
-            keys[key_json] = RendererKeyStats(
-                multiplex=pool.multiplex,
-                loads=[len(r.leases) for r in renderers],
-                renderers=[
-                    RendererStats(
-                        renderer_id=r.renderer_id,
-                        load=len(r.leases),
-                        ready=r.ready,
-                        idle_s=(now - r.idle_since) if not r.leases else 0.0,
-                    )
-                    for r in renderers
-                ],
-                startup_failure=pool.startup_failure,
-                restarts_left=pool.budget.remaining(),
-            )
-        return RendererPoolStats(keys=keys, leases=len(self._leases), **self._counters)
+        pools = self._keys.values()
+        return RendererPoolStats(
+            keys={key_json: pool.stats(now) for key_json, pool in self._keys.items()},
+            leases=len(self._leases),
+            spawned=sum(p.spawns for p in pools),
+            replaced=sum(p.spawned_for["restart"] for p in pools),
+            startup_failures=sum(p.startup_failures for p in pools),
+            budget_denials=sum(p.budget_denials for p in pools),
+            **self._counters,
+        )
 
     async def shutdown(self) -> None:
         """Stop the background loops and warm-ups, kill every renderer. Idempotent."""
         self._closed = True
-        tasks = list(self._loops)
+        if self._tasks is not None:
+            await self._tasks.close()
         for pool in self._keys.values():
-            for renderer in list(pool.renderers.values()):
-                if renderer.warm_task is not None:
-                    tasks.append(renderer.warm_task)
-                self._drop(pool, renderer)
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(BaseException):
-                await task
-        self._loops.clear()
+            await pool.close()
         self._leases.clear()
 
     # -------------------------------------------------------------------------------- placement
@@ -245,139 +301,42 @@ class RendererPool:
     def _key_pool(self, key_json: str, multiplex: int) -> _KeyPool:
         if self._closed:
             raise RuntimeError("renderer pool is shut down")
-        self._ensure_loops()
+        if self._tasks is None:
+            self._tasks = TaskOwner("renderer pool")
+            self._tasks.keep(self._reap_loop, "reaper")
         key_json = RendererKey.from_json(key_json).to_json()  # canonical, whatever the caller sent
         pool = self._keys.get(key_json)
         if pool is None:
-            budget = RestartBudget(self._config.restart)
-            pool = self._keys[key_json] = _KeyPool(key_json, max(1, int(multiplex)), budget)
+            pool = self._keys[key_json] = _KeyPool(
+                key_json, max(1, int(multiplex)), self._config, self._orphan
+            )
         return pool
 
-    def _lease_one(self, pool: _KeyPool, owner: str | None = None) -> dict[str, Any]:
-        now = time.monotonic()
-        live = list(pool.renderers.values())
-        if pool.startup_failure and now - pool.failed_at < self._config.failure_hold_s:
-            if not any(r.ready for r in live):
-                raise RendererStartupError(pool.startup_failure, kind=pool.startup_kind)
-        free = [r for r in live if len(r.leases) < pool.multiplex]
-        renderer = None
-        if free:
-            renderer = min(free, key=lambda r: (not r.ready, len(r.leases), r.created))
-        elif len(live) < self._config.max_renderers_per_key:
-            try:
-                renderer = self._spawn(pool)
-            except RendererBudgetSpent:
-                if not live:
-                    raise
-        if renderer is None:  # at the size limit, or the key's restart budget is spent: overfill
-            renderer = min(live, key=lambda r: (not r.ready, len(r.leases), r.created))
+    def _lease_one(self, pool: _KeyPool, owner: str | None = None) -> RendererLease:
+        renderer = pool.place()
         lease_id = new_id("rlease")
         renderer.leases.add(lease_id)
-        self._leases[lease_id] = _Lease(
-            pool.key_json, renderer.renderer_id, now + self._config.max_lease_s, owner
-        )
-        return RendererLease(lease_id, renderer.handle, renderer.renderer_id, renderer.ready)
+        expires = time.monotonic() + self._config.max_lease_s
+        self._leases[lease_id] = _Lease(pool.key_json, renderer.name, expires, owner)
+        return RendererLease(lease_id, renderer.handle, renderer.name, renderer.state == "ready")
 
-    # -------------------------------------------------------------------------------- renderers
+    def _lost(self, renderer_id: str) -> None:
+        for pool in self._keys.values():
+            if (renderer := pool.children.get(renderer_id)) is not None:
+                pool.retire(renderer, "reported dead by a session", "died")
 
-    def _spawn(self, pool: _KeyPool) -> _Renderer:
-        """Start one renderer for the key. A spawn that replaces a lost one spends a restart; with the
-        budget spent it raises `RendererBudgetSpent` and starts nothing."""
-        if pool.owed:
-            if not pool.budget.try_spend():
-                self._counters["budget_denials"] += 1
-                raise RendererBudgetSpent(
-                    f"renderer for {pool.key_json} is not restarted: {pool.budget.spent_message()}; "
-                    f"last: {pool.last_death}"
-                )
-            pool.owed -= 1
-        renderer_id = new_id("renderer")
-        handle = _REMOTE_RENDERER.options(
-            num_cpus=self._config.renderer_num_cpus,
-            max_concurrency=2 * pool.multiplex + RENDERER_MIN_CONCURRENCY,
-            scheduling_strategy="SPREAD",  # one node's loss takes a fraction of the renderers
-        ).remote(pool.key_json, renderer_id, self._config.allowed_ref_prefixes)
-        now = time.monotonic()
-        renderer = _Renderer(renderer_id, handle, created=now, idle_since=now)
-        renderer.warm_task = asyncio.get_running_loop().create_task(self._warm(pool, renderer))
-        pool.renderers[renderer_id] = renderer
-        self._counters["spawned"] += 1
-        return renderer
-
-    async def _warm(self, pool: _KeyPool, renderer: _Renderer) -> None:
-        try:
-            await asyncio.wait_for(renderer.handle.ready.remote(), self._config.startup_timeout_s)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            if renderer.renderer_id not in pool.renderers:
-                return  # retired or replaced meanwhile: not a startup failure
-            if ray_loss(exc) is not None:
-                # Its process died while loading (killed, its node lost): a death, replaced under the key's
-                # restart budget, not a startup failure that would fail every lease for failure_hold_s. A
-                # load that kills its process every time spends the budget and then fails loudly.
-                self._replace(renderer.renderer_id, f"died while starting: {type(exc).__name__}")
-                return
-            what = (
-                f"timed out after {self._config.startup_timeout_s:g} s"
-                if isinstance(exc, TimeoutError)
-                else str(exc)
-            )
-            pool.startup_failure = f"renderer for {pool.key_json} failed to start: {what}"
-            pool.startup_kind = "caller" if isinstance(remote_cause(exc), CallerError) else "infrastructure"
-            pool.failed_at = time.monotonic()
-            self._counters["startup_failures"] += 1
-            log.warning("%s", pool.startup_failure)
-            # Killed a moment later, not now: sessions waiting on its `ready` get the load's own failure
-            # (not re-dispatched) rather than a death (a lost part, re-dispatched to fail the same way).
-            self._drop(pool, renderer, lost=pool.startup_failure, linger_s=FAILED_LOAD_LINGER_S)
-            return
-        renderer.ready = True
-        renderer.life = Liveness(self._config.health_timeout_s)
-        pool.startup_failure = None
-
-    def _drop(
-        self, pool: _KeyPool, renderer: _Renderer, lost: str | None = None, linger_s: float = 0.0
-    ) -> None:
-        """Forget a renderer and kill it. Its leases are orphaned: releasing them is a no-op. `lost`: why
-        it died, wedged or failed to start (its respawn is a restart), None when it was retired."""
-        if lost is not None and renderer.renderer_id in pool.renderers:
-            pool.owed += 1
-            pool.last_death = lost
-        pool.renderers.pop(renderer.renderer_id, None)
+    def _orphan(self, renderer: _Renderer) -> None:
+        """Its leases are orphaned: releasing them is a no-op."""
         for lease_id in renderer.leases:
             self._leases.pop(lease_id, None)
         renderer.leases.clear()
-        if renderer.warm_task is not None and renderer.warm_task is not asyncio.current_task():
-            renderer.warm_task.cancel()
-        if linger_s > 0 and not self._closed:
-            asyncio.get_running_loop().call_later(linger_s, _kill, renderer.handle)
-        else:
-            _kill(renderer.handle)
-
-    def _replace(self, renderer_id: str, why: str) -> None:
-        for pool in self._keys.values():
-            renderer = pool.renderers.get(renderer_id)
-            if renderer is None:
-                continue
-            log.warning("renderer %s %s; replacing it", renderer_id, why)
-            self._drop(pool, renderer, lost=f"renderer {renderer_id} {why}")
-            if self._closed:
-                return
-            try:
-                self._spawn(pool)
-            except RendererBudgetSpent as exc:
-                log.error("%s", exc)
-                return
-            self._counters["replaced"] += 1
-            return
 
     def _release(self, lease_id: str) -> bool:
         lease = self._leases.pop(lease_id, None)
         if lease is None:
             return False
         pool = self._keys.get(lease.key_json)
-        renderer = pool.renderers.get(lease.renderer_id) if pool else None
+        renderer = pool.children.get(lease.renderer_id) if pool else None
         if renderer is not None:
             renderer.leases.discard(lease_id)
             if not renderer.leases:
@@ -386,19 +345,10 @@ class RendererPool:
 
     # --------------------------------------------------------------------------- background loops
 
-    def _ensure_loops(self) -> None:
-        if self._loops or self._closed:
-            return
-        loop = asyncio.get_running_loop()
-        self._loops = [loop.create_task(self._reap_loop()), loop.create_task(self._health_loop())]
-
     async def _reap_loop(self) -> None:
         while True:
             await asyncio.sleep(self._config.reap_interval_s)
-            try:
-                self._reap(time.monotonic())
-            except Exception:  # a bug here must not stop the loop that keeps the pool small
-                log.exception("renderer pool reaper")
+            self._reap(time.monotonic())
 
     def _reap(self, now: float) -> None:
         for lease_id, lease in list(self._leases.items()):
@@ -408,41 +358,18 @@ class RendererPool:
         for pool in self._keys.values():
             idle = [
                 r
-                for r in pool.renderers.values()
+                for r in pool.children.values()
                 if not r.leases and now - r.idle_since >= self._config.idle_timeout_s
             ]
             # Retire warming ones first, then the newest: the survivor should be a warm, old renderer.
-            idle.sort(key=lambda r: (r.ready, -r.created))
+            idle.sort(key=lambda r: (r.state == "ready", -r.born))
             for renderer in idle:
-                if len(pool.renderers) <= 1:
+                if len(pool.children) <= 1:
                     break
-                self._drop(pool, renderer)
+                pool.retire(renderer, "idle", "shrunk")
                 self._counters["retired"] += 1
-            key = RendererKey.from_json(pool.key_json).short()
-            RENDERERS.record(len(pool.renderers), {"key": key})
-            LEASES.record(sum(len(r.leases) for r in pool.renderers.values()), {"key": key})
-
-    async def _health_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self._config.health_interval_s)
-            # Warming renderers are covered by their warm-up's startup timeout.
-            renderers = [r for pool in self._keys.values() for r in pool.renderers.values() if r.ready]
-            results = await asyncio.gather(*(self._check(r) for r in renderers), return_exceptions=True)
-            for renderer, lost in zip(renderers, results, strict=True):
-                if lost is not None:
-                    self._replace(renderer.renderer_id, f"failed its health check ({lost!r})")
-
-    async def _check(self, renderer: _Renderer) -> str | None:
-        """None while the renderer is alive; why it is lost: died, or wedged (silent past the timeout)."""
-        assert renderer.life is not None
-        try:
-            await asyncio.wait_for(renderer.handle.health.remote(), self._config.health_timeout_s)
-            renderer.life.heard()
-        except Exception as exc:
-            if ray_loss(exc) == "died":
-                return f"died: {type(exc).__name__}"
-            # No answer in time, or unreachable for now: silence, judged below.
-        return f"wedged: {renderer.life.verdict()}" if renderer.life.wedged() else None
+            RENDERERS.record(len(pool.children), {"key": pool.name})
+            LEASES.record(sum(len(r.leases) for r in pool.children.values()), {"key": pool.name})
 
 
 def _kill(handle: Any) -> None:

@@ -5,10 +5,13 @@ and the counters the plane already keeps are sampled by one loop the plane owns 
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 from rollout_actors.kernel.metric import LATENCY_BUCKETS_S, Metric
 from rollout_actors.timings import SERVER_PHASES, TURN_PHASES, WAIT_PHASES, phase_name
+
+log = logging.getLogger(__name__)
 
 REFRESH_S = 1.0  # gauges are sampled this often; Ray exports every few seconds anyway
 
@@ -144,7 +147,11 @@ class PlaneMetrics:
                 self._seen[metric.name] = value
 
     async def run(self, plane: Any) -> None:
-        """Sample the plane's gauges until cancelled (the plane owns this task)."""
+        """Sample the plane's gauges until cancelled (the plane owns this task). A sample that fails is
+        logged with its traceback and the loop goes on: it never dies silently."""
         while True:
-            self.sample(plane)
+            try:
+                self.sample(plane)
+            except Exception:
+                log.exception("plane metrics: a sample failed")
             await asyncio.sleep(REFRESH_S)

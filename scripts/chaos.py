@@ -217,7 +217,7 @@ async def held(plane: RolloutPlane) -> dict[str, int]:
     for worker in stats.workers:
         with contextlib.suppress(Exception):
             health = await asyncio.wait_for(ray.get_actor(worker.worker).health.remote(), 10)
-            on_servers += health["sessions"]
+            on_servers += health.sessions
     renderer = await ray.get_actor(plane.names.renderer_pool).stats.remote()
     return {
         "env sessions (pool)": stats.sessions,
@@ -316,7 +316,7 @@ class Chaos:
         key_json = next(iter(keys))
         lease = await pool.lease.remote(key_json)
         try:
-            pid = (await asyncio.wait_for(lease.renderer.health.remote(), 10))["pid"]
+            pid = (await asyncio.wait_for(lease.renderer.health.remote(), 10)).pid
         finally:
             await pool.release.remote(lease.lease_id)
         os.kill(pid, signal.SIGKILL)

@@ -95,7 +95,7 @@ def kill(handle: Any) -> None:
 
 
 def freeze(handle: Any) -> None:
-    os.kill(ray.get(handle.health.remote(), timeout=30)["pid"], signal.SIGSTOP)
+    os.kill(ray.get(handle.health.remote(), timeout=30).pid, signal.SIGSTOP)
 
 
 async def case(
@@ -162,7 +162,7 @@ async def run_cases(base_url: str) -> list[Row]:
         ]
         for name, env, pool, lose in cases:
             if lose is freeze:
-                frozen.append(ray.get(pool.current().health.remote(), timeout=30)["pid"])
+                frozen.append(ray.get(pool.current().health.remote(), timeout=30).pid)
             try:
                 rows.append(
                     await asyncio.wait_for(case(plane, base_url, name, env, pool, lose), CASE_DEADLINE_S)

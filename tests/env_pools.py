@@ -42,10 +42,10 @@ async def env_pool(target: str, config: EnvPoolConfig | None = None, **env_confi
 
 
 async def call_started(worker: str, timeout: float = 20.0) -> None:
-    """Wait until env worker `worker` reports a call running (its `health()["calls"]`), so a fault injected
+    """Wait until env worker `worker` reports a call running (its `health().calls`), so a fault injected
     next lands on a call in flight, not on one still on its way."""
     handle = ray.get_actor(worker)
     deadline = time.monotonic() + timeout
-    while (await handle.health.remote())["calls"] < 1:
+    while (await handle.health.remote()).calls < 1:
         assert time.monotonic() < deadline, f"no call started on {worker} within {timeout:g} s"
         await asyncio.sleep(0.02)

@@ -81,7 +81,7 @@ async def scenario(cluster: Cluster, doomed_node_id: str, base_url: str) -> dict
         warm = [await plane.submit(request(base_url, 0.0, i)) for i in range(2)]
         warm_results = [await plane.next_result(timeout=60) for _ in warm]
         pools = [plane._pools.supervisor(), plane._pools.supervisor(MATH)]
-        placed = [(await pool.current().health.remote())["node_id"] for pool in pools]
+        placed = [(await pool.current().health.remote()).node_id for pool in pools]
 
         in_flight = [await plane.submit(request(base_url, 2.0, i)) for i in range(ROLLOUTS)]
         await holding(plane, ROLLOUTS)  # env sessions and renderer leases on the doomed node
@@ -96,7 +96,7 @@ async def scenario(cluster: Cluster, doomed_node_id: str, base_url: str) -> dict
             (r.finished_at for r in results if r.request_id in after and r.kind == "ok"), default=None
         )
         stats = plane.stats()
-        moved = [(await pool.current().health.remote())["node_id"] for pool in pools]
+        moved = [(await pool.current().health.remote()).node_id for pool in pools]
         return {
             "warm": [r.kind for r in warm_results],
             "placed_on_doomed_node": all(node == doomed_node_id for node in placed),

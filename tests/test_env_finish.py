@@ -61,7 +61,7 @@ async def pool_sessions(pool) -> int:
 
 
 async def worker_sessions(worker: str) -> int:
-    return (await ray.get_actor(worker).health.remote())["sessions"]
+    return (await ray.get_actor(worker).health.remote()).sessions
 
 
 @pytest.mark.timeout(60)

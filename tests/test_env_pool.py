@@ -129,7 +129,7 @@ def test_closing_or_cancelling_a_session_ends_it_on_its_worker():
         async with env_pool(ECHO, step_delay=30.0) as pool:
             session = await EnvSession.open(pool, task_index=0, timeout=10)
             worker = ray.get_actor(session.worker)
-            assert (await worker.health.remote())["sessions"] == 1
+            assert (await worker.health.remote()).sessions == 1
 
             async def rollout():
                 try:
@@ -235,7 +235,7 @@ def test_a_reset_that_arrives_after_its_session_was_closed_does_not_start_it():
             (reply,) = await worker.call_many.remote([EnvCall("reset", "envsess-late", (0, None), 5.0)])
             answer = reply.response
             assert not answer.success and answer.kind == "caller" and "closed before" in answer.error.message
-            assert (await worker.health.remote())["sessions"] == 0
+            assert (await worker.health.remote()).sessions == 0
             assert (await pool.stats.remote()).sessions == 0
 
     run(body(), 50)
@@ -247,7 +247,7 @@ async def _ready(pool, count: int, exact: bool = False) -> bool:
 
 
 async def _worker_sessions(worker, count: int) -> bool:
-    return (await worker.health.remote())["sessions"] == count
+    return (await worker.health.remote()).sessions == count
 
 
 async def _nothing_in_flight(pool) -> bool:

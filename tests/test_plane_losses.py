@@ -45,7 +45,7 @@ async def held(p: RolloutPlane, env: Ref) -> dict[str, int]:
     stats = await ray.get_actor(p.names.env_pool(env)).stats.remote()
     server_sessions = 0
     for worker in stats.workers:
-        server_sessions += (await ray.get_actor(worker.worker).health.remote())["sessions"]
+        server_sessions += (await ray.get_actor(worker.worker).health.remote()).sessions
     renderer = await ray.get_actor(p.names.renderer_pool).stats.remote()
     return {"pool_sessions": stats.sessions, "server_sessions": server_sessions, "leases": renderer.leases}
 
@@ -175,7 +175,7 @@ async def _only_renderer_pid(pool) -> int:
     (key_json,) = (await pool.stats.remote()).keys
     lease = await pool.lease.remote(key_json)
     try:
-        return (await lease.renderer.health.remote())["pid"]
+        return (await lease.renderer.health.remote()).pid
     finally:
         await pool.release.remote(lease.lease_id)
 

@@ -117,7 +117,7 @@ def env_pool_frozen(ray_session, standin) -> tuple[Loss, list[int]]:
     frozen: list[int] = []
 
     def freeze(handle) -> None:
-        frozen.append(ray.get(handle.health.remote(), timeout=10)["pid"])
+        frozen.append(ray.get(handle.health.remote(), timeout=10).pid)
         os.kill(frozen[-1], signal.SIGSTOP)  # frozen: Ray alone would leave every call to it pending
 
     async def scenario() -> Loss:

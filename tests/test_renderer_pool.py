@@ -210,9 +210,9 @@ def test_a_session_sends_the_history_up_front_once_a_bridge_of_that_kind_needed_
 
         async def bridge(messages: list[dict]) -> tuple[BridgeStep, int]:
             """The step and how many calls the renderer served for it."""
-            before = (await session._renderer.health.remote())["calls"]
+            before = (await session._renderer.health.remote()).calls
             step = await session.bridge(completion, "stop", messages, None, 10)
-            return step, (await session._renderer.health.remote())["calls"] - before
+            return step, (await session._renderer.health.remote()).calls - before
 
         try:
             prompt = await session.start([{"role": "user", "content": "hi"}], None, timeout=10)

@@ -7,18 +7,19 @@
     await servers.aclose()
 
 It runs in the driver's event loop beside the plane (it is not an actor: `endpoints()` is a plain call).
-Each slot has one supervising task that waits on its actor's `watch()` with a deadline. A death (the
-process exited, was killed as wedged, or the actor / its node died) takes the slot out of `endpoints()`
-at once; a replacement is started within the restart budget and takes traffic only once ready (and
-once `before_routing`, e.g. `PolicyPublisher.load_current`, has succeeded on it). When the budget is
-spent the slot stays empty and the set says so in `status()`: it fails loudly rather than flapping.
+The servers are children of the kernel's `Supervisor`; their signs of life are long `watch()` calls. A
+death (the process exited, was killed as wedged, or the actor / its node died) takes the slot out of
+`endpoints()` at once; a replacement is started within the restart budget and takes traffic only once
+ready (and once `before_routing`, e.g. `PolicyPublisher.load_current`, has succeeded on it). While the
+budget is spent the slot stays empty and the set says so (`exhausted`, `status()`): it fails loudly
+rather than flapping.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 import ray
@@ -31,7 +32,8 @@ from rollout_actors.inference.server_actor import (
     raise_for_startup,
     server_actor_options,
 )
-from rollout_actors.kernel.supervision import RestartBudget, RestartIntensity
+from rollout_actors.kernel.supervision import Health, RestartIntensity, Supervision
+from rollout_actors.kernel.supervisor import Child, ChildKind, RetireCause, Supervisor
 
 logger = logging.getLogger(__name__)
 
@@ -44,17 +46,14 @@ SERVER_RESTARTS = RestartIntensity(max_restarts=3, window_s=600.0)
 minutes, because a model server's load alone takes minutes."""
 
 
-@dataclass
-class _Slot:
-    index: int
-    actor: ray.actor.ActorHandle | None = None
-    status: ServerStatus = field(default_factory=lambda: ServerStatus(state="created"))
-    failed: str | None = None
-    """Set when the budget ran out: the slot stays empty."""
+@dataclass(eq=False)
+class _Server(Child):
+    index: int = 0
+    status: ServerStatus = field(default_factory=lambda: ServerStatus(state="starting"))
 
 
-class InferenceServerSet:
-    """Supervisor over `replicas` servers started from one `ServerSpec`."""
+class InferenceServerSet(Supervisor[_Server], ChildKind[_Server]):
+    """`replicas` servers started from one `ServerSpec`: the kernel's supervisor, slots kept full."""
 
     def __init__(
         self,
@@ -65,33 +64,40 @@ class InferenceServerSet:
         before_routing: Callable[[str], Awaitable[None]] | None = None,
     ):
         self.spec = spec
-        self.budget = RestartBudget(restart)
+        self.replicas = replicas
         self.watch_period = watch_period
         self.before_routing = before_routing
         """Awaited with a replacement's URL before it takes traffic; raising rejects the replacement."""
-        self._slots = [_Slot(i) for i in range(replicas)]
-        self._tasks: set[asyncio.Task[None]] = set()
-        self._closed = False
+        self._status = [ServerStatus(state="created") for _ in range(replicas)]
+        self._stops: set[asyncio.Task[None]] = set()
+        settings = Supervision(
+            restart=restart,
+            ready_timeout_s=spec.startup_timeout_s + 2 * WATCH_GRACE,
+            probe_interval_s=watch_period,
+            probe_timeout_s=watch_period + WATCH_GRACE,
+            hang_timeout_s=watch_period + WATCH_GRACE,
+        )
+        super().__init__("inference servers", self, settings)
 
     async def start(self) -> list[str]:
         """Start every replica; raises `ServerStartupError` (and stops the others) if one fails."""
-        results = await asyncio.gather(*(self._launch(slot) for slot in self._slots), return_exceptions=True)
+        servers = [self.spawn("initial") for _ in range(self.replicas)]
+        results = await asyncio.gather(*(s.up for s in servers if s is not None), return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
             await self.aclose()
-            raise errors[0]
-        for slot in self._slots:
-            task = asyncio.create_task(self._supervise(slot), name=f"inference-server-{slot.index}")
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            if isinstance(errors[0], ServerStartupError):
+                raise errors[0]
+            raise ServerStartupError(ServerStatus(state="dead", reason=f"not ready: {errors[0]!r}"))
         return self.endpoints()
 
     def endpoints(self) -> list[str]:
         """OpenAI base URLs of the servers that are ready now (a dead one drops out at once)."""
-        return [s.status.url for s in self._slots if s.status.state == "ready" and s.status.url]
+        ready = sorted(self.ready(), key=lambda s: s.index)
+        return [s.status.url for s in ready if s.status.state == "ready" and s.status.url]
 
     def status(self) -> list[ServerStatus]:
-        return [s.status for s in self._slots]
+        return list(self._status)
 
     @property
     def restarts(self) -> int:
@@ -100,78 +106,68 @@ class InferenceServerSet:
 
     @property
     def exhausted(self) -> bool:
-        """True when some slot is empty for good (its restart budget ran out)."""
-        return any(s.failed for s in self._slots)
+        """True when some slot is empty because its restart budget ran out."""
+        return self.refused is not None and len(self.children) < self.replicas
 
     def actors(self) -> list[ray.actor.ActorHandle]:
-        return [s.actor for s in self._slots if s.actor is not None]
+        return [s.handle for s in self.children.values()]
 
     async def aclose(self) -> None:
         """Stop supervising, then stop every server."""
-        self._closed = True
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        await asyncio.gather(*(self._retire(slot) for slot in self._slots))
+        await self.close()
+        await asyncio.gather(*self._stops)
 
-    # ------------------------------------------------------------------------------------ internal
+    # ------------------------------------------------------------------------- the kind's hooks
 
-    async def _launch(self, slot: _Slot) -> None:
+    def create(self, name: str) -> _Server:
+        index = min(set(range(self.replicas)) - {s.index for s in self.children.values()})
         actor = InferenceServer.options(**server_actor_options(self.spec)).remote(self.spec)
-        slot.actor = actor
-        slot.status = ServerStatus(state="starting")
+        self._status[index] = ServerStatus(state="starting")
+        return _Server(f"inference-server-{index}.{self.spawns}", actor, index=index)
+
+    async def handshake(self, server: _Server) -> None:
         try:
-            status = await asyncio.wait_for(actor.start.remote(), self.spec.startup_timeout_s + WATCH_GRACE)
-        except (ray.exceptions.RayError, TimeoutError) as exc:
+            status = await server.handle.start.remote()
+        except Exception as exc:
             status = ServerStatus(state="dead", reason=f"actor failed during startup: {exc!r}")
         if status.state == "ready" and self.before_routing is not None:
             try:
                 await self.before_routing(status.url)
             except Exception as exc:
                 status = status.model_copy(update={"state": "dead", "reason": f"before_routing: {exc!r}"})
-        if status.state != "ready":
-            slot.status = status
-            await self._retire(slot)
-        slot.status = status  # only now does a ready server appear in endpoints()
+        self._status[server.index] = server.status = status  # only a ready server enters endpoints()
         raise_for_startup(status)
 
-    async def _supervise(self, slot: _Slot) -> None:
-        while not self._closed:
-            status = await self._watch(slot)
-            if status.state == "ready":
-                continue
-            slot.status = status  # out of routing before anything else happens
-            logger.warning("inference server %s died: %s", status.url, status.reason)
-            await self._retire(slot)
-            while not self._closed:
-                if not self.budget.try_spend():
-                    slot.failed = f"{self.budget.spent_message()}; last death: {status.reason}"
-                    logger.error("inference server slot %d left empty: %s", slot.index, slot.failed)
-                    return
-                try:
-                    await self._launch(slot)
-                    break
-                except ServerStartupError as exc:
-                    status = exc.status
-                    logger.warning("replacement inference server failed to start: %s", status.reason)
-
-    async def _watch(self, slot: _Slot) -> ServerStatus:
-        assert slot.actor is not None
-        try:
-            return await asyncio.wait_for(
-                slot.actor.watch.remote(self.watch_period), self.watch_period + WATCH_GRACE
+    async def signs(self, server: _Server) -> AsyncIterator[Health]:
+        while True:
+            status = await asyncio.wait_for(
+                server.handle.watch.remote(self.watch_period), self.watch_period + WATCH_GRACE
             )
-        except ray.exceptions.RayError as exc:  # the actor (or its node) died
-            return slot.status.model_copy(update={"state": "dead", "reason": f"actor died: {exc!r}"})
-        except TimeoutError:
-            return slot.status.model_copy(update={"state": "dead", "reason": "actor did not answer watch()"})
+            if status.state != "ready":  # it exited, or was killed as wedged
+                self._status[server.index] = server.status = status
+                self.retire(server, f"died: {status.reason}", "died")
+                return
+            yield Health(pid=status.pid)
 
-    async def _retire(self, slot: _Slot) -> None:
-        actor, slot.actor = slot.actor, None
-        if actor is None:
-            return
-        try:
-            await asyncio.wait_for(actor.stop.remote(), STOP_TIMEOUT)
-        except (ray.exceptions.RayError, TimeoutError):
-            pass  # dead or wedged: ray.kill below ends it either way (and the server with it)
-        ray.kill(actor)
+    def on_retired(self, server: _Server, reason: str, cause: RetireCause) -> None:
+        if self._status[server.index].state in ("ready", "starting"):
+            self._status[server.index] = server.status.model_copy(update={"state": "dead", "reason": reason})
+        if cause in ("died", "wedged"):
+            logger.warning("inference server %s retired: %s", server.status.url, reason)
+
+    def kill(self, server: _Server) -> None:
+        task = asyncio.get_running_loop().create_task(_stop(server.handle))
+        self._stops.add(task)
+        task.add_done_callback(self._stops.discard)
+
+    def tick(self, now: float) -> None:
+        if len(self.children) < self.replicas:  # a replacement that failed to start: again, on the budget
+            self.spawn("restart")
+
+
+async def _stop(actor: ray.actor.ActorHandle) -> None:
+    try:
+        await asyncio.wait_for(actor.stop.remote(), STOP_TIMEOUT)
+    except Exception:
+        pass  # dead or wedged: ray.kill below ends it either way (and the server with it)
+    ray.kill(actor)

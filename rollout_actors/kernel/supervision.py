@@ -110,3 +110,34 @@ class Liveness:
 
     def verdict(self, now: float | None = None) -> str:
         return f"no sign of life for {self.silent_s(now):.1f} s (hang_timeout_s {self.hang_timeout_s:g} s)"
+
+
+class Supervision(BaseModel):
+    """The one declared supervision setting of a kind of child (Ray Serve's spelling of liveness): its
+    restart intensity and the four durations every supervisor reads. Every field is required: each kind
+    declares its defaults beside the reasons for them."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    restart: RestartIntensity
+    """Restarts and growth spawns together (DESIGN.md contract 9)."""
+    ready_timeout_s: float = Field(gt=0)
+    """From spawn to ready (loaded what it serves, answered a health call)."""
+    probe_interval_s: float = Field(gt=0)
+    """How often a ready child is asked for a sign of life."""
+    probe_timeout_s: float = Field(gt=0)
+    """How long one probe may go unanswered before it counts as silence (then it is asked again)."""
+    hang_timeout_s: float = Field(gt=0)
+    """Silence (no answer, or answers reporting a stalled loop) past this is a wedge: retired, replaced."""
+
+
+class Health(BaseModel):
+    """A child actor's answer to `health()`: frozen, typed. Kinds subclass it with what they report."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    loop_stall_s: float = 0.0
+    """How long the loop that does the child's work has gone without progress (`LoopWatch`), so an answer
+    from a side loop says nothing good of a stalled main loop."""
+    pid: int | None = None
+    node_id: str | None = None

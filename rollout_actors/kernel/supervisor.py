@@ -1,0 +1,374 @@
+"""`Supervisor`: the one supervision loop, written once; every kind of child actor plugs into it.
+
+    class EnvServers(ChildKind[ServerSlot]):         # a kind: placement and growth policy only
+        def create(self, name): ...                  # start one actor, return its record (a `Child`)
+        async def handshake(self, child): ...        # readiness: loaded and answering; raise on failure
+        def tick(self, now): ...                     # growth / shrink, on the supervisor's own tick
+
+    servers = Supervisor("env pool math", EnvServers(...), settings)   # settings: one `Supervision`
+    first = servers.spawn("initial")                 # free; "restart" and "grow" spend the budget
+    await first.up                                   # ready, or the typed failure of its spawn
+    ...
+    await servers.close()
+
+One loop for all (Erlang/OTP's supervisor, with our liveness rule): each child's life runs in one owned
+task (spawn -> ready -> signs of life, each a `Health`, dated back by the loop stall it reports); one tick
+judges silence against `hang_timeout_s` (`Liveness`), excusing the time the supervisor itself was deaf;
+a ready child Ray says died, or that wedged, is retired at once (out of service, `gone` resolved, killed)
+and replaced on the same budget growth draws on. Load is never a wedge: a busy child keeps sending signs, and
+the supervisor's own stall is not held against it. A spent budget refuses the spawn (counted, logged once
+per episode); the kind decides what a refusal means (overfill, fail fast with `RestartBudgetSpent`).
+More spawn failures in a row than the budget allows restarts is a crash loop: a kind may stop there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter, deque
+from collections.abc import AsyncIterator, Callable, Coroutine
+from dataclasses import dataclass, field
+from typing import Any, Generic, Literal, TypeVar
+
+from rollout_actors.kernel.faults import Unavailable, exit_detail, ray_loss
+from rollout_actors.kernel.supervision import Health, Liveness, RestartBudget, Supervision
+
+log = logging.getLogger(__name__)
+
+TICK_S = 0.1  # judging resolution: a wedge is declared within hang_timeout_s + TICK_S
+DEAF_S = 1.0  # a tick this late means the supervisor's own loop stalled: that time is nobody's silence
+CLOSE_GRACE_S = 2.0  # for cancelled tasks to unwind
+RETIRED_HISTORY = 32
+RESTART_PAUSE_S = 0.5  # before a kept loop that died is started again: a bug must not spin the loop
+
+SpawnWhy = Literal["initial", "restart", "grow"]
+"""Why a child is spawned: `initial` (the set the owner started with) is free; every other spawn spends
+one restart from the budget (DESIGN.md contract 9: scale-up draws on the same budget)."""
+RetireCause = Literal["died", "wedged", "spawn_failed", "shrunk", "shutdown"]
+
+
+class RestartBudgetSpent(Unavailable):
+    """A child was lost or wanted, and the supervisor's restart budget refused its spawn."""
+
+
+@dataclass(eq=False)
+class Child:
+    """One child actor as its supervisor sees it. Kinds subclass it for what their placement reads."""
+
+    name: str
+    handle: Any
+    state: Literal["starting", "ready", "retired"] = "starting"
+    life: Liveness = field(default_factory=lambda: Liveness(hang_timeout_s=float("inf")))
+    health: Health | None = None
+    """Its last answer."""
+    born: float = field(default_factory=time.monotonic)
+    up: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    """Resolved once ready, or failed with its spawn's typed failure."""
+    gone: asyncio.Future[tuple[str, RetireCause]] = field(
+        default_factory=lambda: asyncio.get_running_loop().create_future()
+    )
+    """Resolved with `(reason, cause)` at retirement: in-flight calls wait on it beside their answer."""
+
+    def __post_init__(self) -> None:
+        self.up.add_done_callback(_retrieve)
+
+
+C = TypeVar("C", bound=Child)
+
+
+class ChildKind(Generic[C]):
+    """What a kind of child brings: how to start one, its readiness handshake, its placement-side hooks
+    and its growth policy. Defaults: readiness and signs of life are answers to `health()`."""
+
+    supervisor: Supervisor[C]
+    crash_loop_stops = False
+    """Stop spawning for good once more spawns failed in a row than the budget allows restarts (an
+    environment that fails every load); otherwise spawns resume when the budget's window has room."""
+
+    def create(self, name: str) -> C:
+        raise NotImplementedError
+
+    async def handshake(self, child: C) -> None:
+        await child.handle.health.remote()
+
+    async def signs(self, child: C) -> AsyncIterator[Health]:
+        """Its signs of life, until it stops answering (then the supervisor asks again)."""
+        settings = self.supervisor.settings
+        while True:
+            sent = time.monotonic()
+            yield await asyncio.wait_for(child.handle.health.remote(), settings.probe_timeout_s)
+            await asyncio.sleep(max(0.0, settings.probe_interval_s - (time.monotonic() - sent)))
+
+    async def diagnose(self, child: C) -> str:
+        """Why it missed its readiness deadline, as far as can be told."""
+        return "no answer to its readiness handshake"
+
+    def on_spawn_failed(self, child: C, exc: BaseException) -> None:
+        """Its spawn failed (before it is retired): a death while starting, a load error, a timeout."""
+
+    def on_ready(self, child: C) -> None:
+        """It became ready (before anyone waiting for a ready child is woken)."""
+
+    def on_retired(self, child: C, reason: str, cause: RetireCause) -> None:
+        """It left service (before it is killed): release what it held."""
+
+    def kill(self, child: C) -> None:
+        import ray  # Ray is the engine, not the kernel's dependency
+
+        if not ray.is_initialized():  # no actor without Ray; and `ray.kill` would start a cluster
+            return
+        try:
+            ray.kill(child.handle, no_restart=True)
+        except Exception:  # already gone; killing is best effort by nature
+            pass
+
+    def tick(self, now: float) -> None:
+        """Growth and shrink policy, on every judging tick."""
+
+
+class TaskOwner:
+    """Owns background tasks (Trio's rule): each is waited for or cancelled by `close`. A task that dies
+    of an exception is never silent: it is logged with its traceback and `on_death` is told (an owner
+    that cannot go on without it goes down); a `keep` loop is restarted instead."""
+
+    def __init__(self, name: str, on_death: Callable[[str, BaseException], None] | None = None) -> None:
+        self.name = name
+        self.closed = False
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._on_death = on_death
+
+    def own(self, coro: Coroutine[Any, Any, Any], name: str = "task") -> asyncio.Task[Any]:
+        task = asyncio.get_running_loop().create_task(coro, name=f"{self.name}: {name}")
+        self._tasks.add(task)
+        task.add_done_callback(self._ended)
+        return task
+
+    def keep(self, loop: Callable[[], Coroutine[Any, Any, Any]], name: str) -> None:
+        """Run `loop()` until it returns or `close`; started again (loudly) whenever it dies."""
+
+        async def kept() -> None:
+            while not self.closed:
+                try:
+                    return await loop()
+                except asyncio.CancelledError:
+                    raise
+                except Exception:
+                    log.exception("%s: background loop %r died; restarting it", self.name, name)
+                    await asyncio.sleep(RESTART_PAUSE_S)
+
+        self.own(kept(), name)
+
+    def _ended(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if task.cancelled() or (exc := task.exception()) is None:
+            return
+        log.error("%s: task %s died", self.name, task.get_name(), exc_info=exc)
+        if self._on_death is not None and not self.closed:
+            self._on_death(task.get_name(), exc)
+
+    async def close(self, grace_s: float = CLOSE_GRACE_S) -> None:
+        """Cancel every task (but the caller's own) and wait up to `grace_s` for them to unwind."""
+        self.closed = True
+        current = asyncio.current_task()
+        tasks = [t for t in self._tasks if t is not current]
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=grace_s)
+
+
+class Supervisor(Generic[C]):
+    """Spawns, probes, judges, retires and replaces the children of one kind, within one budget."""
+
+    def __init__(self, name: str, kind: ChildKind[C], settings: Supervision) -> None:
+        self.name, self.kind, self.settings = name, kind, settings
+        kind.supervisor = self
+        self.children: dict[str, C] = {}
+        self.budget = RestartBudget(settings.restart)
+        self.tasks = TaskOwner(name)
+        self.spawns = self.spawn_failures = self.deaths = self.budget_denials = 0
+        self.stopped: str | None = None
+        """Why spawning stopped for good (a crash loop), or None."""
+        self.refused: str | None = None
+        """Why the last spawn the budget refused was refused; None once one was allowed again."""
+        self.retired_log: deque[str] = deque(maxlen=RETIRED_HISTORY)
+        self.spawned_for: Counter[SpawnWhy] = Counter()
+        self._lives: dict[str, asyncio.Task[None]] = {}
+        self._failures_in_a_row = 0
+        self._changed = asyncio.Event()
+        self._judging = False
+        """The judge starts with the first spawn: before it, there is nothing to judge or keep full."""
+
+    # ------------------------------------------------------------------------------------ queries
+
+    def ready(self) -> list[C]:
+        return [c for c in self.children.values() if c.state == "ready"]
+
+    def starting(self) -> list[C]:
+        return [c for c in self.children.values() if c.state == "starting"]
+
+    @property
+    def closed(self) -> bool:
+        return self.tasks.closed
+
+    async def changed(self, timeout_s: float) -> bool:
+        """Wait until a child becomes ready or is retired (True), or `timeout_s` passes (False)."""
+        try:
+            await asyncio.wait_for(self._changed.wait(), max(0.0, timeout_s))
+            return True
+        except TimeoutError:
+            return False
+
+    def _pulse(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    # ------------------------------------------------------------------------------------ spawning
+
+    def spawn(self, why: SpawnWhy, ready_timeout_s: float | None = None) -> C | None:
+        """Start one child (its readiness runs in the background: await `child.up`). None when the budget
+        refuses it (see `refused`), spawning stopped, the supervisor is closed or creation failed.
+        `ready_timeout_s`: this spawn's readiness deadline, if not the setting's."""
+        if self.closed or self.stopped:
+            return None
+        if not self._judging:
+            self._judging = True
+            self.tasks.keep(self._judge, "judge")
+        if why != "initial":
+            if not self.budget.try_spend():
+                self.budget_denials += 1
+                if self.refused is None:
+                    log.warning("%s: cannot %s a child: %s", self.name, why, self.budget.spent_message())
+                self.refused = self.budget.spent_message()
+                return None
+            self.refused = None
+        name = f"{self.name}/{self.spawns}"
+        self.spawns += 1
+        try:
+            child = self.kind.create(name)
+        except Exception as exc:  # e.g. malformed resources: nothing was created
+            self._count_spawn_failure(name, f"could not be created: {exc}")
+            if why == "initial":  # the owner is starting: its configuration's fault is its to raise
+                raise
+            return None  # mid-serve: one short and logged, the supervisor lives on
+        child.life = Liveness(self.settings.hang_timeout_s)
+        self.children[child.name] = child
+        self.spawned_for[why] += 1
+        life = self._live(child, ready_timeout_s or self.settings.ready_timeout_s)
+        self._lives[child.name] = self.tasks.own(life, child.name)
+        return child
+
+    def budget_spent(self, what: str) -> RestartBudgetSpent:
+        """The typed failure for a request that needed a child the budget refused."""
+        return RestartBudgetSpent(f"{what} is not restarted: {self.refused or self.budget.spent_message()}")
+
+    async def _live(self, child: C, ready_timeout_s: float) -> None:
+        try:
+            await asyncio.wait_for(self.kind.handshake(child), ready_timeout_s)
+        except asyncio.CancelledError:
+            self.retire(child, "cancelled while starting", "shutdown")
+            raise
+        except Exception as exc:
+            if child.state == "retired":  # retired meanwhile (shrunk, reported dead): no spawn failure
+                return
+            if isinstance(exc, TimeoutError):
+                exc = TimeoutError(
+                    f"not ready within {ready_timeout_s:g} s: {await self.kind.diagnose(child)}"
+                )
+            reason = f"died while starting: {exit_detail(exc)}" if ray_loss(exc) else f"{exc}"
+            if not child.up.done():
+                child.up.set_exception(exc)
+            self._count_spawn_failure(child.name, reason)
+            self.kind.on_spawn_failed(child, exc)
+            self.retire(child, reason, "died" if ray_loss(exc) == "died" else "spawn_failed")
+            return
+        if child.state != "starting":
+            return
+        child.state = "ready"
+        child.life.heard()
+        self._failures_in_a_row = 0
+        self.kind.on_ready(child)
+        child.up.set_result(None)
+        self._pulse()
+        log.info("%s: %s ready in %.2f s", self.name, child.name, time.monotonic() - child.born)
+        while child.state == "ready":
+            try:
+                async for health in self.kind.signs(child):
+                    child.health = health
+                    child.life.heard(health.loop_stall_s)
+            except Exception as exc:
+                if ray_loss(exc) == "died":
+                    self.retire(child, f"died: {exit_detail(exc)}", "died")
+                    return
+                # No answer in time, or unreachable for now: silence, judged against hang_timeout_s.
+            await asyncio.sleep(self.settings.probe_interval_s)
+
+    def _count_spawn_failure(self, name: str, reason: str) -> None:
+        self.spawn_failures += 1
+        self._failures_in_a_row += 1
+        log.warning("%s: spawn of %s failed (%d ready): %s", self.name, name, len(self.ready()), reason)
+        crash_loop = self._failures_in_a_row > self.settings.restart.max_restarts
+        if crash_loop and self.kind.crash_loop_stops and not self.stopped:
+            self.stopped = f"{self._failures_in_a_row} spawns failed in a row; last: {reason}"
+            log.error("%s stops spawning (crash loop): %s", self.name, self.stopped)
+
+    # ------------------------------------------------------------------------------------ judging
+
+    async def _judge(self) -> None:
+        last = time.monotonic()
+        while not self.closed:
+            await asyncio.sleep(TICK_S)
+            now = time.monotonic()
+            deaf_s, last = now - last - TICK_S, now
+            if deaf_s > DEAF_S:  # our own loop stalled: no answer could be read meanwhile
+                for child in self.ready():
+                    child.life.excuse(deaf_s, now)
+                continue
+            for child in self.ready():
+                if child.life.wedged(now):
+                    self.retire(child, f"wedged: {child.life.verdict(now)}", "wedged")
+            self.kind.tick(now)
+
+    def retire(self, child: C, reason: str, cause: RetireCause) -> None:
+        """Take a child out of service at once: `gone` resolved, the kind told, the actor killed; a ready
+        one that died or wedged is replaced now, on the budget (a spawn that failed is the kind's to
+        retry, in its `tick`). Idempotent."""
+        if child.state == "retired":
+            return
+        lost = cause in ("died", "wedged") and child.state == "ready"
+        if lost:
+            self.deaths += 1
+            log.warning("%s: %s retired: %s", self.name, child.name, reason)
+        child.state = "retired"
+        self.children.pop(child.name, None)
+        if not child.up.done():
+            child.up.set_exception(Unavailable(f"{child.name} {reason}"))
+        if not child.gone.done():
+            child.gone.set_result((reason, cause))
+        self.retired_log.append(f"{child.name}: {reason}")
+        life = self._lives.pop(child.name, None)
+        if life is not None and life is not asyncio.current_task():
+            life.cancel()
+        try:
+            self.kind.on_retired(child, reason, cause)
+        finally:
+            self.kind.kill(child)
+            if lost and not self.closed:
+                # Its replacement starts now, not at the next tick: a request re-dispatched meanwhile
+                # waits for it instead of finding nothing starting.
+                self.spawn("restart")
+            self._pulse()
+
+    async def close(self) -> None:
+        """Stop supervising and retire every child."""
+        await self.tasks.close()
+        for child in list(self.children.values()):
+            self.retire(child, "shut down", "shutdown")
+        self._pulse()
+
+
+def _retrieve(future: asyncio.Future[Any]) -> None:
+    """A spawn that failed with nobody waiting must not log 'exception was never retrieved'."""
+    if not future.cancelled():
+        future.exception()

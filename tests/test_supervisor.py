@@ -1,0 +1,275 @@
+"""The kernel's one supervisor, with fake children and no Ray cluster: restarts within the budget, growth on
+the same budget, a spent budget as a typed failure, the supervisor's own deafness excused, and background
+loops that never die silently."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import pytest
+from ray.exceptions import ActorDiedError
+
+from rollout_actors.kernel.faults import Unavailable
+from rollout_actors.kernel.supervision import Health, RestartIntensity, Supervision
+from rollout_actors.kernel.supervisor import Child, ChildKind, RestartBudgetSpent, Supervisor, TaskOwner
+
+DEADLINE_S = 20.0
+
+
+def settings(max_restarts: int = 2, hang_timeout_s: float = 0.5) -> Supervision:
+    return Supervision(
+        restart=RestartIntensity(max_restarts=max_restarts, window_s=60),
+        ready_timeout_s=2.0,
+        probe_interval_s=0.05,
+        probe_timeout_s=0.1,
+        hang_timeout_s=hang_timeout_s,
+    )
+
+
+class FakeMethod:
+    def __init__(self, answer) -> None:
+        self._answer = answer
+
+    def remote(self):
+        return self._answer()
+
+
+class FakeActor:
+    """Answers `health()` while `mode` is `alive`; `dead`: raises Ray's death; `frozen`: never answers."""
+
+    def __init__(self) -> None:
+        self.mode = "alive"
+        self.killed = False
+        self.health = FakeMethod(self._health)
+
+    async def _health(self) -> Health:
+        if self.mode == "dead":
+            raise ActorDiedError()
+        if self.mode == "frozen":
+            await asyncio.sleep(3600)
+        return Health(pid=1)
+
+
+class Fakes(ChildKind[Child]):
+    def __init__(self, fail_ready: bool = False) -> None:
+        self.actors: list[FakeActor] = []
+        self.fail_ready = fail_ready
+        self.lost: list[tuple[str, str]] = []
+
+    def create(self, name: str) -> Child:
+        self.actors.append(actor := FakeActor())
+        return Child(name, actor)
+
+    async def handshake(self, child: Child) -> None:
+        if self.fail_ready:
+            raise RuntimeError("load failed")
+        await child.handle.health.remote()
+
+    def on_retired(self, child: Child, reason: str, cause: str) -> None:
+        self.lost.append((child.name, cause))
+
+    def kill(self, child: Child) -> None:
+        child.handle.killed = True
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, DEADLINE_S))
+
+
+async def until(predicate, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.02)
+
+
+def test_a_child_that_dies_is_retired_killed_and_replaced_within_the_budget():
+    async def body():
+        kind = Fakes()
+        sup = Supervisor("fakes", kind, settings(max_restarts=2))
+        first = sup.spawn("initial")
+        await first.up
+        first.handle.mode = "dead"
+        assert (await first.gone)[1] == "died"
+        assert first.handle.killed and kind.lost == [(first.name, "died")]
+        await until(lambda: len(sup.ready()) == 1)
+        assert sup.budget.remaining() == 1 and sup.deaths == 1
+        await sup.close()
+
+    run(body())
+
+
+def test_a_silent_child_is_judged_wedged_and_replaced():
+    async def body():
+        sup = Supervisor("fakes", Fakes(), settings(hang_timeout_s=0.3))
+        first = sup.spawn("initial")
+        await first.up
+        first.handle.mode = "frozen"
+        reason, cause = await first.gone
+        assert cause == "wedged" and "no sign of life" in reason
+        await until(lambda: len(sup.ready()) == 1)
+        await sup.close()
+
+    run(body())
+
+
+def test_growth_spends_the_same_budget_as_restarts():
+    async def body():
+        sup = Supervisor("fakes", Fakes(), settings(max_restarts=2))
+        await sup.spawn("initial").up
+        await sup.spawn("grow").up
+        assert sup.budget.remaining() == 1
+        lost = sup.ready()[0]
+        lost.handle.mode = "dead"
+        await lost.gone
+        await until(lambda: len(sup.ready()) == 2)
+        assert sup.budget.remaining() == 0 and sup.spawn("grow") is None and sup.budget_denials == 1
+        await sup.close()
+
+    run(body())
+
+
+def test_a_spent_budget_refuses_the_replacement_with_a_typed_failure():
+    async def body():
+        sup = Supervisor("fakes", Fakes(), settings(max_restarts=0))
+        child = sup.spawn("initial")
+        await child.up
+        child.handle.mode = "dead"
+        await child.gone
+        assert not sup.children and sup.budget_denials == 1
+        failure = sup.budget_spent("the fake pool")
+        assert isinstance(failure, RestartBudgetSpent) and isinstance(failure, Unavailable)
+        assert "restart budget spent (0 restarts in 60 s)" in str(failure)
+        assert failure.failure.fault == "unavailable"
+        await sup.close()
+
+    run(body())
+
+
+def test_spawns_failing_in_a_row_past_the_budget_stop_spawning():
+    async def body():
+        kind = Fakes(fail_ready=True)
+        kind.crash_loop_stops = True
+        sup = Supervisor("fakes", kind, settings(max_restarts=5))
+        for _ in range(sup.settings.restart.max_restarts + 1):
+            child = sup.spawn("initial")
+            with pytest.raises(RuntimeError, match="load failed"):
+                await child.up
+        assert sup.stopped and sup.spawn("initial") is None
+        await sup.close()
+
+    run(body())
+
+
+def test_the_supervisors_own_stall_is_not_held_against_its_children():
+    async def body():
+        sup = Supervisor("fakes", Fakes(), settings(hang_timeout_s=0.5))
+        child = sup.spawn("initial")
+        await child.up
+        time.sleep(1.5)  # the supervisor's loop blocked: no answer could be read, none was missed
+        await asyncio.sleep(0.3)
+        assert child.state == "ready" and sup.deaths == 0
+        await sup.close()
+
+    run(body())
+
+
+def test_close_retires_every_child_and_answers_their_waiters():
+    async def body():
+        kind = Fakes()
+        sup = Supervisor("fakes", kind, settings())
+        ready = sup.spawn("initial")
+        await ready.up
+        await sup.close()
+        assert ready.gone.result()[1] == "shutdown" and all(a.killed for a in kind.actors)
+        assert sup.spawn("initial") is None
+
+    run(body())
+
+
+def test_a_kept_loop_that_dies_is_logged_and_restarted(caplog):
+    runs: list[int] = []
+
+    async def flaky() -> None:
+        runs.append(1)
+        if len(runs) < 3:
+            raise RuntimeError("a bug in the loop")
+        await asyncio.sleep(3600)
+
+    async def body():
+        owner = TaskOwner("owner")
+        owner.keep(flaky, "flaky")
+        await until(lambda: len(runs) == 3)
+        await owner.close()
+
+    with caplog.at_level(logging.ERROR):
+        run(body())
+    assert caplog.text.count("background loop 'flaky' died") == 2
+
+
+def test_a_task_that_dies_tells_its_owner():
+    deaths: list[str] = []
+
+    async def body():
+        owner = TaskOwner("owner", on_death=lambda name, exc: deaths.append(f"{name}: {exc}"))
+
+        async def broken() -> None:
+            raise RuntimeError("boom")
+
+        owner.own(broken(), "broken")
+        await until(lambda: deaths)
+        await owner.close()
+
+    run(body())
+    assert deaths == ["owner: broken: boom"]
+
+
+def test_a_pool_is_restarted_as_a_new_incarnation_then_past_its_budget_answers_at_once():
+    from rollout_actors.config import PoolSupervision
+    from rollout_actors.pool_supervisor import PoolUnavailable, SupervisedPool
+
+    async def body():
+        started: list[str] = []
+
+        async def start(actor_name: str) -> FakeActor:
+            started.append(actor_name)
+            return FakeActor()
+
+        async def stop(handle: FakeActor) -> None:
+            handle.killed = True
+
+        settings = PoolSupervision(
+            restart={"max_restarts": 1, "window_s": 60}, hang_timeout_s=0.5, probe_interval_s=0.05
+        )
+        pool = SupervisedPool("fake pool", "p/pool", start, stop, settings)
+        (await pool.start()).mode = "dead"
+        await until(lambda: pool.incarnation == 2 and pool.state == "serving")
+        assert (await pool.serving(5)).incarnation == 2 and started == ["p/pool", "p/pool@2"]
+        pool.current().mode = "frozen"
+        await until(lambda: pool.state == "failed")
+        with pytest.raises(
+            PoolUnavailable, match=r"restart budget spent \(1 restarts in 60 s\); last loss: wedged"
+        ):
+            await pool.serving(5)
+        assert pool.status().restarts == 1 and pool.status().incarnation == 2
+        await pool.close()
+
+    run(body())
+
+
+def test_a_kinds_growth_policy_waits_for_the_owners_first_spawn():
+    class KeepsOne(Fakes):
+        def tick(self, now: float) -> None:
+            if not self.supervisor.children:
+                self.supervisor.spawn("restart")
+
+    async def body():
+        sup = Supervisor("fakes", KeepsOne(), settings())
+        await asyncio.sleep(0.3)  # the owner is still starting: nothing is spawned behind its back
+        assert not sup.children and sup.budget.remaining() == 2
+        await sup.spawn("initial").up
+        await sup.close()
+
+    run(body())
