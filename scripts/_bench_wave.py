@@ -1,6 +1,7 @@
 """What the plane benchmarks share around one wave of rollouts: the process's open-files limit, a
 renderer pool grown and loaded before the wave, and CPU snapshots diffed by role.
 
+    run_on_local_ray(main_async(args))              # a private local Ray around one asyncio run
     raise_open_files_limit()                        # before Ray starts: its processes inherit it
     await grow_renderer_pool(plane, model, multiplex, c)
     cpu = cpu_diff(before, after)                   # `_bench_probe.cpu_by_role` snapshots
@@ -9,8 +10,12 @@ renderer pool grown and loaded before the wave, and CPU snapshots diffed by role
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
 import resource
 import time
+from collections.abc import Coroutine
+from typing import Any
 
 import ray
 
@@ -19,6 +24,19 @@ from rollout_actors.plane import RolloutPlane
 from rollout_actors.wire import RendererConfig
 
 RENDERERS_LOADED_TIMEOUT_S = 300.0
+
+
+def run_on_local_ray(main: Coroutine[Any, Any, None], **init: Any) -> None:
+    """Run a benchmark's `main` on a private local Ray (8 logical CPUs, no dashboard; never someone else's
+    running cluster), with the open-files limit raised first, and shut Ray down whatever happens."""
+    logging.basicConfig(level=logging.WARNING)
+    limit = raise_open_files_limit()
+    print(f"(open files limit {limit}; load {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)", flush=True)
+    ray.init(address="local", num_cpus=8, include_dashboard=False, **init)
+    try:
+        asyncio.run(main)
+    finally:
+        ray.shutdown()
 
 
 def raise_open_files_limit() -> int:

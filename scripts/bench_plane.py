@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import math
 import os
 import statistics
@@ -53,7 +52,7 @@ import ray
 from _bench_probe import Probe, ProbeSample, cpu_by_role, pids_by_role, time_wait_count
 from _bench_profile import WaveProfiler
 from _bench_single_process import SingleProcessWorkload, run_wave
-from _bench_wave import cpu_diff, grow_renderer_pool, raise_open_files_limit
+from _bench_wave import cpu_diff, grow_renderer_pool, run_on_local_ray
 
 from renderer_actors.tokenizer import BUNDLED_MODEL
 from rollout_actors.inference.server_actor import ServerSpec, standin_options
@@ -424,14 +423,7 @@ def parse_args() -> argparse.Namespace:
 
 
 def main() -> None:
-    args = parse_args()
-    logging.basicConfig(level=logging.WARNING)
-    raise_open_files_limit()
-    ray.init(address="local", num_cpus=8, include_dashboard=False)
-    try:
-        asyncio.run(main_async(args))
-    finally:
-        ray.shutdown()
+    run_on_local_ray(main_async(parse_args()))
 
 
 if __name__ == "__main__":
