@@ -32,7 +32,11 @@ def run_on_local_ray(main: Coroutine[Any, Any, None], **init: Any) -> None:
     logging.basicConfig(level=logging.WARNING)
     limit = raise_open_files_limit()
     print(f"(open files limit {limit}; load {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)", flush=True)
-    ray.init(address="local", num_cpus=8, include_dashboard=False, **init)
+    try:
+        ray.init(address="local", num_cpus=8, include_dashboard=False, **init)
+    except BaseException:
+        main.close()  # never started: nothing to await, nothing to warn about
+        raise
     try:
         asyncio.run(main)
     finally:
