@@ -65,7 +65,7 @@ class EnvSession:
     steps: int = 0
     """Steps taken: the point (`Loss.step`) a lost env server is reported at (0 is the reset)."""
     _inflight: set[Any] = field(default_factory=set, init=False, repr=False)
-    """Direct calls in flight (asyncio tasks), cancelled by `close`."""
+    """Agent runs in flight (asyncio tasks), cancelled by `close`."""
 
     @classmethod
     async def open(
@@ -125,7 +125,7 @@ class EnvSession:
         if self.closed:
             return
         self.closed = True
-        for task in list(self._inflight):  # a step still running on the worker stops there too
+        for task in list(self._inflight):  # an agent still running on the worker stops there too
             task.cancel()
         try:
             await _call(
@@ -147,20 +147,23 @@ class EnvSession:
     async def _direct(
         self, method: SessionMethod, args: tuple, timeout: float, score_if_done: bool = False
     ) -> Any:
-        """One call straight to the worker, cancellable by `close` from another task."""
-        task = asyncio.ensure_future(
-            call_server(
-                self.pool,
-                self.server,
-                self.worker,
-                method,
-                self.session_id,
-                args,
-                timeout,
-                score_if_done,
-                step=self.steps,
-            )
+        """One call straight to the worker. An agent run is cancellable by `close` from another task (the
+        rollout serves the agent's endpoint meanwhile); a reset, step or score is awaited by the rollout's
+        own task, which a cancellation or its deadline reaches directly: no task of its own per turn."""
+        call = call_server(
+            self.pool,
+            self.server,
+            self.worker,
+            method,
+            self.session_id,
+            args,
+            timeout,
+            score_if_done,
+            step=self.steps,
         )
+        if method != "agent":
+            return await call
+        task = asyncio.ensure_future(call)
         self._inflight.add(task)
         try:
             return await task

@@ -54,6 +54,7 @@ from rollout_actors.kernel.faults import (
 )
 
 CLOSE_TIMEOUT_S = 5.0  # returning a lease must not hold a finished rollout hostage
+MAX_CACHED_KEYS = 256  # (model, renderer config) pairs one process resolves; a run uses a handful
 
 
 class RendererUnavailable(Unavailable):
@@ -100,10 +101,10 @@ class BridgeStep:
 class RendererSession:
     """One rollout's lease on a renderer plus its trajectory. Not shared between rollouts."""
 
-    def __init__(self, pool: Any, key: RendererKey, multiplex: int) -> None:
+    def __init__(self, pool: Any, key: RendererKey, multiplex: int, key_json: str | None = None) -> None:
         self._pool = pool
         self._key = key
-        self._key_json = key.to_json()
+        self._key_json = key_json or key.to_json()
         self._multiplex = multiplex
         self._lease_id: str | None = None
         self._renderer: Any = None
@@ -125,11 +126,8 @@ class RendererSession:
     @classmethod
     async def open(cls, pool: Any, model: str, config: RendererConfig, timeout: float) -> RendererSession:
         """Lease a slot on the least-loaded renderer for (model, config) and wait until it is ready."""
-        try:
-            key = RendererKey.from_config(model, config)
-        except CallerError as exc:
-            raise RendererCallerError(str(exc)) from None
-        session = cls(pool, key, config.multiplex)
+        key, key_json = _key_of(model, config)
+        session = cls(pool, key, config.multiplex, key_json)
         deadline = time.monotonic() + timeout
         try:
             await session._acquire(deadline)
@@ -337,6 +335,27 @@ class RendererSession:
             if not isinstance(exc, RayTaskError):
                 raise
             raise _far_fault(exc, what, method) from None
+
+
+_KEYS: dict[tuple[str, str], tuple[RendererKey, str]] = {}
+"""(model, renderer config JSON) -> its key and the key's JSON: every rollout of a run asks the same few,
+and resolving one validates the library's config (a measurable share of a rollout's own CPU)."""
+
+
+def _key_of(model: str, config: RendererConfig) -> tuple[RendererKey, str]:
+    """The key (and its JSON) of a rollout's renderer; `RendererCallerError` for a config the library
+    refuses (never cached: each such rollout is told)."""
+    cache_key = (model, config.model_dump_json())
+    known = _KEYS.get(cache_key)
+    if known is None:
+        try:
+            key = RendererKey.from_config(model, config)
+        except CallerError as exc:
+            raise RendererCallerError(str(exc)) from None
+        if len(_KEYS) >= MAX_CACHED_KEYS:
+            _KEYS.clear()
+        known = _KEYS[cache_key] = (key, key.to_json())
+    return known
 
 
 def _far_fault(exc: RayTaskError, what: str, method: str) -> Fault:

@@ -96,8 +96,11 @@ class PoolLookup:
         elif known[0] > name.incarnation:
             # An older incarnation than one already seen here: it was lost after this dispatch was sent.
             raise _lost(failure_type, what, name, "was replaced meanwhile")
+        lookup = known[1]
+        if lookup.done() and not lookup.cancelled() and lookup.exception() is None:
+            return lookup.result()  # every dispatch but the first: no timer, no task
         try:
-            return await asyncio.wait_for(asyncio.shield(known[1]), timeout)
+            return await asyncio.wait_for(asyncio.shield(lookup), timeout)
         except Exception as exc:
             if self._known.get(name.base) is known:  # a failed lookup is not kept: the next ask retries
                 del self._known[name.base]

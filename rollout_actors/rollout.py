@@ -222,13 +222,15 @@ async def _release(client: Any, env: EnvSession | None, turns: TurnStrategy) -> 
 
     async def release_all() -> None:
         try:
-            await asyncio.wait_for(client.close(), CLEANUP_TIMEOUT_S)
+            async with asyncio.timeout(CLEANUP_TIMEOUT_S):  # a scope, not `wait_for`: no task per close
+                await client.close()
         except Exception:
             pass
         if env is not None:
             await env.close(timeout=CLEANUP_TIMEOUT_S)
         try:
-            await asyncio.wait_for(turns.close(), CLEANUP_TIMEOUT_S)
+            async with asyncio.timeout(CLEANUP_TIMEOUT_S):
+                await turns.close()
         except Exception:
             pass
 

@@ -34,48 +34,82 @@ class ProbeSample:
     """Most OS threads summed over the measured processes at one sample."""
     peak_rss: int = 0
     """Most RSS (bytes) summed over the measured processes at one sample."""
+    per_process: dict[int, tuple[int, int, int]] = field(default_factory=dict)
+    """pid -> its own peaks: (OS threads, RSS bytes, open file descriptors); the server's fds included."""
     samples: int = 0
 
 
-def _sample_loop(server_pid: int, server_port: int, pids: list[int], stop: mp.Event, out: mp.Queue) -> None:
+def _sample_loop(
+    server_pid: int,
+    server_port: int,
+    pids: list[int],
+    stop: mp.Event,
+    out: mp.Queue,
+    interval_s: float,
+    server_sockets: bool,
+) -> None:
     result = ProbeSample()
     server = psutil.Process(server_pid)
     procs = [psutil.Process(pid) for pid in pids]
     while True:
         try:
-            conns = [
-                c
-                for c in server.net_connections(kind="tcp")
-                if c.status == psutil.CONN_ESTABLISHED and c.laddr and c.laddr.port == server_port and c.raddr
-            ]
-            result.peak_server_sockets = max(result.peak_server_sockets, len(conns))
-            result.client_ports.update(c.raddr.port for c in conns)
+            _peak(result, server)
+            if server_sockets:
+                conns = [
+                    c
+                    for c in server.net_connections(kind="tcp")
+                    if c.status == psutil.CONN_ESTABLISHED
+                    and c.laddr
+                    and c.laddr.port == server_port
+                    and c.raddr
+                ]
+                result.peak_server_sockets = max(result.peak_server_sockets, len(conns))
+                result.client_ports.update(c.raddr.port for c in conns)
         except psutil.Error:
             pass
         threads = rss = 0
         for proc in procs:
             try:
-                with proc.oneshot():
-                    threads += proc.num_threads()
-                    rss += proc.memory_info().rss
+                proc_threads, proc_rss = _peak(result, proc)
             except psutil.Error:
-                pass
+                continue
+            threads += proc_threads
+            rss += proc_rss
         result.peak_threads = max(result.peak_threads, threads)
         result.peak_rss = max(result.peak_rss, rss)
         result.samples += 1
-        if stop.wait(SAMPLE_INTERVAL_S):
+        if stop.wait(interval_s):
             break
     out.put(result)
 
 
+def _peak(result: ProbeSample, proc: psutil.Process) -> tuple[int, int]:
+    """Record one process's threads, RSS and open fds in its own peaks; returns (threads, RSS)."""
+    with proc.oneshot():
+        threads, rss, fds = proc.num_threads(), proc.memory_info().rss, proc.num_fds()
+    old = result.per_process.get(proc.pid, (0, 0, 0))
+    result.per_process[proc.pid] = (max(old[0], threads), max(old[1], rss), max(old[2], fds))
+    return threads, rss
+
+
 class Probe:
-    def __init__(self, server_pid: int, server_port: int, pids: list[int]) -> None:
+    """`server_sockets=False` skips the scan of the server's sockets (psutil parses every TCP socket of the
+    machine in Python: a large share of a core with 16k connections each way); the server's open fds,
+    sampled for every process, then stand for its connections."""
+
+    def __init__(
+        self,
+        server_pid: int,
+        server_port: int,
+        pids: list[int],
+        interval_s: float = SAMPLE_INTERVAL_S,
+        server_sockets: bool = True,
+    ) -> None:
         ctx = mp.get_context("spawn")
         self._stop = ctx.Event()
         self._out: mp.Queue = ctx.Queue()
-        self._process = ctx.Process(
-            target=_sample_loop, args=(server_pid, server_port, pids, self._stop, self._out), daemon=True
-        )
+        args = (server_pid, server_port, pids, self._stop, self._out, interval_s, server_sockets)
+        self._process = ctx.Process(target=_sample_loop, args=args, daemon=True)
 
     def start(self) -> Probe:
         self._process.start()

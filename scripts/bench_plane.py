@@ -41,10 +41,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import math
 import os
-import resource
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -54,8 +52,8 @@ import ray
 from _bench_probe import Probe, ProbeSample, cpu_by_role, pids_by_role, time_wait_count
 from _bench_profile import WaveProfiler
 from _bench_single_process import SingleProcessWorkload, run_wave
+from _bench_wave import cpu_diff, grow_renderer_pool, run_on_local_ray
 
-from renderer_actors.key import RendererKey
 from renderer_actors.tokenizer import BUNDLED_MODEL
 from rollout_actors.inference.server_actor import ServerSpec, standin_options
 from rollout_actors.inference.standin import StandinServer
@@ -72,7 +70,7 @@ ENVS = {
     ),
 }
 WARMUP_ROLLOUTS = 4  # starts the plane's env pool and first renderer before the timed wave (then the
-# renderer pool is grown to the wave's size: `_grow_renderer_pool`)
+# renderer pool is grown to the wave's size: `grow_renderer_pool`)
 MAX_TOKENS = 256  # the scripted policy writes < 150 tokens a turn; nothing is cut
 SLOW_FACTOR = 5.0
 PROFILED_ROLES = ("driver", "RolloutWorker", "RendererActor", "EnvServer", "EnvPool", "RendererPool")
@@ -117,13 +115,6 @@ def _quartiles(values: list[float]) -> list[float]:
     ]
 
 
-def _raise_open_files_limit() -> None:
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    wanted = hard if hard == resource.RLIM_INFINITY else min(hard, 65536)
-    if soft != resource.RLIM_INFINITY and soft < wanted:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
-
-
 def _client(server: StandinServer) -> ClientConfig:
     return ClientConfig(base_url=server.base_url, model=BUNDLED_MODEL)
 
@@ -149,7 +140,7 @@ async def run_single(args: argparse.Namespace, c: int, way: str, server: Standin
         WaveProfiler(f"{args.profile}/c{c}-{way}", {way: [os.getpid()]}).start() if args.profile else None
     )
     wall, timings = await run_wave(workload, c, per_rollout_client=(way == "b"))
-    cpu = _cpu_diff(cpu_before, cpu_by_role(server.pid))
+    cpu = cpu_diff(cpu_before, cpu_by_role(server.pid))
     sample = probe.stop()
     if profiler is not None:
         profiler.stop()
@@ -206,7 +197,7 @@ async def run_plane(args: argparse.Namespace, c: int, server: StandinServer) -> 
         for i in range(WARMUP_ROLLOUTS):
             await plane.submit(request(i))
         warm = [await plane.next_result(timeout=300) for _ in range(WARMUP_ROLLOUTS)]
-        await _grow_renderer_pool(plane, _client(server).model, renderer_multiplex, c)
+        await grow_renderer_pool(plane, _client(server).model, renderer_multiplex, c)
         workers = [ray.get_actor(w.name) for w in plane.stats().workers]
         before = await asyncio.gather(*(w.debug_resources.remote(server.port) for w in workers))
         time_wait_before = time_wait_count(server.port)
@@ -227,7 +218,7 @@ async def run_plane(args: argparse.Namespace, c: int, server: StandinServer) -> 
         ]
         wall = time.monotonic() - started
         ended_wall = time.time()
-        cpu = _cpu_diff(cpu_before, cpu_by_role(server.pid))
+        cpu = cpu_diff(cpu_before, cpu_by_role(server.pid))
         sample = probe.stop()
         if profiler is not None:
             profiler.stop()
@@ -298,29 +289,6 @@ def _batches_diff(before: list[dict], after: list[dict]) -> dict[str, tuple[int,
             items += a["batches"].get(name, (0, 0))[1] - b["batches"].get(name, (0, 0))[1]
         out[name] = (calls, round(items / calls, 1) if calls else 0.0)
     return out
-
-
-async def _grow_renderer_pool(plane: RolloutPlane, model: str, multiplex: int, c: int) -> None:
-    """Bring the renderer pool to the size the wave will use (one renderer per `multiplex` leases) and wait
-    until every renderer is loaded, as (b) and (c) load theirs before the wave: a renderer's startup is not
-    a cost per turn."""
-    pool = ray.get_actor(plane.names.renderer_pool)
-    key_json = RendererKey.from_config(model, RendererConfig(multiplex=multiplex)).to_json()
-    leases = await pool.lease_many.remote(key_json, multiplex, c)
-    await pool.release_many.remote([lease.lease_id for lease in leases])
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        renderers = (await pool.stats.remote()).keys[key_json].renderers
-        if all(r.ready for r in renderers):
-            return
-        await asyncio.sleep(0.5)
-    raise TimeoutError("the renderer pool did not load its renderers within 300 s")
-
-
-def _cpu_diff(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    return {
-        role: after[role] - before.get(role, 0.0) for role in after if after[role] > before.get(role, 0.0)
-    }
 
 
 async def run_way(args: argparse.Namespace, c: int, way: str) -> WayResult:
@@ -455,14 +423,7 @@ def parse_args() -> argparse.Namespace:
 
 
 def main() -> None:
-    args = parse_args()
-    logging.basicConfig(level=logging.WARNING)
-    _raise_open_files_limit()
-    ray.init(address="local", num_cpus=8, include_dashboard=False)
-    try:
-        asyncio.run(main_async(args))
-    finally:
-        ray.shutdown()
+    run_on_local_ray(main_async(parse_args()))
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from env_actors.examples import generate_math
 from env_actors.examples.answers import last_boxed, parse_number
 from env_actors.examples.calculator_env import CALCULATOR_TOOL, CalculatorEnv, evaluate
 from env_actors.examples.math_env import MathEnv
+from env_actors.examples.sandbox_env import SandboxEnv
 from env_actors.interface import tool_arguments
 from rollout_actors.wire import CallerError
 
@@ -200,3 +201,26 @@ def test_tool_arguments_accept_json_strings_and_dicts():
     assert tool_arguments({"function": {"arguments": {"expression": "1"}}}) == {"expression": "1"}
     with pytest.raises(ValueError):
         tool_arguments({"function": {"arguments": "{not json"}})
+
+
+def test_sandbox_episode_takes_exactly_its_turns_each_step_waiting_on_the_sandbox():
+    async def episode():
+        env = await loaded(SandboxEnv(num_tasks=4, turns=3, step_wait_s=0.01))
+        reset = await env.reset(env.task(2))
+        assert "Task 2" in reset.messages[0]["content"]
+        outs = [await env.step(reset.state, assistant("ls")) for _ in range(3)]
+        with pytest.raises(CallerError):
+            await env.step(reset.state, assistant("ls"))
+        return outs, await env.score(reset.state)
+
+    outs, score = run(episode())
+    assert [out.done for out in outs] == [False, False, True]
+    assert [len(out.messages) for out in outs] == [1, 1, 0]
+    assert outs[0].messages[0]["role"] == "user"
+    assert score.reward == 1.0
+
+
+def test_sandbox_refuses_a_wait_or_turn_count_out_of_bounds():
+    for config in ({"turns": 0}, {"step_wait_s": -1.0}, {"step_wait_s": 3600.0}):
+        with pytest.raises(CallerError):
+            SandboxEnv(**config)
