@@ -29,10 +29,11 @@ import ray
 
 from rollout_actors.concurrency import ConcurrencyController
 from rollout_actors.config import PlaneConfig
-from rollout_actors.dispatcher import Dispatcher, PolicyChoice
+from rollout_actors.dispatcher import Dispatcher
 from rollout_actors.groups import Group, GroupHandle, Stragglers
 from rollout_actors.inference.load import LoadReader
 from rollout_actors.inference.weights import WeightUpdater, WeightUpdateReport
+from rollout_actors.inflight import PolicyChoice
 from rollout_actors.kernel import RefResolver
 from rollout_actors.lanes import Lanes
 from rollout_actors.lora import AdapterLimits

@@ -20,9 +20,10 @@ from typing import Any, Protocol
 
 from pydantic import BaseModel, ValidationError
 
-from rollout_actors.dispatcher import Dispatcher, InFlight
+from rollout_actors.dispatcher import Dispatcher
 from rollout_actors.failures import log_failure
 from rollout_actors.groups import GroupHandle, GroupOwner, Stragglers
+from rollout_actors.inflight import InFlight
 from rollout_actors.kernel import RefResolver
 from rollout_actors.lanes import Lane, Lanes
 from rollout_actors.metrics import PlaneMetrics

@@ -9,7 +9,8 @@ import sys
 from collections import Counter
 from dataclasses import dataclass, field
 
-from rollout_actors.dispatcher import AnsweredLeases, Dispatcher, PolicyChoice
+from rollout_actors.dispatcher import Dispatcher
+from rollout_actors.inflight import AnsweredLeases, PolicyChoice
 from rollout_actors.kernel import Loss
 from rollout_actors.kernel.faults import PartLost
 from rollout_actors.lanes import Lane
