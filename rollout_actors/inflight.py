@@ -17,8 +17,9 @@ from rollout_actors.timings import RolloutTimings, clock
 from rollout_actors.wire import Ref, Result, RolloutRequest
 
 ANSWERED_LEASES_KEPT = 100_000
-"""Answered leases remembered to refuse a caller naming one again: about 10 MB of ids, hours of a busy
-plane's traffic. Older ones are forgotten (a late answer never needs them: it is matched to open records)."""
+"""Answered leases remembered to refuse a caller naming one again: about 12 MB of ids (measured), the last
+quarter hour of a plane answering 100 rollouts a second. Older ones are forgotten; a late answer never needs
+them (it is matched against open records), only a caller resubmitting a lease that long after is not refused."""
 
 
 # ------------------------------------------------------------------------------------ what it talks to
