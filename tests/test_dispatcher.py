@@ -266,3 +266,17 @@ def test_answered_leases_forget_the_oldest_first():
     for lease in ("a", "b", "a", "c"):
         leases.add(lease)
     assert "a" not in leases and "b" in leases and "c" in leases and len(leases) == 2
+
+
+def test_an_envelope_runs_the_request_on_the_adapter_with_the_base_models_tokenizer():
+    req = request(deadline_s=600)
+    envelope = Dispatch(
+        request=req, model="policy-v3", policy_version=3, timeout_s=12.5, env_pool="e", attempt=2
+    )
+    runs = envelope.rollout_request()
+    assert runs.client.model == "policy-v3" and runs.renderer.tokenizer == "m"  # the vocabulary stays
+    assert runs.client.base_url == req.client.base_url  # no endpoint decided: the request's own
+    assert (runs.policy_version, runs.deadline_s) == (3, 12.5)
+    assert (runs.request_id, runs.lease_id) == (req.request_id, req.lease_id)
+    assert req.client.model == "m" and req.policy_version is None  # the caller's request is untouched
+    assert Dispatch.model_validate_json(envelope.model_dump_json()) == envelope  # it crosses as JSON
