@@ -57,18 +57,19 @@ class PlacementConfig(BaseModel):
     group let a busy plane run past `slack`.)"""
 
 
-def prefix_key(request: RolloutRequest) -> str:
+def prefix_key(request: RolloutRequest, model: str | None = None, policy_version: int | None = None) -> str:
     """What decides a rollout's first prompt blocks, hashed: the environment and its task, the model
     (an adapter's name is part of vLLM's block hashes), the renderer and the policy version (its
-    `cache_salt`). A group's members differ only in ids and seeds, so they share it."""
+    `cache_salt`). A group's members differ only in ids and seeds, so they share it. `model` and
+    `policy_version`, where given, are what the plane chose for it (the request itself is never rewritten)."""
     parts = [
         request.env.model_dump(mode="json"),
         request.task_index,
         request.task,
-        request.client.model,
+        model or request.client.model,
         request.mode,
         request.renderer.model_dump(mode="json"),
-        request.policy_version,
+        request.policy_version if policy_version is None else policy_version,
     ]
     raw = json.dumps(parts, sort_keys=True, separators=(",", ":"), default=str).encode()
     return hashlib.blake2b(raw, digest_size=12).hexdigest()

@@ -1,7 +1,7 @@
 """Where a rollout worker finds the pools a dispatch names: `PoolRoute` in, live handles out.
 
     route = PoolRoute(env_pool=PoolName("p/env-pool/ab12", 2), renderer_pool=PoolName("p/renderer-pool", 1))
-    worker.run.remote(request_json, *route.wire())          # the actor names, as plain strings
+    env_pool, renderer_pool = route.wire()          # the actor names, as plain strings in `wire.Dispatch`
     handles = await lookup.resolve(PoolRoute.from_wire(env_name, renderer_name))   # in the worker
 
 The plane supervises the pools and names, with every dispatch, the incarnation of each pool that is serving

@@ -26,13 +26,14 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from env_actors.pool import EnvPoolConfig, start_env_pool, stop_env_pool
+from env_actors.pool import EnvPoolConfig, EnvStartupError, start_env_pool, stop_env_pool
 from renderer_actors.pool import get_or_create_renderer_pool
 from rollout_actors.config import PlaneConfig
+from rollout_actors.kernel.faults import Fault, Unavailable
 from rollout_actors.naming import PoolNames, env_key
 from rollout_actors.pool_lookup import PoolRoute
-from rollout_actors.pool_supervisor import PoolStatus, SupervisedPool, holds_value
-from rollout_actors.wire import Ref, RolloutRequest
+from rollout_actors.pool_supervisor import PoolStatus, PoolUnavailable, SupervisedPool, holds_value
+from rollout_actors.wire import Failure, Ref, RolloutRequest
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +87,12 @@ class SharedPools:
             )
             entry = self._env[key] = (pool, asyncio.ensure_future(pool.start()))
             entry[1].add_done_callback(lambda done, key=key: self._stamp_failure(key, done))
-        await asyncio.shield(entry[1])
+        try:
+            await asyncio.shield(entry[1])
+        except (EnvStartupError, PoolUnavailable) as exc:  # typed: whose fault it was, from its failure
+            failure = exc.failure or Failure.from_exception(exc)
+            kind = "caller" if failure.fault == "caller" else "infrastructure"
+            raise Fault.from_failure(failure, kind=kind) from exc
 
     def _stamp_failure(self, key: str, start: asyncio.Future[Any]) -> None:
         if not start.cancelled() and start.exception() is not None:
@@ -99,15 +105,19 @@ class SharedPools:
 
     async def route(self, request: RolloutRequest, timeout: float, verify: bool = False) -> PoolRoute:
         """The serving pools `request` talks to, waiting up to `timeout` for any being restarted; raises
-        `PoolUnavailable` when one is not serving. `verify`: a re-dispatch after a part of ours was lost;
+        `Unavailable` when one is not serving. `verify`: a re-dispatch after a part of ours was lost;
         each pool is checked alive first (see `SupervisedPool.serving`). Needs `ensure_env_pool` first."""
         assert self._renderer is not None, "call `start` first"
         deadline = time.monotonic() + timeout
-        env = await self._env[env_key(request.env)][0].serving(timeout, verify)
-        if request.mode != "chat":  # token and agent mode render every turn
-            renderer = await self._renderer.serving(max(0.0, deadline - time.monotonic()), verify)
-        else:  # a chat rollout never renders: it neither waits for the renderer pool nor checks it
-            renderer = None
+        try:
+            env = await self._env[env_key(request.env)][0].serving(timeout, verify)
+            if request.mode != "chat":  # token and agent mode render every turn
+                renderer = await self._renderer.serving(max(0.0, deadline - time.monotonic()), verify)
+            else:  # a chat rollout never renders: it neither waits for the renderer pool nor checks it
+                renderer = None
+        except PoolUnavailable as exc:
+            failure = exc.failure
+            raise Unavailable(failure.message, type_name=failure.type, traceback=failure.traceback) from exc
         return PoolRoute(env_pool=env, renderer_pool=renderer)
 
     def supervisor(self, env: Ref | None = None) -> SupervisedPool:

@@ -34,8 +34,6 @@ class OffPolicyStats(BaseModel):
 class OffPolicyGuard:
     def __init__(self, max_steps: int | None) -> None:
         self.max_steps = max_steps
-        self._versions: dict[str, int] = {}
-        """Rollouts in flight -> the version they started under."""
         self.cancelled = 0
         self.lag: Counter[int] = Counter()
         """Delivered results by `versions_behind`."""
@@ -43,17 +41,10 @@ class OffPolicyGuard:
     def too_old(self, version: int, active: int) -> bool:
         return self.max_steps is not None and active - version > self.max_steps
 
-    def started(self, request_id: str, version: int) -> None:
-        self._versions[request_id] = version
-
-    def finished(self, request_id: str, versions_behind: int | None) -> None:
-        self._versions.pop(request_id, None)
+    def finished(self, versions_behind: int | None) -> None:
+        """A result was delivered with this lag."""
         if versions_behind is not None:
             self.lag[versions_behind] += 1
-
-    def stale(self, active: int) -> list[tuple[str, int]]:
-        """Rollouts in flight that `active` leaves too far behind, with their start versions."""
-        return [(rid, version) for rid, version in self._versions.items() if self.too_old(version, active)]
 
     def why(self, version: int, active: int) -> str:
         return (

@@ -1,91 +1,86 @@
-"""The plane's public half: submitting rollouts and groups, cancelling them, reading results per lane.
+"""Admission: how a request gets from `submit` / `submit_group` to the dispatcher.
 
-`RolloutPlane` (plane.py) is built from this and its dispatch half. Here, a request goes from `submit` /
-`submit_group` through validation and its lane (back-pressure) to `_drive`; an answered result comes back
-through `_deliver`, which stamps what only the plane knows (end version, why it cancelled) and routes it
-(`streams.py`). Groups are `groups.py`; off-policy cancellation is `staleness.py`.
+A payload is validated (a bad one is answered at once with one `caller` result naming the field at
+fault), opens its record in the dispatcher (`dispatcher.py`), waits for a slot in its lane
+(back-pressure), and is then driven by the dispatcher until it is answered. `RolloutPlane` (plane.py) is
+the public facade over this; groups are `groups.py`.
+
+    intake = Intake(plane, dispatcher, lanes, refs, endpoints, streams, metrics, counters)
+    request_id = await intake.submit(request)       # waits while the lane is full
+    handle = intake.submit_group(request, n=8)      # at once; members wait for the lane in the background
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 from pydantic import BaseModel, ValidationError
 
-from rollout_actors.groups import Group, GroupHandle, Stragglers
+from rollout_actors.dispatcher import Dispatcher
+from rollout_actors.failures import log_failure
+from rollout_actors.groups import GroupHandle, GroupOwner, Stragglers
+from rollout_actors.inflight import InFlight
 from rollout_actors.kernel import RefResolver
 from rollout_actors.lanes import Lane, Lanes
 from rollout_actors.metrics import PlaneMetrics
-from rollout_actors.staleness import STALE, OffPolicyGuard
 from rollout_actors.streams import ResultStreams
-from rollout_actors.timings import clock
-from rollout_actors.wire import CallerError, Failure, Result, RolloutRequest, new_id, valid_id
-from rollout_actors.worker_set import WorkerSlot
+from rollout_actors.wire import CallerError, Result, RolloutRequest, new_id, valid_id
 
 log = logging.getLogger(__name__)
 
 MAX_GROUP_SIZE = 65_536  # rollouts per submit_group call: far past any GRPO group, short of a typo's 10**9
 
 
-class Submission:
-    """Mixed into `RolloutPlane`; the attributes below are set up by its `__init__`."""
+class IntakeOwner(GroupOwner, Protocol):
+    """The plane, as admission sees it: it owns the tasks and the groups, and knows the active policy."""
 
-    config: Any
-    lanes: Lanes
-    counters: Counter[str]
-    _refs: RefResolver
-    _endpoints: Callable[[], Sequence[str]]
-    _metrics: PlaneMetrics
-    _streams: ResultStreams
-    _guard: OffPolicyGuard
-    _tasks: set[asyncio.Task[Any]]
-    _running: dict[str, WorkerSlot]
-    _cancelled: dict[str, asyncio.Event]
-    _cancel_reasons: dict[str, tuple[str, str]]
-    _submitted_at: dict[str, tuple[float, float]]
-    """request id -> (failure type, why) for cancellations the plane decided (group, stale)."""
-    _started: bool
+    @property
+    def policy_version(self) -> int: ...
 
-    if TYPE_CHECKING:  # the dispatch half, in plane.py
-        policy_version: int
 
-        def _answer(self, result: Result) -> None: ...
+class Intake:
+    """Validates, admits through the lanes, and hands requests to the dispatcher."""
 
-        def _answer_refusal(self, result: Result) -> None: ...
+    def __init__(
+        self,
+        owner: IntakeOwner,
+        dispatcher: Dispatcher,
+        lanes: Lanes,
+        refs: RefResolver,
+        endpoints: Callable[[], Sequence[str]],
+        streams: ResultStreams,
+        metrics: PlaneMetrics,
+        counters: Counter[str],
+    ) -> None:
+        self._owner = owner
+        self._dispatcher = dispatcher
+        self._lanes = lanes
+        self._refs = refs
+        self._endpoints = endpoints
+        self._streams = streams
+        self._metrics = metrics
+        self._counters = counters
 
-        _open_leases: set[str]
-        _answered: set[str]
-
-        async def _drive(self, request: RolloutRequest, lane: Lane) -> None: ...
-
-    # submission ------------------------------------------------------------------------------------
     async def submit(self, request: RolloutRequest | dict[str, Any]) -> str:
-        """Queue one rollout; waits while its lane is full. Returns its request id; the result comes out of
-        `next_result` / `drain`. Never raises for a bad request: that comes back as exactly one `caller`
-        result naming the field at fault."""
-        self._require_started("submit")
         checked = self._check(request)
-        self._streams.expect_result(checked.lane)
+        self._streams.expect_result(checked.request.lane if isinstance(checked, InFlight) else checked.lane)
         if isinstance(checked, Result):
-            self._answer_refusal(checked)
-        else:
-            try:
-                await self._enter(checked, self.lanes.get(checked.lane))
-            except asyncio.CancelledError:  # the caller gave up waiting: nothing was submitted
-                self._streams.expect_result(checked.lane, -1)
-                self._cancelled.pop(checked.request_id, None)
-                self._open_leases.discard(checked.lease_id)
-                self._submitted_at.pop(checked.request_id, None)
-                self.counters["submitted"] -= 1
-                raise
-        return checked.request_id
+            self.answer_refusal(checked)
+            return checked.request_id
+        try:
+            await self._enter(checked, self._lanes.get(checked.request.lane))
+        except asyncio.CancelledError:  # the caller gave up waiting: nothing was submitted
+            self._streams.expect_result(checked.request.lane, -1)
+            self._dispatcher.forget(checked)
+            self._counters["submitted"] -= 1
+            raise
+        return checked.request.request_id
 
-    async def submit_group(
+    def submit_group(
         self,
         request: RolloutRequest | dict[str, Any],
         n: int,
@@ -93,40 +88,34 @@ class Submission:
         stragglers: Stragglers | None = None,
         one_policy: bool = False,
     ) -> GroupHandle:
-        """`n` rollouts of one task under one group id, with consecutive seeds. Returns the handle at once,
-        ids assigned; members then wait for their lane in the background (`await handle.admitted()` waits
-        with them). `one_policy`: every member samples from the version active when the first starts.
-        An invalid request gives a group of `n` `caller` results, complete at once; an invalid `n`, a group
-        of one `caller` result naming it. Neither raises."""
-        self._require_started("submit_group")
         raw = request.model_dump() if isinstance(request, BaseModel) else request
         group_id = (valid_id(raw.get("group_id")) if isinstance(raw, dict) else None) or new_id("group")
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_GROUP_SIZE:
-            self.counters["submitted"] += 1
+            self._counters["submitted"] += 1
             wrong_n = CallerError(f"n: must be an int in [1, {MAX_GROUP_SIZE}], got {n!r:.40}")
-            members: list[RolloutRequest | Result] = [Result.refused(raw, None, wrong_n, group_id)]
+            members: list[InFlight | Result] = [Result.refused(raw, None, wrong_n, group_id)]
         elif not isinstance(raw, dict):
-            self.counters["submitted"] += n
+            self._counters["submitted"] += n
             not_a_request = CallerError(f"request: a RolloutRequest or a dict, got {type(raw).__name__}")
             members = [Result.refused(raw, None, not_a_request, group_id) for _ in range(n)]
         else:
             members = [self._check(_member(raw, group_id, i)) for i in range(n)]
-        lane = members[0].lane
+        first = members[0]
         handle = GroupHandle(
-            self,
+            self._owner,
             group_id,
-            lane,
-            [m.request_id for m in members],
+            first.request.lane if isinstance(first, InFlight) else first.lane,
+            [m.request.request_id if isinstance(m, InFlight) else m.request_id for m in members],
             stragglers=stragglers,
             one_policy=one_policy,
         )
         self._streams.expect_group(handle)
-        self.spawn(self._admit_group(handle, members))
+        self._owner.spawn(self._admit_group(handle, members))
         return handle
 
-    def _check(self, request: RolloutRequest | dict[str, Any]) -> RolloutRequest | Result:
-        """The validated request, or its `caller` result."""
-        self.counters["submitted"] += 1
+    def _check(self, request: RolloutRequest | dict[str, Any]) -> InFlight | Result:
+        """The validated request's open record, or its `caller` result."""
+        self._counters["submitted"] += 1
         try:
             checked = self._validated(request)
         except Exception as exc:  # whatever a payload makes validation raise, it is the payload's fault
@@ -139,22 +128,15 @@ class Submission:
             )
             return Result.refused(request, given, exc)
         self._metrics.submitted(checked.lane)
-        self._submitted_at[checked.request_id] = (time.time(), clock())  # its waits start here
-        self._cancelled[checked.request_id] = asyncio.Event()
-        self._open_leases.add(checked.lease_id)
-        return checked
+        return self._dispatcher.accept(checked)  # its waits start here
 
     def _validated(self, request: Any) -> RolloutRequest:
         checked = RolloutRequest.model_validate(request)
-        self.lanes.get(checked.lane)
+        self._lanes.get(checked.lane)
         self._refs.check_allowed(checked.env.target)
         if checked.client.base_url is None and not list(self._endpoints()):
             raise CallerError("client.base_url is not set and the plane has no endpoints")
-        if (
-            checked.lease_id in self._open_leases
-            or checked.lease_id in self._answered
-            or checked.request_id in self._cancelled
-        ):
+        if self._dispatcher.knows(checked.request_id, checked.lease_id):
             explicit = checked.model_fields_set & {"request_id", "lease_id"}
             if explicit:
                 # A lease runs once (contract 5): a caller that names one twice gets a refusal, not a rerun.
@@ -164,24 +146,27 @@ class Submission:
             checked = checked.model_copy(update={"request_id": new_id("req"), "lease_id": new_id("lease")})
         return checked
 
-    async def _admit_group(self, handle: GroupHandle, members: list[RolloutRequest | Result]) -> None:
+    async def _admit_group(self, handle: GroupHandle, members: list[InFlight | Result]) -> None:
         for member in members:
             if isinstance(member, Result):
-                self._answer_refusal(member)
+                self.answer_refusal(member)
             else:
-                if handle.one_policy and member.policy_version is None:
+                if handle.one_policy and member.request.policy_version is None:
                     if handle.pinned_version is None:
-                        handle.pinned_version = self.policy_version
-                    member = member.model_copy(update={"policy_version": handle.pinned_version})
-                await self._enter(member, self.lanes.get(member.lane))
+                        handle.pinned_version = self._owner.policy_version
+                    # The group's option, not routing: the member now pins a version as if the caller had.
+                    member.request = member.request.model_copy(
+                        update={"policy_version": handle.pinned_version}
+                    )
+                await self._enter(member, self._lanes.get(member.request.lane))
             handle._member_admitted()
 
-    async def _enter(self, request: RolloutRequest, lane: Lane) -> None:
+    async def _enter(self, record: InFlight, lane: Lane) -> None:
         """Wait for a lane slot, then start the rollout. One cancelled while it waits answers at once and
         never keeps a slot."""
-        cancelled = self._cancelled[request.request_id]
+        cancelled = record.cancelled
         if not cancelled.is_set() and lane.try_acquire():  # room now: no tasks to wait with
-            self.spawn(self._drive(request, lane))
+            self._owner.spawn(self._dispatcher.drive(record, lane))
             return
         slot = asyncio.ensure_future(lane.acquire())
         stop = asyncio.ensure_future(cancelled.wait())
@@ -196,110 +181,17 @@ class Submission:
                 await lane.release()
                 holds = False
         if not holds:
-            self._answer(_cancelled(request, "while waiting for its lane"))
+            self._dispatcher.answer_cancelled(record, "while waiting for its lane")
             return
-        self.spawn(self._drive(request, lane))
+        self._owner.spawn(self._dispatcher.drive(record, lane))
 
-    def spawn(self, work: Coroutine[Any, Any, Any]) -> None:
-        """Run `work` as a task the plane owns: cancelled in `close` if still running."""
-        task = asyncio.get_running_loop().create_task(work)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    def _require_started(self, what: str) -> None:
-        if not self._started:
-            raise RuntimeError(
-                f"RolloutPlane.{what}() before start(): use `async with RolloutPlane(config) as plane:` "
-                "or `await plane.start()` first"
-            )
-
-    # results ---------------------------------------------------------------------------------------
-    async def next_result(self, timeout: float | None = None, lane: str | None = None) -> Result:
-        """The next result of a single `submit` (of `lane`, or of any lane). Group members come with their
-        group instead."""
-        return await self._streams.next_result(lane, timeout)
-
-    async def drain(self, lane: str | None = None) -> AsyncIterator[Result]:
-        """Single results (of `lane`, or of any lane) until every one submitted so far is answered."""
-        while self._streams.results_pending(lane):
-            yield await self._streams.next_result(lane, None)
-
-    async def next_group(self, timeout: float | None = None, lane: str | None = None) -> Group:
-        """The next complete group (of `lane`, or of any lane) whose handle nobody awaited."""
-        return await self._streams.next_group(lane, timeout)
-
-    async def groups(self, lane: str | None = None) -> AsyncIterator[Group]:
-        """Complete groups as they complete, until no group submitted so far is left. A loop that submits
-        more groups while it iterates keeps it going."""
-        while self._streams.groups_pending(lane):
-            yield await self._streams.next_group(lane, None)
-
-    def claim(self, handle: GroupHandle) -> None:
-        self._streams.claim(handle)
-
-    # cancellation ----------------------------------------------------------------------------------
-    async def cancel(self, request_id: str) -> bool:
-        """Cancel one rollout (waiting for its lane or running); it answers `cancelled` with the turns it
-        had. False when it already answered."""
-        event = self._cancelled.get(request_id) if isinstance(request_id, str) else None
-        if event is None or event.is_set():
-            return False
-        event.set()
-        slot = self._running.get(request_id)
-        if slot is not None and slot.alive:
-            try:
-                await asyncio.wait_for(slot.handle.cancel.remote(request_id), self.config.cancel_grace_s)
-            except Exception:  # the drive loop still answers `cancelled` after the grace period
-                pass
-        return True
-
-    async def cancel_members(self, request_ids: list[str], why: str, failure_type: str = "Cancelled") -> int:
-        """Cancel these rollouts, saying why on each result (`error.type`, `error.message`)."""
-        for request_id in request_ids:
-            self._cancel_reasons.setdefault(request_id, (failure_type, why))
-        return sum(await asyncio.gather(*(self.cancel(request_id) for request_id in request_ids)))
-
-    async def cancel_all(self) -> int:
-        ids = [rid for rid, event in self._cancelled.items() if not event.is_set()]
-        await asyncio.gather(*(self.cancel(rid) for rid in ids))
-        return len(ids)
-
-    async def policy_changed(self) -> int:
-        """A new policy is active (published adapter or updated weights): cancel the rollouts in flight it
-        leaves more than `max_off_policy_steps` behind. Returns how many were asked to stop."""
-        active = self.policy_version
-        stale = self._guard.stale(active)
-        for request_id, version in stale:
-            self._cancel_reasons.setdefault(request_id, (STALE, self._guard.why(version, active)))
-        await asyncio.gather(*(self.cancel(request_id) for request_id, _ in stale))
-        return len(stale)
-
-    # delivery (the public side of an answer) -------------------------------------------------------
-    def _on_policy_stamped(self, request: RolloutRequest) -> None:
-        """The rollout's start version is known: track it, or stop it now if it is already too old."""
-        version, active = request.policy_version or 0, self.policy_version
-        self._guard.started(request.request_id, version)
-        if self._guard.too_old(version, active):
-            self._cancel_reasons.setdefault(request.request_id, (STALE, self._guard.why(version, active)))
-            self._cancelled[request.request_id].set()  # not on a worker yet: answered before dispatch
-
-    def _deliver(self, result: Result) -> None:
-        """Stamp what only the plane knows (the end version, why it cancelled), then route it."""
-        if result.policy_version_start is not None:
-            result.policy_version_end = self.policy_version
-        reason = self._cancel_reasons.pop(result.request_id, None)
-        if reason is not None and result.kind == "cancelled":
-            result.error = Failure(type=reason[0], message=f"rollout was cancelled ({reason[1]})")
-            self.counters[f"cancelled.{reason[0]}"] += 1
-            self._guard.cancelled += reason[0] == STALE
-        self._guard.finished(result.request_id, result.versions_behind)
+    def answer_refusal(self, result: Result) -> None:
+        """Deliver the `caller` result of a payload refused at submission. It holds no lease: its lease id
+        may be one in flight (submitted twice) or one the caller will submit again once corrected."""
+        self._counters[f"kind.{result.kind}"] += 1
+        log_failure(log, result)
         self._streams.deliver(result)
-
-
-def _cancelled(request: RolloutRequest, why: str) -> Result:
-    return Result.failed(
-        request, "cancelled", Failure(type="Cancelled", message=f"rollout was cancelled ({why})")
-    )
+        self._metrics.answered(result)
 
 
 def _member(raw: dict[str, Any], group_id: str, index: int) -> dict[str, Any]:

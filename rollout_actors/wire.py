@@ -44,6 +44,7 @@ __all__ = [
     "JSON",
     "CallerError",
     "ClientConfig",
+    "Dispatch",
     "Failure",
     "Ref",
     "RendererConfig",
@@ -251,6 +252,53 @@ class RolloutRequest(BaseModel):
         check_json(self.renderer.template_kwargs, "renderer.template_kwargs")
         check_json(self.metadata, "metadata")  # finite numbers, bounded depth: it is copied onto the result
         return self
+
+
+class Dispatch(BaseModel):
+    """One dispatch of a request to a rollout worker: the caller's request as it was submitted, and what
+    the plane decided for this dispatch beside it (it never rewrites the request). The worker runs
+    `rollout_request()`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    request: RolloutRequest
+    """The caller's request, as the plane validated it."""
+    attempt: int = Field(default=1, ge=1)
+    """Which dispatch of the request this is (re-dispatches keep the lease id)."""
+    endpoint: str | None = None
+    """The inference base URL the plane routed it to, for all its turns; None: `request.client.base_url`."""
+    model: str | None = None
+    """The served model name of the policy it samples from (a published adapter); None: the request's."""
+    policy_version: int = 0
+    """The policy version the rollout starts under."""
+    timeout_s: float = Field(gt=0)
+    """What was left of the request's `deadline_s` when the plane dispatched it (a duration: loop clocks
+    differ between processes)."""
+    env_pool: str
+    """The actor name of the serving env pool incarnation (`pool_lookup.PoolRoute`)."""
+    renderer_pool: str | None = None
+    """The actor name of the serving renderer pool incarnation; None for a chat-mode rollout."""
+
+    def rollout_request(self) -> RolloutRequest:
+        """The request as this dispatch runs it: the plane's endpoint, model, policy and time left."""
+        request = self.request
+        client = request.client
+        if self.endpoint is not None or self.model is not None:
+            client = client.model_copy(
+                update={"base_url": self.endpoint or client.base_url, "model": self.model or client.model}
+            )
+        renderer = request.renderer
+        if self.model is not None and renderer.tokenizer is None:
+            # An adapter does not change the vocabulary: the renderer keeps the base model's tokenizer.
+            renderer = renderer.model_copy(update={"tokenizer": request.client.model})
+        return request.model_copy(
+            update={
+                "client": client,
+                "renderer": renderer,
+                "policy_version": self.policy_version,
+                "deadline_s": self.timeout_s,
+            }
+        )
 
 
 # ------------------------------------------------------------------------------------------- Result

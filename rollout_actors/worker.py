@@ -31,7 +31,7 @@ from rollout_actors.loop_watch import HEARTBEAT_S, LoopWatch
 from rollout_actors.metrics import LOOP_STALL
 from rollout_actors.pool_lookup import PoolLookup, PoolLookupFailed, PoolRoute
 from rollout_actors.rollout import LoopLimits, run_rollout
-from rollout_actors.wire import Failure, Result, RolloutRequest
+from rollout_actors.wire import Dispatch, Failure, Result
 
 MAX_ROLLOUTS_PER_WORKER = 100_000  # Ray's async-actor concurrency cap; the plane's lanes bound it for real
 PROBE_GROUP = "probe"
@@ -59,19 +59,21 @@ class RolloutWorker:
         settle_actor()
 
     # Remote API ----------------------------------------------------------------------------------
-    async def run(self, request_json: bytes, env_pool: str, renderer_pool: str | None = None) -> str:
-        """Run one rollout against the pool incarnations the plane named for this dispatch, by actor name
-        (it supervises the pools and names only serving ones; see `pool_lookup.py`).
+    async def run(self, dispatch_json: bytes) -> str:
+        """Run one dispatch of a rollout (`wire.Dispatch`: the caller's request and what the plane decided
+        for it) against the pool incarnations it names, by actor name (the plane supervises the pools and
+        names only serving ones; see `pool_lookup.py`).
 
-        The request comes as its JSON and the result goes back as its JSON: work is data (contract 1),
+        The dispatch comes as its JSON and the result goes back as its JSON: work is data (contract 1),
         and a pydantic model crosses Ray pickled class by class, which cost the plane's driver about a
         quarter of its CPU in a wave of 2,048 rollouts (see `kernel.EXACT_JSON`)."""
-        request = RolloutRequest.model_validate_json(request_json)
+        dispatch = Dispatch.model_validate_json(dispatch_json)
+        request = dispatch.rollout_request()
         task = asyncio.current_task()
         assert task is not None
         self._running[request.request_id] = task
         try:
-            pools = await self._pools.resolve(PoolRoute.from_wire(env_pool, renderer_pool))
+            pools = await self._pools.resolve(PoolRoute.from_wire(dispatch.env_pool, dispatch.renderer_pool))
             result = await run_rollout(request, pools, self._limits, policy=self)
         except PoolLookupFailed as exc:  # lost after the plane named it: a lost part, re-dispatched
             result = Result.failed(request, exc.kind, exc.failure)
