@@ -133,7 +133,7 @@ def unstarted() -> RolloutPlane:
 @given(payload_and_field=BROKEN)
 def test_every_broken_payload_is_a_caller_result_naming_its_field(unstarted, payload_and_field):
     payload, field = payload_and_field
-    checked = unstarted._check(payload)
+    checked = unstarted._intake._check(payload)
     assert isinstance(checked, Result), f"accepted: {field}"
     assert checked.kind == "caller"
     assert names(checked, field), (field, checked.error.message)
@@ -144,7 +144,7 @@ def test_every_broken_payload_is_a_caller_result_naming_its_field(unstarted, pay
 @settings(max_examples=100, deadline=None)
 @given(payload=st.one_of(st.none(), st.integers(), st.text(), st.lists(st.integers()), st.binary(), NOT_JSON))
 def test_a_payload_that_is_not_a_mapping_is_a_caller_result(unstarted, payload):
-    checked = unstarted._check(payload)
+    checked = unstarted._intake._check(payload)
     assert isinstance(checked, Result) and checked.kind == "caller"
 
 

@@ -4,6 +4,7 @@ once, a rollout whose env server or renderer was lost is re-dispatched under its
 
 from __future__ import annotations
 
+import copy
 import os
 import signal
 
@@ -182,7 +183,8 @@ async def _only_renderer_pid(pool) -> int:
 
 def _lose_three_of_four(standin, n: int, **config):
     """`n` rollouts in flight over four workers; three are killed at once (a node's worth). Returns the
-    results, the survivor's slot and the plane's stats."""
+    results, the survivor's slot as it was when the last result came (before the plane's close retired
+    it) and the plane's stats."""
 
     async def scenario():
         async with plane(workers=4, lanes={"train": n, "eval": 1}, hang_timeout_s=5.0, **config) as p:
@@ -193,7 +195,7 @@ def _lose_three_of_four(standin, n: int, **config):
             for victim in victims:
                 ray.kill(victim.handle, no_restart=True)
             results = await results_of(p, n)
-            return results, survivor, p.stats()
+            return results, copy.copy(survivor), p.stats()
 
     return run(scenario())
 
