@@ -261,7 +261,7 @@ def test_a_killed_renderer_is_a_lost_part_naming_its_call_and_a_new_session_gets
         stats = await pool.stats.remote()
         assert stats.replaced >= 1 and stats.leases == 0
 
-    run(scenario(), timeout=150)
+    run(scenario(), 150)
 
 
 def test_startup_failure_reaches_the_caller_within_seconds_with_the_renderer_traceback(make_pool):
@@ -344,7 +344,7 @@ def test_a_killed_renderer_is_not_replaced_once_its_keys_restart_budget_is_spent
         assert stats.spawned == 2 and stats.replaced == 1 and stats.budget_denials >= 1
         assert stats.keys[key_json()].restarts_left == 0
 
-    run(scenario(), timeout=120)
+    run(scenario(), 120)
 
 
 def test_a_renderer_killed_while_it_starts_is_replaced_not_held_as_a_startup_failure(make_pool):
