@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import json
 import threading
 from collections.abc import Coroutine
 from types import ModuleType
@@ -87,3 +88,28 @@ class FrameworkLoop:
         except asyncio.CancelledError:
             future.cancel()
             raise
+
+
+def arguments_text(arguments: Any) -> str:
+    """A sampled tool call's arguments as the JSON text verifiers records."""
+    return arguments if isinstance(arguments, str) else json.dumps(arguments or {})
+
+
+def sampled_tool_calls(vf: Any, message: dict[str, Any]) -> list[Any]:
+    """The plane's sampled tool calls (OpenAI shape) as verifiers' `ToolCall`s (same in 0.3 and 0.4)."""
+    return [
+        vf.ToolCall(
+            id=call.get("id") or f"call_{i}",
+            name=call["function"]["name"],
+            arguments=arguments_text(call["function"].get("arguments")),
+        )
+        for i, call in enumerate(message.get("tool_calls") or [])
+    ]
+
+
+def openai_tool_calls(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """verifiers' flat tool calls (`id`, `name`, `arguments`) nested under `function`, as OpenAI's."""
+    return [
+        {"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
+        for c in calls
+    ]

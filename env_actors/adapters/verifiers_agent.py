@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from env_actors.adapters import FrameworkLoop, PackageGate, import_framework
-from env_actors.adapters.verifiers_v1 import check_plugged, plugin_module
+from env_actors.adapters.verifiers_v1 import bounded_tasks, check_plugged, plugin_module, task_of
 from env_actors.agent import AgentEndpoint, AgentEnvironment, AgentFailed
 from env_actors.interface import Reset, ScoreOut, check_index
 from rollout_actors.kernel import CallerError, check_json
@@ -101,11 +101,7 @@ class VerifiersV1AgentEnv(AgentEnvironment):
         )
         self._env = vf.load_environment(config)
         taskset = self._env.taskset
-        if self._limit is not None:
-            taskset = taskset.take(self._limit)
-        elif not taskset.bounded:
-            raise CallerError(f"{self._taskset_id} is infinite: give the adapter a `limit`")
-        self._tasks = list(taskset)
+        taskset, self._tasks = bounded_tasks(taskset, self._limit, self._taskset_id)
         self._rows = [task.data.model_dump(mode="json", exclude_none=True) for task in self._tasks]
         check_json(self._rows, "tasks")
         self._loop = FrameworkLoop(f"verifiers-agent-{self._taskset_id}")
@@ -120,15 +116,12 @@ class VerifiersV1AgentEnv(AgentEnvironment):
         return self._rows[check_index(index, len(self._rows))]
 
     async def reset(self, task: dict[str, Any]) -> Reset:
-        template = self._tasks[0]
-        try:
-            data = type(template).data_type().model_validate(task)
-        except Exception as exc:  # pydantic's ValidationError: the request's task is not this taskset's
-            raise CallerError(f"not a task of {self._taskset_id}: {exc}") from exc
+        run = task_of(self._tasks, task, self._taskset_id)
+        data = run.data
         opening = [{"role": "system", "content": data.system_prompt}] if data.system_prompt else []
         if isinstance(data.prompt, str):
             opening.append({"role": "user", "content": data.prompt})
-        return Reset(messages=opening, state=_Run(type(template)(data, template.config)))
+        return Reset(messages=opening, state=_Run(run))
 
     async def run_agent(self, state: _Run, endpoint: AgentEndpoint) -> None:
         assert self._loop is not None

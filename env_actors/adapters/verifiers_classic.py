@@ -30,7 +30,6 @@ from __future__ import annotations
 import contextvars
 import functools
 import inspect
-import json
 import signal
 import threading
 import time
@@ -38,7 +37,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from env_actors.adapters import FrameworkLoop, PackageGate, import_framework
+from env_actors.adapters import (
+    FrameworkLoop,
+    PackageGate,
+    import_framework,
+    openai_tool_calls,
+    sampled_tool_calls,
+)
 from env_actors.interface import Environment, Message, Reset, ScoreOut, StepOut, check_index
 from rollout_actors.kernel import CallerError, check_json
 
@@ -251,14 +256,7 @@ def _surfacing(func: Callable[..., Any]) -> Callable[..., Any]:
 
 def _response(vf: Any, message: Message) -> Any:
     """The plane's sampled turn as the model response verifiers records."""
-    calls = [
-        vf.ToolCall(
-            id=call.get("id") or f"call_{i}",
-            name=call["function"]["name"],
-            arguments=_arguments_text(call["function"].get("arguments")),
-        )
-        for i, call in enumerate(message.get("tool_calls") or [])
-    ]
+    calls = sampled_tool_calls(vf, message)
     reply = vf.ResponseMessage(
         content=message.get("content"),
         reasoning_content=message.get("reasoning_content"),
@@ -269,10 +267,6 @@ def _response(vf: Any, message: Message) -> Any:
     return vf.Response(id="plane-turn", created=int(time.time()), model="policy", message=reply)
 
 
-def _arguments_text(arguments: Any) -> str:
-    return arguments if isinstance(arguments, str) else json.dumps(arguments or {})
-
-
 def _wire(message: Any) -> Message:
     """A verifiers message as an OpenAI chat message (tool calls nested under `function`)."""
     data = message.model_dump(exclude_none=True) if hasattr(message, "model_dump") else dict(message)
@@ -280,10 +274,7 @@ def _wire(message: Any) -> Message:
         data["role"] = "user"
     calls = data.pop("tool_calls", None)
     if calls:
-        data["tool_calls"] = [
-            {"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
-            for c in calls
-        ]
+        data["tool_calls"] = openai_tool_calls(calls)
     data.pop("thinking_blocks", None)
     return _plain(data)
 

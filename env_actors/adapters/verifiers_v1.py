@@ -34,7 +34,13 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from env_actors.adapters import FrameworkLoop, PackageGate, import_framework
+from env_actors.adapters import (
+    FrameworkLoop,
+    PackageGate,
+    import_framework,
+    openai_tool_calls,
+    sampled_tool_calls,
+)
 from env_actors.interface import Environment, Message, Reset, ScoreOut, StepOut, check_index
 from rollout_actors.kernel import CallerError, check_json
 
@@ -104,11 +110,7 @@ class VerifiersV1Env(Environment):
         config_type = loaders.taskset_config_type(self._taskset_id)
         config = config_type.model_validate({**self._taskset_config, "id": self._taskset_id})
         taskset = loaders.load_taskset(config)
-        if self._limit is not None:
-            taskset = taskset.take(self._limit)
-        elif not taskset.bounded:
-            raise CallerError(f"{self._taskset_id} is infinite: give the adapter a `limit`")
-        self._tasks = list(taskset)
+        taskset, self._tasks = bounded_tasks(taskset, self._limit, self._taskset_id)
         if not self._tasks:
             raise CallerError(f"{self._taskset_id} loaded no tasks")
         self._refuse_needs(taskset, config)
@@ -126,12 +128,7 @@ class VerifiersV1Env(Environment):
         return self._rows[check_index(index, len(self._rows))]
 
     async def reset(self, task: dict[str, Any]) -> Reset:
-        template = self._tasks[0]
-        try:
-            data = type(template).data_type().model_validate(task)
-        except Exception as exc:  # pydantic's ValidationError: the request's task is not this taskset's
-            raise CallerError(f"not a task of {self._taskset_id}: {exc}") from exc
-        return await self._framework(self._reset(type(template)(data, template.config)))
+        return await self._framework(self._reset(task_of(self._tasks, task, self._taskset_id)))
 
     async def step(self, state: _Episode, assistant_message: Message) -> StepOut:
         return await self._framework(self._step(state, assistant_message))
@@ -259,6 +256,25 @@ class VerifiersV1Env(Environment):
         )
 
 
+def bounded_tasks(taskset: Any, limit: int | None, taskset_id: str) -> tuple[Any, list[Any]]:
+    """The taskset cut to `limit`, and its tasks: an infinite taskset needs a limit."""
+    if limit is not None:
+        taskset = taskset.take(limit)
+    elif not taskset.bounded:
+        raise CallerError(f"{taskset_id} is infinite: give the adapter a `limit`")
+    return taskset, list(taskset)
+
+
+def task_of(tasks: list[Any], task: dict[str, Any], taskset_id: str) -> Any:
+    """A request's task row as a task of the taskset (`tasks`, as loaded), or a `CallerError`."""
+    template = tasks[0]
+    try:
+        data = type(template).data_type().model_validate(task)
+    except Exception as exc:  # pydantic's ValidationError: the request's task is not this taskset's
+        raise CallerError(f"not a task of {taskset_id}: {exc}") from exc
+    return type(template)(data, template.config)
+
+
 def check_plugged(gate: PackageGate, taskset_config: dict[str, Any]) -> None:
     """Functions a config plugs in are imported by verifiers: they pass the same gate as the taskset."""
     task = taskset_config.get("task") or {}
@@ -313,14 +329,7 @@ def _unknown_tool(call: Any) -> dict[str, Any]:
 
 def _response(vf: Any, message: Message) -> Any:
     """The plane's sampled turn as the model response verifiers records."""
-    calls = [
-        vf.ToolCall(
-            id=call.get("id") or f"call_{i}",
-            name=call["function"]["name"],
-            arguments=_arguments_text(call["function"].get("arguments")),
-        )
-        for i, call in enumerate(message.get("tool_calls") or [])
-    ]
+    calls = sampled_tool_calls(vf, message)
     reply = vf.AssistantMessage(
         content=message.get("content"),
         reasoning_content=message.get("reasoning_content"),
@@ -332,18 +341,11 @@ def _response(vf: Any, message: Message) -> Any:
     )
 
 
-def _arguments_text(arguments: Any) -> str:
-    return arguments if isinstance(arguments, str) else json.dumps(arguments or {})
-
-
 def _wire(message: Any) -> Message:
     """A verifiers message as an OpenAI chat message (tool calls nested under `function`)."""
     data = message.model_dump(mode="json", exclude_none=True)
     calls = data.pop("tool_calls", None)
     if calls:
-        data["tool_calls"] = [
-            {"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
-            for c in calls
-        ]
+        data["tool_calls"] = openai_tool_calls(calls)
     data.pop("provider_state", None)
     return data
