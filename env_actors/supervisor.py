@@ -33,7 +33,6 @@ from env_actors.sessions import OpenSessions
 from rollout_actors.kernel import Failure, Ref
 from rollout_actors.kernel.faults import CallerError, exit_detail, ray_loss, runtime_env_failed
 from rollout_actors.kernel.metric import Metric
-from rollout_actors.kernel.supervision import Health
 from rollout_actors.kernel.supervisor import Child, ChildKind, RetireCause
 from rollout_actors.kernel.supervisor import Supervisor as KernelSupervisor
 
@@ -54,6 +53,13 @@ ENV_RESTARTS_USED = Metric(
 DIAGNOSE_TIMEOUT_S = 0.5  # one probe to say why a server missed its readiness deadline
 
 __all__ = ["ServerSlot", "Supervisor", "exit_detail", "resolve"]
+
+
+def _read_blocker(slot: ServerSlot, sent: int, answer: asyncio.Future[EnvServerHealth]) -> None:
+    if answer.cancelled() or answer.exception() is not None or sent < slot.answered:
+        return
+    if slot.state == "ready":  # a retired server's blocker was read at its retirement
+        slot.answered, slot.blocking = sent, answer.result().blocking
 
 
 async def resolve(ref: Any) -> Any:
@@ -78,8 +84,12 @@ class ServerSlot(Child):
     node_id: str | None = None
     idle_since: float = 0.0
     blocking: str | None = None
-    """The session whose env call held its loop at its last answer (the one that wedged it, if it was);
-    None once an answer shows the loop running, or names no call."""
+    """The session whose env call held its loop at the newest-sent probe answered (the one that wedged
+    it, if it was), late answers included; None once an answer shows the loop running, or names no call."""
+    probes_sent: int = 0
+    answered: int = 0
+    """The newest probe (by `probes_sent`) whose answer set `blocking`: an older answer arriving late
+    does not overwrite a newer one."""
     unreachable_at: float | None = None
     """When a session last found it unreachable; it takes no new session until it shows life after that."""
 
@@ -243,10 +253,15 @@ class Supervisor(KernelSupervisor[ServerSlot], ChildKind[ServerSlot]):
             "(a hanging constructor or load()?)"
         )
 
-    def on_health(self, slot: ServerSlot, health: Health) -> None:
-        # An answer names a call only while the loop is stalled past `BLOCKING_AFTER_S`: kept through
-        # the stall (later probes may go unanswered), forgotten with the next answer once the loop runs.
-        slot.blocking = health.blocking if isinstance(health, EnvServerHealth) else None
+    async def probe(self, slot: ServerSlot) -> EnvServerHealth:
+        # The supervisor stops waiting at `probe_timeout_s`; the answer is still read when it comes (on a
+        # loaded machine a probe may take longer than that, and a late answer still names the call that
+        # blocks the loop). An answer names a call only while the loop is stalled past
+        # `BLOCKING_AFTER_S`: kept through the stall, forgotten with a newer answer once the loop runs.
+        slot.probes_sent += 1
+        answer = asyncio.ensure_future(resolve(slot.handle.health.remote()))
+        answer.add_done_callback(lambda done, sent=slot.probes_sent: _read_blocker(slot, sent, done))
+        return await asyncio.shield(answer)
 
     def wants_last_probe(self, slot: ServerSlot) -> bool:
         # Under load no answer may have come since the stall grew long enough to name its call: one more
