@@ -322,6 +322,9 @@ def print_table(rows: list[Row]) -> None:
 
 
 def main() -> int:
+    if {"-h", "--help"} & set(sys.argv[1:]):
+        print(__doc__)
+        return 0
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False, configure_logging=False)
     else:  # a private Ray: a plain `ray.init()` joins whatever cluster someone's `ray start` left running
