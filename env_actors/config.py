@@ -74,7 +74,8 @@ class EnvPoolConfig(BaseModel):
     probe_interval_s: float = Field(default=0.5, gt=0)
     probe_timeout_s: float = Field(default=2.0, gt=0)
     restart: RestartIntensity = ENV_RESTARTS
-    """Replacements and growth spawns share it; the initial `min_workers` do not spend it."""
+    """Replacements and growth spawns share it; the initial `min_workers` do not spend it, nor does the
+    replacement of a server wedged by a known request's call (`EnvPoolStats.culprit_replacements`)."""
     session_idle_timeout_s: float = Field(default=3600.0, gt=0)
     """A session untouched this long is closed by the pool (its owner is presumed gone)."""
     allowed_ref_prefixes: tuple[str, ...] | None = None
@@ -160,6 +161,9 @@ class EnvPoolStats(BaseModel):
     restarts_left: int
     budget_denials: int
     """Spawns wanted (replacement or growth) but refused because the restart budget was spent."""
+    culprit_replacements: int = 0
+    """Servers wedged by a known session's call and replaced outside the restart budget: the request that
+    wedged each is charged instead (its poison bound limits what it costs)."""
     spawning_stopped: str | None = None
     """Set when the pool gave up spawning (a crash loop); why."""
     retired: list[str] = Field(default_factory=list)

@@ -68,7 +68,6 @@ class EnvPool:
         self._retired: OrderedDict[str, tuple[str, str, str | None]] = OrderedDict()
         """Retired worker -> (why, how: `died` or `wedged`, the session whose call wedged it), for the
         sessions that find it gone."""
-        """Worker name -> why it was retired, for sessions whose direct call found it dead."""
         self._lost_owners: OrderedDict[str, None] = OrderedDict()
         self._supervisor = Supervisor(name, env, config, self._sessions, self._on_retire)
         self._started = False
@@ -194,6 +193,7 @@ class EnvPool:
             deaths=sup.deaths,
             restarts_left=sup.budget.remaining(),
             budget_denials=sup.budget_denials,
+            culprit_replacements=sup.spawned_for["blamed"],
             spawning_stopped=sup.stopped,
             retired=list(sup.retired_log),
         )

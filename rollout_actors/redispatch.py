@@ -12,9 +12,14 @@ is re-dispatched under its lease; a collateral loss (the part named another requ
 not spend the request's `max_dispatches` (it has its own bound). Two losses of one of `poison_parts` the same way at the same point
 (`Loss.point`: part, how, call, step), neither of them collateral (`Loss.culprit` False: the part named
 another request's call as the one that wedged it), mean the failure follows the request: it is a
-poison request, answered at once, so one bad task cannot spend a pool's restart budget. A lost rollout
-worker is never poison: a worker carries many rollouts, and the loss of a node or a killed worker strikes
-them all at once.
+poison request, answered at once. This bound is what one bad task may cost: an env server wedged by a
+known request's call is replaced outside the pool's restart budget (`env_actors.supervisor`), so the
+budget is left for losses nobody can be blamed for. A loss whose culprit is unknown (None: a death, a
+process that answered no probe) counts toward poison like the request's own: two such losses at one
+point are the evidence contract 5 names, and a healthy request meets them only if two servers are lost
+under it at the same call of the same step with nothing to tell who did it. A lost rollout worker is
+never poison: a worker carries many rollouts, and the loss of a node or a killed worker strikes them all
+at once.
 """
 
 from __future__ import annotations
