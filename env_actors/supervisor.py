@@ -275,6 +275,9 @@ class Supervisor(KernelSupervisor[ServerSlot], ChildKind[ServerSlot]):
         slot.idle_since = time.monotonic()
 
     def on_retired(self, slot: ServerSlot, reason: str, cause: RetireCause) -> None:
+        if cause == "wedged" and slot.blocking is None:
+            # No answer named the call, but a server holding one session can only have been wedged by it.
+            slot.blocking = self.sessions.only_one_on(slot.name)
         self._on_retire(slot, reason)
 
     def tick(self, now: float) -> None:

@@ -61,8 +61,8 @@ def test_ray_errors_maps_deaths_and_unreachable_actors_and_nothing_else():
     assert ray_loss(task_error) is None
 
 
-def loss(part="env server", how="wedged", call="step", step=1) -> Loss:
-    return Loss(part=part, how=how, call=call, step=step)
+def loss(part="env server", how="wedged", call="step", step=1, culprit=True) -> Loss:
+    return Loss(part=part, how=how, call=call, step=step, culprit=culprit)
 
 
 def test_the_same_loss_at_the_same_point_twice_is_poison_and_says_its_chain():
@@ -96,6 +96,20 @@ def test_collateral_losses_never_make_poison_and_do_not_spend_the_dispatch_budge
     assert rule.decide([collateral, loss(), collateral, loss()]) == "poison"  # its own two, collateral aside
     assert rule.decide([collateral, loss(step=1), loss(step=2)]) == "redispatch"
     assert rule.most_dispatches == 5
+
+
+def test_a_loss_nobody_was_blamed_for_is_poison_evidence_only_where_no_part_could_have_named_it():
+    """Unknown culprit (None): a death or a renderer's wedge still counts (nothing could name the call);
+    an env server's wedge does not (its probes name the call that wedges it, so naming nobody means its
+    answers were lost under load); an unreachable node never does. Each still spends a dispatch."""
+    rule = RedispatchRule(max_dispatches=3)
+    unnamed = loss(culprit=None)
+    assert rule.decide([unnamed, unnamed]) == "redispatch"
+    assert rule.decide([unnamed, unnamed, unnamed]) == "spent"  # not collateral: its dispatches spent
+    assert rule.decide([unnamed, loss(), loss()]) == "poison"  # its own two, the unnamed one aside
+    assert rule.decide([loss(how="died", culprit=None)] * 2) == "poison"  # it kills its server each time
+    assert rule.decide([loss("renderer", "wedged", "bridge", 2, None)] * 2) == "poison"
+    assert rule.decide([loss(how="unreachable", culprit=None)] * 2) == "redispatch"
 
 
 def test_the_rule_is_declared_data_that_refuses_unknown_keys():
