@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from rollout_actors.kernel.renamed import renamed_fields
 from rollout_actors.kernel.supervision import Health, RestartIntensity, Supervision
 
 ENV_RESTARTS = RestartIntensity(max_restarts=3, window_s=60.0)
@@ -64,7 +65,7 @@ class EnvPoolConfig(BaseModel):
     step_timeout_s: float = Field(default=120.0, gt=0)
     score_timeout_s: float = Field(default=60.0, gt=0)
     close_timeout_s: float = Field(default=10.0, gt=0)
-    spawn_timeout_s: float = Field(default=300.0, gt=0)
+    ready_timeout_s: float = Field(default=300.0, gt=0)
     """Readiness deadline of a worker spawned while serving (load included); then it is killed."""
 
     hang_timeout_s: float = Field(default=30.0, gt=0)
@@ -91,11 +92,13 @@ class EnvPoolConfig(BaseModel):
         """The supervision setting of this pool's servers, as the kernel's supervisor reads it."""
         return Supervision(
             restart=self.restart,
-            ready_timeout_s=self.spawn_timeout_s,
+            ready_timeout_s=self.ready_timeout_s,
             probe_interval_s=self.probe_interval_s,
             probe_timeout_s=self.probe_timeout_s,
             hang_timeout_s=self.hang_timeout_s,
         )
+
+    _renamed = model_validator(mode="before")(renamed_fields({"spawn_timeout_s": "ready_timeout_s"}))
 
     @model_validator(mode="after")
     def _sizes(self) -> EnvPoolConfig:

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from rollout_actors.kernel import Ref
+from rollout_actors.kernel.renamed import renamed_fields
 from rollout_actors.kernel.supervision import RestartIntensity, Supervision
 
 ThinkingRetention = Literal["tool_cycle", "all"]
@@ -73,10 +74,12 @@ class RendererPoolConfig(BaseModel):
     idle_timeout_s: float = 300.0
     """An idle renderer beyond the first of its key retires after this long without leases."""
     reap_interval_s: float = 5.0
-    health_interval_s: float = 10.0
-    health_timeout_s: float = 30.0
-    """A renderer that cannot answer a health call this long is wedged: replaced like a dead one."""
-    startup_timeout_s: float = 300.0
+    probe_interval_s: float = 10.0
+    """How often each ready renderer is asked for `health`."""
+    hang_timeout_s: float = 30.0
+    """A renderer that cannot answer a health call this long is wedged: replaced like a dead one (also
+    how long one probe may go unanswered)."""
+    ready_timeout_s: float = 300.0
     """Tokenizer load budget (a hub download on first use can take minutes)."""
     failure_hold_s: float = 10.0
     """After a startup failure, leases for that key fail at once for this long."""
@@ -91,15 +94,25 @@ class RendererPoolConfig(BaseModel):
     """Modules a custom renderer Ref may name (the renderer side's allowlist, fixed for the pool's life;
     requests cannot widen it)."""
 
+    _renamed = model_validator(mode="before")(
+        renamed_fields(
+            {
+                "health_interval_s": "probe_interval_s",
+                "health_timeout_s": "hang_timeout_s",
+                "startup_timeout_s": "ready_timeout_s",
+            }
+        )
+    )
+
     @property
     def supervision(self) -> Supervision:
         """The supervision setting of each key's renderers, as the kernel's supervisor reads it."""
         return Supervision(
             restart=self.restart,
-            ready_timeout_s=self.startup_timeout_s,
-            probe_interval_s=self.health_interval_s,
-            probe_timeout_s=self.health_timeout_s,
-            hang_timeout_s=self.health_timeout_s,
+            ready_timeout_s=self.ready_timeout_s,
+            probe_interval_s=self.probe_interval_s,
+            probe_timeout_s=self.hang_timeout_s,
+            hang_timeout_s=self.hang_timeout_s,
         )
 
 

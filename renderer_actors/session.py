@@ -312,7 +312,7 @@ class RendererSession:
             _cancel(call)
             if method == "ready":
                 # Still loading when the call's time ran out: alive, and nothing of this request's doing
-                # (a load that hangs or fails is the pool's to end: `startup_timeout_s`). Re-dispatched,
+                # (a load that hangs or fails is the pool's to end: `ready_timeout_s`). Re-dispatched,
                 # never counted as poison evidence (`culprit` False), within its own bound.
                 lost = Loss(part=part, how="wedged", call=method, step=self.step, name=name, culprit=False)
                 raise PartLost(f"{what}: still loading when the call's time ran out", lost=lost) from None

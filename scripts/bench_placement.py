@@ -197,9 +197,9 @@ async def main(args: argparse.Namespace) -> None:
     options = StandinOptions(kv_cache_tokens=args.kv_tokens, prefill_token_latency_s=args.prefill)
     unbounded = StandinOptions(kv_cache_tokens=args.kv_tokens * 64, prefill_token_latency_s=args.prefill)
     launched = [
-        StandinServer(options, startup_timeout_s=STARTUP_S).start(wait=False) for _ in range(args.servers)
+        StandinServer(options, ready_timeout_s=STARTUP_S).start(wait=False) for _ in range(args.servers)
     ]
-    launched.append(StandinServer(unbounded, startup_timeout_s=STARTUP_S).start(wait=False))
+    launched.append(StandinServer(unbounded, ready_timeout_s=STARTUP_S).start(wait=False))
     try:
         for server in launched:
             server.wait_ready()

@@ -445,7 +445,7 @@ def report(
 
 async def main_async(args: argparse.Namespace, cluster: Cluster) -> None:
     spec = ServerSpec(kind="standin", model=BUNDLED_MODEL, num_cpus=0.5, standin={"latency_s": args.latency})
-    servers = InferenceServerSet(spec, replicas=2, watch_period=2.0)
+    servers = InferenceServerSet(spec, replicas=2, probe_interval_s=2.0)
     began = time.monotonic()
     await servers.start()
     add_worker_nodes(cluster)

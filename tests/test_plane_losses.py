@@ -152,7 +152,7 @@ def test_a_rollout_whose_renderer_stays_unavailable_is_redispatched(ray_session,
     re-dispatched, and once the frozen renderer is gone the second attempt ends `ok`."""
 
     async def scenario():
-        renderer_pool = {"health_interval_s": 600.0}  # the pool does not notice on its own in this test
+        renderer_pool = {"probe_interval_s": 600.0}  # the pool does not notice on its own in this test
         async with plane(workers=1, call_timeout_s=3.0, renderer_pool=renderer_pool) as p:
             # Warm the renderer first, so the frozen one is the only one and is known to be ready.
             await p.submit(request(standin, 0))

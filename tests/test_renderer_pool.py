@@ -20,7 +20,7 @@ from rollout_actors.kernel import Loss
 from rollout_actors.kernel.faults import PartLost, Unavailable
 from rollout_actors.wire import RendererConfig
 
-FAST = {"idle_timeout_s": 600.0, "reap_interval_s": 0.2, "health_interval_s": 0.5, "health_timeout_s": 10.0}
+FAST = {"idle_timeout_s": 600.0, "reap_interval_s": 0.2, "probe_interval_s": 0.5, "hang_timeout_s": 10.0}
 IM_END = 151645
 
 

@@ -150,7 +150,7 @@ def test_max_lora_rank_must_be_one_vllm_accepts():
     with pytest.raises(ValueError, match="max_lora_rank"):
         ServerSpec(model="m", max_lora_rank=48)
     with pytest.raises(StandinStartupError) as info:
-        StandinServer(StandinOptions(enable_lora=True, max_lora_rank=48), startup_timeout_s=30).start()
+        StandinServer(StandinOptions(enable_lora=True, max_lora_rank=48), ready_timeout_s=30).start()
     assert "--max-lora-rank" in info.value.log_tail
 
 
@@ -301,7 +301,7 @@ def test_readiness_and_publication_send_the_key_which_never_reaches_a_command_li
         kind="standin",
         model=BUNDLED_MODEL,
         host="127.0.0.1",
-        startup_timeout_s=60,
+        ready_timeout_s=60,
         num_cpus=0,
         api_key_var=KEY_VAR,
     )
@@ -576,9 +576,7 @@ def test_a_replacement_server_joins_the_weight_transfer_before_it_takes_a_full_u
     from rollout_actors.inference.weights import TransferJoin
     from rollout_actors.kernel.supervision import RestartIntensity
 
-    spec = ServerSpec(
-        kind="standin", model=BUNDLED_MODEL, host="127.0.0.1", startup_timeout_s=180, num_cpus=0
-    )
+    spec = ServerSpec(kind="standin", model=BUNDLED_MODEL, host="127.0.0.1", ready_timeout_s=180, num_cpus=0)
     refused_before_join: dict[str, str] = {}
 
     async def join(url: str) -> TransferJoin:

@@ -30,7 +30,7 @@ from rollout_actors.inference.standin.server import StandinOptions
 
 __all__ = ["StandinOptions", "StandinServer", "StandinStartupError"]
 
-STARTUP_TIMEOUT_S = 120.0  # the first run on a machine builds the tokenizer cache (10-20 s, slower when busy)
+READY_TIMEOUT_S = 120.0  # the first run on a machine builds the tokenizer cache (10-20 s, slower when busy)
 STOP_GRACE_S = 5.0  # SIGTERM first: uvicorn drains for 2 s; then SIGKILL
 POLL_S = 0.05
 LOG_TAIL_CHARS = 4000
@@ -53,14 +53,14 @@ class StandinServer:
         options: StandinOptions = StandinOptions(),
         *,
         host: str = "127.0.0.1",
-        startup_timeout_s: float = STARTUP_TIMEOUT_S,
+        ready_timeout_s: float = READY_TIMEOUT_S,
         env: dict[str, str] | None = None,
     ) -> None:
         """`env`: added to the server's environment (e.g. `VLLM_API_KEY`, which it reads as vLLM does)."""
         self.options = options
         self.env = dict(env or {})
         self.host = host
-        self.startup_timeout_s = startup_timeout_s
+        self.ready_timeout_s = ready_timeout_s
         self.port: int | None = None
         self._process: subprocess.Popen[bytes] | None = None
         self._workdir: Path | None = None
@@ -109,7 +109,7 @@ class StandinServer:
                 stdin=subprocess.DEVNULL,
                 env=_child_env() | self.env,
             )
-        self._deadline = time.monotonic() + self.startup_timeout_s
+        self._deadline = time.monotonic() + self.ready_timeout_s
         return self.wait_ready() if wait else self
 
     def wait_ready(self) -> StandinServer:
@@ -138,7 +138,7 @@ class StandinServer:
             if self.port is not None and _health_ok(self.url, max(0.1, deadline - time.monotonic())):
                 return
             time.sleep(POLL_S)
-        raise TimeoutError(f"not ready within {self.startup_timeout_s:g} s")
+        raise TimeoutError(f"not ready within {self.ready_timeout_s:g} s")
 
     def session_counts(self) -> dict[str, int]:
         """Requests per `X-Session-ID` this server has seen (which rollouts it served)."""
