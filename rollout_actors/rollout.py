@@ -107,7 +107,7 @@ async def run_rollout(
     answers `cancelled` with the turns it had sampled."""
     started = time.time()
     state = _Trajectory()
-    scope = asyncio.timeout(request.deadline_s)
+    scope = asyncio.timeout(request.timeout_s)
     try:
         async with scope:
             await _run(request, pools, policy, limits, state, scope)
@@ -116,7 +116,7 @@ async def run_rollout(
         if scope.expired():
             kind = "infrastructure"
             error = Failure(
-                type="DeadlineExceeded", message=f"rollout exceeded its deadline of {request.deadline_s:g} s"
+                type="DeadlineExceeded", message=f"rollout exceeded its timeout_s of {request.timeout_s:g} s"
             )
         else:  # a call's own deadline, not the rollout's
             kind, error = classify(exc)
@@ -181,7 +181,7 @@ async def _run(
         final: ScoreOut | None = None
         if request.mode == "agent":  # the environment's agent drives the turns (`rollout_actors.agent`)
             assert isinstance(turns, TokenTurns)
-            left = lambda: _budget(scope, request.deadline_s)  # noqa: E731 - what remains of the rollout's deadline
+            left = lambda: _budget(scope, request.timeout_s)  # noqa: E731 - what remains of the rollout's deadline
             await run_agent_episode(request, env, turns, state.turns, state.messages, left)
         else:
             await turns.open(state.messages, tools)

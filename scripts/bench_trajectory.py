@@ -105,7 +105,7 @@ async def run(
             sampling=SamplingConfig(max_tokens=args.max_tokens),
             renderer=RendererConfig(multiplex=c),
             max_turns=max_turns,
-            deadline_s=3600.0,
+            timeout_s=3600.0,
         )
 
     try:

@@ -167,7 +167,7 @@ def request(args: argparse.Namespace, group: int) -> RolloutRequest:
         client=ClientConfig(model=BUNDLED_MODEL),
         sampling=SamplingConfig(max_tokens=128, seed=args.seed * 100_000 + group * args.group_size),
         mode="token",
-        deadline_s=600.0,
+        timeout_s=600.0,
     )
 
 

@@ -245,7 +245,7 @@ def test_rollout_reward_comes_from_the_finishing_step_or_from_score_when_turns_r
                 sampling=SamplingConfig(max_tokens=16, seed=7),
                 mode="chat",
                 max_turns=max_turns,
-                deadline_s=60,
+                timeout_s=60,
             )
             result = await run_rollout(request, OneEnvPool(spy))
             assert result.kind == "ok", result.error

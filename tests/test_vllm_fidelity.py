@@ -372,7 +372,7 @@ def test_an_abort_the_plane_did_not_ask_for_is_a_model_failure_not_a_finished_tu
         client = build_client(config)
         async with httpx.AsyncClient(base_url=standin.url, timeout=10, trust_env=False) as http:
             call = asyncio.create_task(
-                complete_tokens(client, BUNDLED_MODEL, [1, 2, 3], SamplingConfig(max_tokens=8), deadline_s=30)
+                complete_tokens(client, BUNDLED_MODEL, [1, 2, 3], SamplingConfig(max_tokens=8), timeout_s=30)
             )
             await _until(http, lambda m: m["running"] >= 1)
             assert (await http.post("/pause", params={"mode": "abort"})).status_code == 200
