@@ -107,7 +107,7 @@ class EnvPool:
         self, session_ids: list[str], owner: str | None = None, wait_s: float = 0.0
     ) -> list[EnvResponse]:
         """Place new sessions on the least-busy ready workers without starting them; each value is
-        `{"worker": name, "handle": handle}`. The opener then sends `reset` to the worker itself (batched
+        `{"server_name": name, "handle": handle}`. The opener then sends `reset` to the worker itself (batched
         with that worker's other calls, see `direct.py`), and ends the session with `end_session` if the reset
         fails. A placed session counts toward placement at once. With no ready worker but a replacement
         starting, placement waits for it up to `wait_s`; with none coming it fails at once. `owner`: the
@@ -129,7 +129,7 @@ class EnvPool:
                 answers.append(self._no_live_worker())
                 continue
             self._sessions.add(session_id, slot.name, time.monotonic(), owner)
-            answers.append(EnvResponse.ok({"worker": slot.name, "handle": slot.handle}, slot.name))
+            answers.append(EnvResponse.ok({"server_name": slot.name, "handle": slot.handle}, slot.name))
         return answers
 
     async def close_owned(self, owner: str) -> int:
@@ -184,7 +184,7 @@ class EnvPool:
         sup = self._supervisor
         return EnvPoolStats(
             name=self._name,
-            workers=[w.info(self._sessions.on(w.name)) for w in sup.workers.values()],
+            servers=[w.info(self._sessions.on(w.name)) for w in sup.workers.values()],
             ready=len(sup.ready()),
             starting=len(sup.starting()),
             sessions=len(self._sessions),
@@ -222,12 +222,12 @@ class EnvPool:
             call.cancel()
             if slot.gone.done():
                 reason = slot.gone.result()[0]
-                message = f"env worker {slot.name} was retired during {method}: {reason}"
+                message = f"env server {slot.name} was retired during {method}: {reason}"
                 return EnvResponse.failed(
-                    Failure(type="EnvWorkerLost", message=message), worker=slot.name, worker_exit=reason
+                    Failure(type="EnvServerLost", message=message), server_name=slot.name, server_exit=reason
                 )
-            message = f"{method} got no answer from env worker {slot.name} within its {deadline:g} s deadline"
-            return EnvResponse.failed(Failure(type=DEADLINE_FAILURE, message=message), worker=slot.name)
+            message = f"{method} got no answer from env server {slot.name} within its {deadline:g} s deadline"
+            return EnvResponse.failed(Failure(type=DEADLINE_FAILURE, message=message), server_name=slot.name)
         finally:
             slot.inflight -= 1
 
@@ -239,10 +239,10 @@ class EnvPool:
             detail = exit_detail(exc)
             self._supervisor.retire(slot, f"died: {detail}", "died")
             failure = Failure(
-                type=type(exc).__name__, message=f"env worker {slot.name} died during {method}: {detail}"
+                type=type(exc).__name__, message=f"env server {slot.name} died during {method}: {detail}"
             )
-            return EnvResponse.failed(failure, worker=slot.name, worker_exit=detail)
-        return EnvResponse.failed(Failure.from_exception(exc), worker=slot.name)
+            return EnvResponse.failed(failure, server_name=slot.name, server_exit=detail)
+        return EnvResponse.failed(Failure.from_exception(exc), server_name=slot.name)
 
     def _on_retire(self, slot: ServerSlot, reason: str) -> None:
         wedged = slot.gone.done() and slot.gone.result()[1] == "wedged"
@@ -296,9 +296,9 @@ class EnvPool:
         if sup.stopped:
             detail += f"; spawning stopped: {sup.stopped}"
         message = (
-            f"no live env worker in pool {self._name!r} ({detail}); failing at once rather than queueing"
+            f"no live env server in pool {self._name!r} ({detail}); failing at once rather than queueing"
         )
-        return EnvResponse.failed(Failure(type="NoLiveEnvWorker", message=message))
+        return EnvResponse.failed(Failure(type="NoLiveEnvServer", message=message))
 
     def _closed_response(self) -> EnvResponse:
         return EnvResponse.failed(

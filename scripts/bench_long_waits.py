@@ -110,8 +110,8 @@ async def run_wave(args: argparse.Namespace, c: int) -> Wave:
             workers=args.workers,
             worker_num_cpus=0.5,
             env_pool={
-                "min_workers": env_workers,
-                "max_workers": env_workers,
+                "min_servers": env_workers,
+                "max_servers": env_workers,
                 "multiplex": math.ceil(c / env_workers),
                 "num_cpus": 0.25,
             },

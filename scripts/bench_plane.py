@@ -174,8 +174,8 @@ async def run_plane(args: argparse.Namespace, c: int, server: StandinServer) -> 
             workers=args.workers,
             worker_num_cpus=args.worker_num_cpus,
             env_pool={
-                "min_workers": env_workers,
-                "max_workers": env_workers,
+                "min_servers": env_workers,
+                "max_servers": env_workers,
                 "multiplex": max(64, math.ceil(c / env_workers)),
                 "num_cpus": 0.25,
             },

@@ -90,7 +90,7 @@ async def run(
             allowed_ref_prefixes=("env_actors.faults.",),
             workers=args.workers,
             worker_num_cpus=0.5,
-            env_pool={"min_workers": 2, "max_workers": 2, "multiplex": c, "num_cpus": 0.25},
+            env_pool={"min_servers": 2, "max_servers": 2, "multiplex": c, "num_cpus": 0.25},
             batch_window_s=args.batch_window,
         )
     )

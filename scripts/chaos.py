@@ -151,8 +151,8 @@ def plane_config(args: argparse.Namespace) -> PlaneConfig:
         probe_interval_s=1.0,
         max_dispatches=3,
         env_pool=EnvPoolConfig(
-            min_workers=3,
-            max_workers=6,
+            min_servers=3,
+            max_servers=6,
             num_cpus=0.25,
             hang_timeout_s=args.hang_timeout,
             restart=ENV_RESTARTS,
@@ -214,9 +214,9 @@ async def held(plane: RolloutPlane) -> dict[str, int]:
     """Env sessions (by the pool's count and by its servers') and renderer leases the plane still holds."""
     stats = await ray.get_actor(plane.names.env_pool(CALC)).stats.remote()
     on_servers = 0
-    for worker in stats.workers:
+    for server in stats.servers:
         with contextlib.suppress(Exception):
-            health = await asyncio.wait_for(ray.get_actor(worker.worker).health.remote(), 10)
+            health = await asyncio.wait_for(ray.get_actor(server.name).health.remote(), 10)
             on_servers += health.sessions
     renderer = await ray.get_actor(plane.names.renderer_pool).stats.remote()
     return {
@@ -294,14 +294,12 @@ class Chaos:
 
     async def kill_env_server(self, plane: RolloutPlane) -> str:
         stats = await ray.get_actor(plane.names.env_pool(CALC)).stats.remote()
-        candidates = [w for w in stats.workers if w.state == "ready" and w.pid]
+        candidates = [w for w in stats.servers if w.state == "ready" and w.pid]
         self.rng.shuffle(candidates)
-        for worker in candidates:  # one lost a moment ago (its node) may still be listed
+        for server in candidates:  # one lost a moment ago (its node) may still be listed
             with contextlib.suppress(ProcessLookupError):
-                os.kill(worker.pid, signal.SIGKILL)
-                return (
-                    f"{worker.worker.rsplit('.', 1)[-1]} (pid {worker.pid}) with {worker.sessions} sessions"
-                )
+                os.kill(server.pid, signal.SIGKILL)
+                return f"{server.name.rsplit('.', 1)[-1]} (pid {server.pid}) with {server.sessions} sessions"
         raise RuntimeError("no live env server")
 
     async def kill_renderer(self, plane: RolloutPlane) -> str:

@@ -74,7 +74,7 @@ def short(exc: BaseException) -> str:
 
 
 async def pid_of(pool, worker: str) -> int:
-    return next(w.pid for w in (await pool.stats.remote()).workers if w.worker == worker)
+    return next(w.pid for w in (await pool.stats.remote()).servers if w.name == worker)
 
 
 async def replacement_serving(pool, old_worker: str, since: float) -> float:
@@ -83,7 +83,7 @@ async def replacement_serving(pool, old_worker: str, since: float) -> float:
         try:
             session = await EnvSession.open(pool, task_index=0, timeout=5)
             await session.close()
-            if session.worker != old_worker:
+            if session.server_name != old_worker:
                 return time.monotonic() - since
         except EnvCallFailed:
             pass
@@ -132,7 +132,7 @@ async def killed_worker() -> list[Row]:
         session = await EnvSession.open(pool, task_index=0, timeout=5)
         step = asyncio.ensure_future(session.step(ASSISTANT, timeout=60))
         await asyncio.sleep(0.3)
-        pid = await pid_of(pool, session.worker)
+        pid = await pid_of(pool, session.server_name)
         killed = time.monotonic()
         os.kill(pid, signal.SIGKILL)
         try:
@@ -141,7 +141,7 @@ async def killed_worker() -> list[Row]:
         except EnvCallFailed as exc:
             failed = time.monotonic() - killed
             saw = f"EnvCallFailed({exc.kind}, {exc.failure.type})"
-        replaced = await replacement_serving(pool, session.worker, killed)
+        replaced = await replacement_serving(pool, session.server_name, killed)
         return [
             Row("worker SIGKILLed, call in flight", saw, failed, 0.2),
             Row("  ... replacement", "new session served by a new worker", replaced, 3.0),
@@ -155,7 +155,7 @@ async def wedged_worker() -> list[Row]:
     pid = None
     try:
         session = await EnvSession.open(pool, task_index=0, timeout=5)
-        pid = await pid_of(pool, session.worker)
+        pid = await pid_of(pool, session.server_name)
         step = asyncio.ensure_future(session.step(ASSISTANT, timeout=60))
         await asyncio.sleep(0.3)
         frozen = time.monotonic()
@@ -165,8 +165,8 @@ async def wedged_worker() -> list[Row]:
             return [Row("worker SIGSTOPped, call in flight", "call succeeded?!", None, broken=True)]
         except EnvCallFailed as exc:
             failed = time.monotonic() - frozen
-            saw = f"EnvCallFailed({exc.kind}, {(exc.worker_exit or '')[:40]})"
-        replaced = await replacement_serving(pool, session.worker, frozen)
+            saw = f"EnvCallFailed({exc.kind}, {(exc.server_exit or '')[:40]})"
+        replaced = await replacement_serving(pool, session.server_name, frozen)
         return [
             Row(f"worker SIGSTOPped (hang_timeout_s {HANG_TIMEOUT_S:g} s)", saw, failed, HANG_TIMEOUT_S + 1),
             Row("  ... replacement", "new session served by a new worker", replaced, HANG_TIMEOUT_S + 3),
@@ -190,7 +190,7 @@ async def blocked_loop() -> list[Row]:
             await session.step(ASSISTANT, timeout=60)
             return [Row("env blocks its event loop", "call succeeded?!", None, broken=True)]
         except EnvCallFailed as exc:
-            saw = f"EnvCallFailed({exc.kind}, {(exc.worker_exit or '')[:40]})"
+            saw = f"EnvCallFailed({exc.kind}, {(exc.server_exit or '')[:40]})"
             return [Row("env blocks its event loop", saw, time.monotonic() - started, HANG_TIMEOUT_S + 1)]
     finally:
         await stop_env_pool(pool)
@@ -215,7 +215,7 @@ async def dies_on_every_load() -> list[Row]:
 
 async def budget_spent_under_load() -> list[Row]:
     config = pool_config(
-        max_workers=3,
+        max_servers=3,
         multiplex=2,
         grow_fraction=0.5,
         restart=RestartIntensity(max_restarts=1, window_s=60),
@@ -223,7 +223,7 @@ async def budget_spent_under_load() -> list[Row]:
     )
     pool = await start_env_pool(name(), ref(ECHO), config, 60)
     try:
-        first = (await pool.stats.remote()).workers[0].worker
+        first = (await pool.stats.remote()).servers[0].name
         ray.kill(ray.get_actor(first))
         await replacement_serving(pool, first, time.monotonic())
         sessions = [await EnvSession.open(pool, task_index=i, timeout=5) for i in range(6)]
@@ -240,7 +240,7 @@ async def budget_spent_under_load() -> list[Row]:
 async def spawn_failure_mid_serve() -> list[Row]:
     with tempfile.TemporaryDirectory() as state:
         config = pool_config(
-            min_workers=2, max_workers=2, restart=RestartIntensity(max_restarts=1, window_s=60), **PROBES
+            min_servers=2, max_servers=2, restart=RestartIntensity(max_restarts=1, window_s=60), **PROBES
         )
         env = ref("env_actors.faults.envs:FlakyLoadEnv", state_dir=state, good_loads=2)
         pool = await start_env_pool(name(), env, config, 60)
@@ -248,7 +248,7 @@ async def spawn_failure_mid_serve() -> list[Row]:
             await wait_for(lambda: _ready(pool, 2), 20)
             survivor = await EnvSession.open(pool, task_index=0, timeout=5)
             doomed = next(
-                w.worker for w in (await pool.stats.remote()).workers if w.worker != survivor.worker
+                w.name for w in (await pool.stats.remote()).servers if w.name != survivor.server_name
             )
             killed = time.monotonic()
             ray.kill(ray.get_actor(doomed))
@@ -300,7 +300,7 @@ async def no_live_worker() -> list[Row]:
         name(), ref(ECHO), pool_config(restart=RestartIntensity(max_restarts=0, window_s=60), **PROBES), 60
     )
     try:
-        worker = (await pool.stats.remote()).workers[0].worker
+        worker = (await pool.stats.remote()).servers[0].name
         ray.kill(ray.get_actor(worker))
         await wait_for(lambda: _deaths(pool, 1), 10)
         started = time.monotonic()

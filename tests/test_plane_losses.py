@@ -45,8 +45,8 @@ async def held(p: RolloutPlane, env: Ref) -> dict[str, int]:
     """Env sessions (as the pool and as its servers count them) and renderer leases the plane holds."""
     stats = await ray.get_actor(p.names.env_pool(env)).stats.remote()
     server_sessions = 0
-    for worker in stats.workers:
-        server_sessions += (await ray.get_actor(worker.worker).health.remote()).sessions
+    for server in stats.servers:
+        server_sessions += (await ray.get_actor(server.name).health.remote()).sessions
     renderer = await ray.get_actor(p.names.renderer_pool).stats.remote()
     return {"pool_sessions": stats.sessions, "server_sessions": server_sessions, "leases": renderer.leases}
 
@@ -111,7 +111,7 @@ def test_a_rollout_whose_env_server_died_is_redispatched_under_its_lease(ray_ses
 
             async def sessions_open():
                 stats = await pool.stats.remote()
-                return stats.workers[0] if stats.sessions == 4 else None
+                return stats.servers[0] if stats.sessions == 4 else None
 
             worker = await eventually(sessions_open, timeout=60)
             os.kill(worker.pid, signal.SIGKILL)

@@ -85,8 +85,8 @@ def test_sixteen_poison_rollouts_among_sixty_four_healthy_ones_spend_neither_the
     each server wedged by one of them at a time."""
     env = Ref(target=BLOCKS, config={"blocking_tasks": 16, "num_tasks": 80})
     env_pool = {
-        "min_workers": 4,
-        "max_workers": 8,
+        "min_servers": 4,
+        "max_servers": 8,
         "multiplex": 8,
         "restart": {"max_restarts": 44, "window_s": 600},
     }
