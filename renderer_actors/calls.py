@@ -18,15 +18,20 @@ from rollout_actors.kernel import Failure
 
 
 @dataclass(frozen=True, slots=True)
-class RendererLease:
-    """A slot on one renderer, handed out by the `RendererPool` and given back with `release(lease_id)`."""
+class RendererSlot:
+    """A slot on one renderer, handed out by the `RendererPool` and given back with `release(slot_id)`.
+    (DESIGN.md, "Words": what a rollout holds of a renderer is a slot; a lease is a request's.)"""
 
-    lease_id: str
+    slot_id: str
     renderer: Any
     """The renderer's actor handle: calls go to it directly."""
     renderer_id: str
     ready: bool
-    """It had answered its readiness call when the lease was placed (callers still await `ready`)."""
+    """It had answered its readiness call when the slot was placed (callers still await `ready`)."""
+
+
+RendererLease = RendererSlot
+"""The old name of `RendererSlot`."""
 
 
 SCAFFOLD = -1

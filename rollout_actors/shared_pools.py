@@ -128,7 +128,7 @@ class SharedPools:
         return self._env[env_key(env)][0]
 
     def release_owner(self, owner: str | None) -> None:
-        """A rollout worker was lost: every pool ends the env sessions and returns the renderer leases its
+        """A rollout worker was lost: every pool ends the env sessions and returns the renderer slots its
         rollouts held, now rather than at their idle timeouts, and refuses what it asks for later (a call
         it sent before dying may still arrive). A pool being restarted holds nothing of it any more."""
         if owner is None or self._renderer is None:

@@ -18,7 +18,7 @@ pool actors (losing those is issue 17's business, not this run's).
 
 It prints kills by kind, results by kind (and failure type), re-dispatches, duplicates dropped, restarts
 against their budgets, p50/p99/max latency (submission to answer) with and without kills, the env
-sessions and renderer leases still held 10 s after the last result, the targets met or missed, and as
+sessions and renderer slots still held 10 s after the last result, the targets met or missed, and as
 its last line `answered exactly once: n/R`.
 """
 
@@ -211,7 +211,7 @@ async def run(args: argparse.Namespace, servers: InferenceServerSet, chaos: Chao
 
 
 async def held(plane: RolloutPlane) -> dict[str, int]:
-    """Env sessions (by the pool's count and by its servers') and renderer leases the plane still holds."""
+    """Env sessions (by the pool's count and by its servers') and renderer slots the plane still holds."""
     stats = await ray.get_actor(plane.names.env_pool(CALC)).stats.remote()
     on_servers = 0
     for server in stats.servers:
@@ -222,7 +222,7 @@ async def held(plane: RolloutPlane) -> dict[str, int]:
     return {
         "env sessions (pool)": stats.sessions,
         "env sessions (servers)": on_servers,
-        "renderer leases": renderer.leases,
+        "renderer slots": renderer.slots,
     }
 
 
@@ -312,13 +312,13 @@ class Chaos:
         else:
             raise RuntimeError("no renderer started yet")
         key_json = next(iter(keys))
-        lease = await pool.lease.remote(key_json)
+        slot = await pool.acquire.remote(key_json)
         try:
-            pid = (await asyncio.wait_for(lease.renderer.health.remote(), 10)).pid
+            pid = (await asyncio.wait_for(slot.renderer.health.remote(), 10)).pid
         finally:
-            await pool.release.remote(lease.lease_id)
+            await pool.release.remote(slot.slot_id)
         os.kill(pid, signal.SIGKILL)
-        return f"{lease.renderer_id} (pid {pid})"
+        return f"{slot.renderer_id} (pid {pid})"
 
     async def kill_standin(self, plane: RolloutPlane) -> str:
         status = self.rng.choice([s for s in self.servers.status() if s.state == "ready" and s.pid])

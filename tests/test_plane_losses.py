@@ -48,7 +48,7 @@ async def held(p: RolloutPlane, env: Ref) -> dict[str, int]:
     for server in stats.servers:
         server_sessions += (await ray.get_actor(server.name).health.remote()).sessions
     renderer = await ray.get_actor(p.names.renderer_pool).stats.remote()
-    return {"pool_sessions": stats.sessions, "server_sessions": server_sessions, "leases": renderer.leases}
+    return {"pool_sessions": stats.sessions, "server_sessions": server_sessions, "leases": renderer.slots}
 
 
 async def named(name: str):
@@ -174,11 +174,11 @@ def test_a_rollout_whose_renderer_stays_unavailable_is_redispatched(ray_session,
 
 async def _only_renderer_pid(pool) -> int:
     (key_json,) = (await pool.stats.remote()).keys
-    lease = await pool.lease.remote(key_json)
+    lease = await pool.acquire.remote(key_json)
     try:
         return (await lease.renderer.health.remote()).pid
     finally:
-        await pool.release.remote(lease.lease_id)
+        await pool.release.remote(lease.slot_id)
 
 
 def _lose_three_of_four(standin, n: int, **config):
