@@ -89,8 +89,8 @@ class RendererPoolConfig(BaseModel):
     """Restart intensity per key: every spawn after the key's first spends one, growth under load and
     replacements of renderers that died, wedged or failed to start alike (DESIGN.md contract 9)."""
     slot_timeout_s: float = 6 * 3600.0
-    """A slot never released (its holder's process died) stops counting as load after this (was
-    `max_lease_s`)."""
+    """A slot never released (its holder's process died) stops counting as load after this.
+    (It was `max_lease_s`.)"""
     allowed_ref_prefixes: tuple[str, ...] = DEFAULT_RENDERER_PREFIXES
     """Modules a custom renderer Ref may name (the renderer side's allowlist, fixed for the pool's life;
     requests cannot widen it)."""

@@ -234,8 +234,8 @@ class RolloutRequest(BaseModel):
     renderer: RendererConfig = Field(default_factory=RendererConfig)
     max_turns: int = Field(default=8, ge=1)
     timeout_s: float = Field(default=3600.0, gt=0, le=MAX_REQUEST_TIMEOUT_S, allow_inf_nan=False)
-    """Seconds the whole request may take, re-dispatches and its env pool's start included (was
-    `deadline_s`): the plane turns it into a deadline on its loop's clock when it starts the request."""
+    """Seconds the whole request may take, re-dispatches and its env pool's start included: the plane
+    turns it into a deadline on its loop's clock when it starts the request (was `deadline_s`)."""
     lane: Lane = "train"
     policy_version: int | None = Field(default=None, ge=0)
     """The policy to sample from: None takes the active one when the rollout starts; N pins published

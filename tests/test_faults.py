@@ -121,8 +121,8 @@ def test_a_fault_raised_on_the_renderer_side_reaches_the_rollout_typed_as_it_was
         (TokenizerUnavailable("no such directory"), "ready", RendererLoadFailed, "infrastructure"),
         (TokenizerNotFound("no hub id"), "ready", RendererLoadFailed, "caller"),
         (OSError("disk"), "ready", RendererLoadFailed, "infrastructure"),
-        (RendererStartupError("failed to start", kind="caller"), "lease", RendererLoadFailed, "caller"),
-        (RendererBudgetSpent("restart budget spent"), "lease", RendererUnavailable, "infrastructure"),
+        (RendererStartupError("failed to start", kind="caller"), "acquire", RendererLoadFailed, "caller"),
+        (RendererBudgetSpent("restart budget spent"), "acquire", RendererUnavailable, "infrastructure"),
     ]
     for cause, method, expected, kind in cases:
         cause = pickle.loads(pickle.dumps(cause))  # as Ray ships it
