@@ -209,9 +209,10 @@ async def _send_calls(batch: TickBatch) -> None:
 
 
 async def _send_places(batch: TickBatch) -> None:
-    """One `place_many` for every session this loop opens on one pool in the tick; `deadline` is the
-    longest the pool may wait for a replacement server."""
-    pool, session_ids, wait_s = batch.target, batch.items, batch.deadline
+    """One `place_many` for every session this loop opens on one pool in the tick; until `deadline` the
+    pool may wait for a replacement server."""
+    pool, session_ids = batch.target, batch.items
+    wait_s = max(0.0, batch.deadline - asyncio.get_running_loop().time())
     answers = await asyncio.wait_for(
         resolve(pool.place_many.remote(session_ids, process_owner(), wait_s)), wait_s + POOL_NOTICE_TIMEOUT_S
     )
@@ -240,9 +241,9 @@ async def _call(server: Any, call: EnvCall) -> EnvResponse:
 async def _place(pool: Any, session_id: str, timeout: float) -> EnvResponse:
     """One placement, asked with every other session this loop opens on the pool in this tick. The pool
     may wait up to `timeout` for a replacement server when none is ready."""
-    wait_s = min(timeout, MAX_PLACE_WAIT_S)
+    deadline = asyncio.get_running_loop().time() + min(timeout, MAX_PLACE_WAIT_S)
     return await per_loop(TickCoalescer).add(
-        ("place", actor_key(pool)), pool, session_id, _send_places, wait_s
+        ("place", actor_key(pool)), pool, session_id, _send_places, deadline
     )
 
 
