@@ -3,7 +3,7 @@
     pool = await start_env_pool("math", Ref("env_actors.examples.math_env:MathEnv"), EnvPoolConfig(), 120)
     session = await EnvSession.open(pool, task_index=3, task=None, timeout=60)   # see session.py
     ...
-    await stop_env_pool(pool)
+    await close_env_pool(pool)
 
 The pool is an async actor that only waits (num_cpus=0). It places each new session on the least-busy ready
 worker (`place_many`) and ends sessions (`end_session`), answering each call with an `EnvResponse` within the
@@ -31,9 +31,18 @@ from env_actors.sessions import OpenSessions
 from env_actors.supervisor import ServerSlot, Supervisor, exit_detail, resolve
 from rollout_actors.kernel import Failure, Ref
 from rollout_actors.kernel.faults import ray_loss
+from rollout_actors.kernel.renamed import warn_renamed
 from rollout_actors.kernel.supervision import Health
 
-__all__ = ["EnvPool", "EnvPoolConfig", "EnvStartupError", "get_env_pool", "start_env_pool", "stop_env_pool"]
+__all__ = [
+    "EnvPool",
+    "EnvPoolConfig",
+    "EnvStartupError",
+    "close_env_pool",
+    "get_env_pool",
+    "start_env_pool",
+    "stop_env_pool",  # the old name of close_env_pool
+]
 
 POOL_CALL_SLACK_S = 0.5
 """The server enforces each call's deadline itself; the pool waits this much longer, which only matters
@@ -198,8 +207,8 @@ class EnvPool:
             retired=list(sup.retired_log),
         )
 
-    async def shutdown(self) -> EnvPoolStats:
-        """Stop supervising and kill every worker; in-flight calls fail at once. Idempotent."""
+    async def close(self) -> EnvPoolStats:
+        """Stop supervising and kill every env server; in-flight calls fail at once. Idempotent."""
         self._closed = True
         await self._supervisor.close()
         return await self.stats()
@@ -366,15 +375,21 @@ def get_env_pool(name: str) -> Any:
     return ray.get_actor(name)
 
 
-async def stop_env_pool(handle: Any, timeout: float = 10.0) -> EnvPoolStats | None:
-    """Shut the pool down (its workers are killed) and kill the pool actor. Never raises."""
+async def close_env_pool(handle: Any, timeout: float = 10.0) -> EnvPoolStats | None:
+    """Close the pool (its env servers are killed) and kill the pool actor. Never raises."""
     stats = None
     try:
-        stats = await asyncio.wait_for(resolve(handle.shutdown.remote()), timeout)
+        stats = await asyncio.wait_for(resolve(handle.close.remote()), timeout)
     except Exception:  # a dead or wedged pool is killed below all the same
         pass
     _kill(handle)
     return stats
+
+
+async def stop_env_pool(handle: Any, timeout: float = 10.0) -> EnvPoolStats | None:
+    """The old name of `close_env_pool` (DESIGN.md, "Words": close is the one stop verb)."""
+    warn_renamed("stop_env_pool", "close_env_pool")
+    return await close_env_pool(handle, timeout)
 
 
 def _kill(handle: Any) -> None:

@@ -27,7 +27,7 @@ Policy, per `RendererKey` (model, library renderer config + template kwargs, his
   live, slots fail at once saying so, until the window moves on.
 
 Each key's renderers are children of the kernel's `Supervisor` (readiness, probes, wedges, replacement);
-the pool keeps only slots, placement and its reaper. `shutdown` stops them all and kills the renderers.
+the pool keeps only slots, placement and its reaper. `close` stops them all and kills the renderers.
 Renderers are created by the pool, so they fate-share with it.
 """
 
@@ -288,7 +288,7 @@ class RendererPool:
             **self._counters,
         )
 
-    async def shutdown(self) -> None:
+    async def close(self) -> None:
         """Stop the background loops and warm-ups, kill every renderer. Idempotent."""
         self._closed = True
         if self._tasks is not None:
@@ -386,7 +386,7 @@ def get_or_create_renderer_pool(
 ) -> Any:
     """The named `RendererPool` actor, created on first call (num_cpus=0: it only waits). `config`
     applies only when this call creates it. Created without `lifetime="detached"`, so it fate-shares with
-    the process that created it (the plane's driver); its owner stops it with `shutdown` + `ray.kill`."""
+    the process that created it (the plane's driver); its owner stops it with `close` + `ray.kill`."""
     return _REMOTE_POOL.options(
         name=name,
         namespace=namespace,

@@ -145,7 +145,7 @@ async def run_wave(args: argparse.Namespace, c: int) -> Wave:
         sample = probe.stop()
     finally:
         await plane.close()
-        server.stop()
+        server.close()
     roles[server_pid] = "stand-in"
     kinds: dict[str, int] = {}
     for r in results:

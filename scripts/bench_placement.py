@@ -231,7 +231,7 @@ async def main(args: argparse.Namespace) -> None:
                 print(f"  {line}", flush=True)
     finally:
         for server in launched:
-            server.stop()
+            server.close()
     prefix, least, ref = phases["prefix"], phases["least_loaded"], phases["reference"]
     print(f"prefix hit rate / one unbounded server's: {prefix.hit_rate / ref.hit_rate:.3f} (target >= 0.9)")
     print(f"prefix max/mean load: {prefix.max_over_mean:.2f} (target <= 1.25)")

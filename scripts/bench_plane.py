@@ -300,7 +300,7 @@ async def run_way(args: argparse.Namespace, c: int, way: str) -> WayResult:
             return await run_plane(args, c, server)
         return await run_single(args, c, way, server)
     finally:
-        server.stop()
+        server.close()
 
 
 def print_table(args: argparse.Namespace, c: int, results: dict[str, WayResult]) -> None:

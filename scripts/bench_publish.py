@@ -342,7 +342,7 @@ def main() -> None:
     finally:
         ray.shutdown()
         for server in servers:
-            server.stop()
+            server.close()
         shutil.rmtree(storage, ignore_errors=True)
     print_report(args, rows, bench)
 

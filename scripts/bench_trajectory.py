@@ -141,7 +141,7 @@ async def run(
         result_bytes = statistics.fmean(len(r.model_dump_json()) for r in results)
     finally:
         await plane.close()
-        server.stop()
+        server.close()
     records = [
         json.loads(line) for path in meter_dir.glob("*.jsonl") for line in path.read_text().splitlines()
     ]

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import ray
 
-from env_actors.pool import EnvPoolConfig, EnvStartupError, start_env_pool, stop_env_pool
+from env_actors.pool import EnvPoolConfig, EnvStartupError, close_env_pool, start_env_pool
 from env_actors.session import EnvCallFailed, EnvSession
 from rollout_actors.kernel.supervision import RestartIntensity
 from rollout_actors.wire import Ref
@@ -106,7 +106,7 @@ async def healthy() -> list[Row]:
     started = time.monotonic()
     pool = await start_env_pool(name(), ref("env_actors.examples.math_env:MathEnv"), pool_config(), 60)
     ready = time.monotonic() - started
-    await stop_env_pool(pool)
+    await close_env_pool(pool)
     return [Row("healthy pool", "ready (environment loaded, health answered)", ready)]
 
 
@@ -122,7 +122,7 @@ async def startup_failure(
         if failure and failure.fault == "caller":  # an import error: its cause is at the end
             detail = "..." + failure.message[-70:]
         return [Row(case, f"EnvStartupError: {detail[:90]}", time.monotonic() - started, target)]
-    await stop_env_pool(pool)
+    await close_env_pool(pool)
     return [Row(case, "started, but should have failed", None, broken=True)]
 
 
@@ -147,7 +147,7 @@ async def killed_worker() -> list[Row]:
             Row("  ... replacement", "new session served by a new worker", replaced, 3.0),
         ]
     finally:
-        await stop_env_pool(pool)
+        await close_env_pool(pool)
 
 
 async def wedged_worker() -> list[Row]:
@@ -177,7 +177,7 @@ async def wedged_worker() -> list[Row]:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        await stop_env_pool(pool)
+        await close_env_pool(pool)
 
 
 async def blocked_loop() -> list[Row]:
@@ -193,7 +193,7 @@ async def blocked_loop() -> list[Row]:
             saw = f"EnvCallFailed({exc.kind}, {(exc.server_exit or '')[:40]})"
             return [Row("env blocks its event loop", saw, time.monotonic() - started, HANG_TIMEOUT_S + 1)]
     finally:
-        await stop_env_pool(pool)
+        await close_env_pool(pool)
 
 
 async def dies_on_every_load() -> list[Row]:
@@ -234,7 +234,7 @@ async def budget_spent_under_load() -> list[Row]:
         saw = f"6 sessions on {stats.ready} worker(s), spawns {stats.spawns}, denials {stats.budget_denials}"
         return [Row("load after the restart budget is spent", saw, None, broken=stats.spawns != 2)]
     finally:
-        await stop_env_pool(pool)
+        await close_env_pool(pool)
 
 
 async def spawn_failure_mid_serve() -> list[Row]:
@@ -262,7 +262,7 @@ async def spawn_failure_mid_serve() -> list[Row]:
             saw = f"{stats.ready}/2 ready, supervisor alive, surviving session reward {reward:g}"
             return [Row("spawn fails mid-serve", saw, seen, broken=stats.ready != 1 or reward != 1.0)]
         finally:
-            await stop_env_pool(pool)
+            await close_env_pool(pool)
 
 
 async def answered_then_exited() -> list[Row]:
@@ -292,7 +292,7 @@ async def answered_then_exited() -> list[Row]:
             )
         ]
     finally:
-        await stop_env_pool(pool)
+        await close_env_pool(pool)
 
 
 async def no_live_worker() -> list[Row]:
@@ -316,7 +316,7 @@ async def no_live_worker() -> list[Row]:
                 )
             ]
     finally:
-        await stop_env_pool(pool)
+        await close_env_pool(pool)
 
 
 async def _ready(pool, count: int) -> bool:

@@ -133,11 +133,34 @@ def test_old_attribute_and_import_names_still_read_with_a_warning():
         assert got == value and messages == [f"{message} (the old name will go)"], message
 
 
+def test_the_old_stop_verbs_still_stop_with_a_warning(monkeypatch):
+    """DESIGN.md: close / `aclose` is the one verb for stopping what one owns."""
+    import asyncio
+
+    import env_actors.pool
+    from rollout_actors.inference.standin.launch import StandinServer
+    from rollout_actors.inference.standin.server import StandinOptions
+
+    # Never started: stopping it is a no-op that still answers (and warns).
+    _, messages = deprecated(lambda: StandinServer(StandinOptions()).stop())
+    assert messages == ["StandinServer.stop() is now close() (the old name will go)"]
+    closed = []
+
+    async def close_env_pool(handle, timeout):  # no Ray here: what the old name forwards to is recorded
+        closed.append((handle, timeout))
+
+    monkeypatch.setattr(env_actors.pool, "close_env_pool", close_env_pool)
+    _, messages = deprecated(lambda: asyncio.run(env_actors.pool.stop_env_pool("pool", timeout=1)))
+    assert closed == [("pool", 1)] and messages == [
+        "stop_env_pool is now close_env_pool (the old name will go)"
+    ]
+
+
 OLD_NAMES = (
     "deadline_s", "spawn_timeout_s", "startup_timeout_s", "health_interval_s", "health_timeout_s",
     "max_lease_s", "watch_period", "min_workers", "max_workers", "EnvWorkerLost", "EnvWorkerUnreachable",
     "EnvWorkerDied", "NoLiveEnvWorker", "RendererLease", "WorkerInfo", "call_deadline", "worker_exit",
-    "expired_leases", "lease_many",
+    "expired_leases", "lease_many", "stop_env_pool",
 )  # fmt: skip
 OLD = re.compile(r"\b(" + "|".join(OLD_NAMES) + r")\b")
 SAYS_OLD = re.compile(

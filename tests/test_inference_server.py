@@ -47,7 +47,7 @@ run = runner(DEADLINE_S)
 
 async def stop(actor) -> None:
     try:
-        await asyncio.wait_for(actor.stop.remote(), 30)
+        await asyncio.wait_for(actor.close.remote(), 30)
     finally:
         ray.kill(actor)
 
@@ -106,9 +106,9 @@ def test_ready_server_answers_and_stops_with_its_process(ray_session):
                     },
                 )
                 assert chat.status_code == 200 and chat.json()["choices"][0]["message"]
-            stopped = await actor.stop.remote()
+            stopped = await actor.close.remote()
             assert stopped.state == "stopped"
-            assert not os.path.exists(stopped.log_path), "stop() cleans up the log directory"
+            assert not os.path.exists(stopped.log_path), "close() cleans up the log directory"
             assert not psutil.pid_exists(status.pid) or psutil.Process(status.pid).status() == "zombie"
         finally:
             ray.kill(actor)

@@ -39,7 +39,7 @@ def make_pool(ray_session):
     yield make
     for pool in pools:
         try:
-            ray.get(pool.shutdown.remote(), timeout=10)
+            ray.get(pool.close.remote(), timeout=10)
         finally:
             ray.kill(pool, no_restart=True)
 

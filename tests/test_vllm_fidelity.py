@@ -336,7 +336,7 @@ def test_readiness_and_publication_send_the_key_which_never_reaches_a_command_li
             finally:
                 await keyless.aclose()
                 await keyed_publisher.aclose()
-            final = await actor.stop.remote()
+            final = await actor.close.remote()
             return cmdline, refused.value, loaded, final
         finally:
             import ray

@@ -211,7 +211,7 @@ class ServerStatus(BaseModel):
     """Why the server is not ready: startup failure, death, wedge."""
     log_tail: str = ""
     log_path: str | None = None
-    """The full log on the server's node; removed by `stop()` (the tail stays here)."""
+    """The full log on the server's node; removed by `close()` (the tail stays here)."""
     node_ip: str | None = None
     started_at: float | None = None
     ready_at: float | None = None
@@ -394,7 +394,7 @@ class InferenceServer:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 env=env,
-                start_new_session=True,  # its own process group: stop() takes vLLM's workers with it
+                start_new_session=True,  # its own process group: close() takes vLLM's workers with it
             )
         self._url_host = node_ip if host in ("0.0.0.0", "::") else host
         self._status = ServerStatus(
@@ -420,7 +420,7 @@ class InferenceServer:
             await asyncio.wait_for(self._exited.wait(), timeout)
         return self.status()
 
-    async def stop(self) -> ServerStatus:
+    async def close(self) -> ServerStatus:
         """Stop the server (SIGTERM to its process group, SIGKILL after a grace period)."""
         if self._process is not None and self._process.poll() is None:
             if self._status.state != "dead":

@@ -39,7 +39,7 @@ from rollout_actors.kernel.supervisor import Child, ChildKind, RetireCause, Supe
 logger = logging.getLogger(__name__)
 
 WATCH_GRACE = 30.0  # beyond the probe interval: an actor that cannot answer this late is itself wedged
-STOP_TIMEOUT = 30.0  # stop() grants the server STOP_GRACE (10 s) twice; then the actor is killed anyway
+STOP_TIMEOUT = 30.0  # close() grants the server STOP_GRACE (10 s) twice; then the actor is killed anyway
 
 
 SERVER_RESTARTS = RestartIntensity(max_restarts=3, window_s=600.0)
@@ -173,7 +173,7 @@ class InferenceServerSet(Supervisor[_Server], ChildKind[_Server]):
 
 async def _stop(actor: ray.actor.ActorHandle) -> None:
     try:
-        await asyncio.wait_for(actor.stop.remote(), STOP_TIMEOUT)
+        await asyncio.wait_for(actor.close.remote(), STOP_TIMEOUT)
     except Exception:
         pass  # dead or wedged: ray.kill below ends it either way (and the server with it)
     ray.kill(actor)

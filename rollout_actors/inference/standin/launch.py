@@ -1,4 +1,4 @@
-"""Start the bundled stand-in inference server as a subprocess and own it until `stop()`.
+"""Start the bundled stand-in inference server as a subprocess and own it until `close()`.
 
     with StandinServer(StandinOptions(latency_s=0.05, correct_rate=1.0)) as server:
         client = openai.AsyncOpenAI(base_url=server.base_url, api_key="x")
@@ -27,6 +27,7 @@ from pathlib import Path
 
 import rollout_actors
 from rollout_actors.inference.standin.server import StandinOptions
+from rollout_actors.kernel.renamed import warn_renamed
 
 __all__ = ["StandinOptions", "StandinServer", "StandinStartupError"]
 
@@ -46,7 +47,7 @@ class StandinStartupError(RuntimeError):
 
 
 class StandinServer:
-    """One stand-in server process. Owns the process and its log directory; `stop()` releases both."""
+    """One stand-in server process. Owns the process and its log directory; `close()` releases both."""
 
     def __init__(
         self,
@@ -121,10 +122,10 @@ class StandinServer:
             self._wait_ready(self._port_file, self._deadline)
         except Exception as exc:
             tail, code = self.log_tail(), self._process.poll()  # code None: alive but not ready in time
-            self.stop()
+            self.close()
             raise StandinStartupError(f"stand-in server did not become ready: {exc}", code, tail) from None
         except BaseException:
-            self.stop()
+            self.close()
             raise
         return self
 
@@ -153,7 +154,7 @@ class StandinServer:
             f.seek(max(0, path.stat().st_size - chars))
             return f.read().decode(errors="replace")
 
-    def stop(self) -> int | None:
+    def close(self) -> int | None:
         """SIGTERM, then SIGKILL after a grace period. Idempotent; returns the exit code (None if it was
         not running)."""
         process, self._process = self._process, None
@@ -173,11 +174,16 @@ class StandinServer:
         self.port = None
         return code
 
+    def stop(self) -> int | None:
+        """The old name of `close` (DESIGN.md, "Words": close is the one stop verb)."""
+        warn_renamed("StandinServer.stop()", "close()")
+        return self.close()
+
     def __enter__(self) -> StandinServer:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
-        self.stop()
+        self.close()
 
 
 def _child_env() -> dict[str, str]:
