@@ -15,6 +15,7 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from rollout_actors.kernel import Failure
+from rollout_actors.kernel.renamed import warn_renamed
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +29,12 @@ class RendererSlot:
     renderer_id: str
     ready: bool
     """It had answered its readiness call when the slot was placed (callers still await `ready`)."""
+
+    @property
+    def lease_id(self) -> str:
+        """The old name of `slot_id`."""
+        warn_renamed("RendererSlot.lease_id", "slot_id")
+        return self.slot_id
 
 
 RendererLease = RendererSlot

@@ -122,6 +122,7 @@ def test_old_attribute_and_import_names_still_read_with_a_warning():
         (lambda: renderers.leases, 2, "RendererPoolStats.leases is now slots"),
         (lambda: renderers.expired_leases, 1, "RendererPoolStats.expired_leases is now expired_slots"),
         (lambda: client.call_deadline, 5.0, "ClientConfig.call_deadline is now total_call_timeout_s"),
+        (lambda: RendererSlot("s1", None, "r", True).lease_id, "s1", "RendererSlot.lease_id is now slot_id"),
         (
             lambda: InferenceServerSet(ServerSpec(**SPEC), watch_period=3.0).probe_interval_s,
             3.0,

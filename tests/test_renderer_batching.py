@@ -32,10 +32,10 @@ class FakePool:
         await asyncio.sleep(self.delay)
         return [RendererSlot(f"l{next(self._ids)}", None, "r", True) for _ in range(count)]
 
-    async def _release_many(self, lease_ids):
-        self.calls.append(("release_many", list(lease_ids)))
-        self.released += lease_ids
-        return len(lease_ids)
+    async def _release_many(self, slot_ids):
+        self.calls.append(("release_many", list(slot_ids)))
+        self.released += slot_ids
+        return len(slot_ids)
 
 
 def test_concurrent_leases_in_one_tick_become_one_pool_call_per_key():

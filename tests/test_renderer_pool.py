@@ -68,10 +68,10 @@ def test_pool_grows_one_renderer_per_multiplex_leases_and_reuses_released_slots(
         stats = await key_stats(pool, key)
         assert stats.loads == [4, 4, 2]
         assert len({lease.renderer_id for lease in leases}) == 3
-        released = await asyncio.gather(*(pool.release.remote(lease.lease_id) for lease in leases))
+        released = await asyncio.gather(*(pool.release.remote(lease.slot_id) for lease in leases))
         assert all(released)
         assert (await key_stats(pool, key)).loads == [0, 0, 0]
-        assert await pool.release.remote(leases[0].lease_id) is False  # idempotent
+        assert await pool.release.remote(leases[0].slot_id) is False  # idempotent
         await wait_until_ready(pool, key)  # a lease prefers ready renderers; compare like with like
         again = await asyncio.gather(*(pool.acquire.remote(key, 4) for _ in range(10)))
         assert (await key_stats(pool, key)).loads == [4, 3, 3]  # least-loaded first: spread
@@ -127,7 +127,7 @@ def test_idle_renderers_beyond_one_are_retired(make_pool):
     async def scenario():
         leases = await asyncio.gather(*(pool.acquire.remote(key, 2) for _ in range(6)))
         assert (await key_stats(pool, key)).loads == [2, 2, 2]
-        await asyncio.gather(*(pool.release.remote(lease.lease_id) for lease in leases))
+        await asyncio.gather(*(pool.release.remote(lease.slot_id) for lease in leases))
         deadline = time.monotonic() + 15
         while len((await key_stats(pool, key)).loads) > 1:
             assert time.monotonic() < deadline, "idle renderers were not retired"
@@ -356,7 +356,7 @@ def test_a_renderer_killed_while_it_starts_is_replaced_not_held_as_a_startup_fai
         key = key_json()
         lease = await pool.acquire.remote(key)
         ray.kill(lease.renderer, no_restart=True)  # the tokenizer takes seconds to load: still warming
-        await pool.release.remote(lease.lease_id)
+        await pool.release.remote(lease.slot_id)
 
         async def replaced():
             stats = await pool.stats.remote()
