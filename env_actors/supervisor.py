@@ -7,8 +7,8 @@ The kernel decides what a death means (probes, wedges, retirement, replacement o
   start at once with the environment's traceback, a runtime_env that did not build is the caller's;
 - placement: the ready server with the fewest sessions, preferring those that showed life lately;
 - growth: one server more when open sessions reach `grow_fraction` of capacity, one less when idle for
-  `idle_timeout_s` above `min_workers`; a server lost below `min_workers` is replaced. Every spawn after
-  the initial `min_workers` (replacement or growth) spends one restart from the budget, but one:
+  `idle_timeout_s` above `min_servers`; a server lost below `min_servers` is replaced. Every spawn after
+  the initial `min_servers` (replacement or growth) spends one restart from the budget, but one:
 - blame: a server judged wedged while one session's call blocked its loop (`ServerSlot.blocking`, named
   by its probe answers; asked once more before retirement when they named nobody) is replaced outside
   the budget. That request pays for it instead: its poison bound (two servers at one point,
@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from env_actors.config import EnvPoolConfig, EnvServerHealth, WorkerInfo
+from env_actors.config import EnvPoolConfig, EnvServerHealth, EnvServerInfo
 from env_actors.runtime_env_check import started_unless_pip_fails
 from env_actors.server import create_env_server
 from env_actors.sessions import OpenSessions
@@ -93,10 +93,10 @@ class ServerSlot(Child):
     unreachable_at: float | None = None
     """When a session last found it unreachable; it takes no new session until it shows life after that."""
 
-    def info(self, sessions: int) -> WorkerInfo:
+    def info(self, sessions: int) -> EnvServerInfo:
         state = "ready" if self.state == "ready" else "starting"
-        return WorkerInfo(
-            worker=self.name,
+        return EnvServerInfo(
+            name=self.name,
             state=state,
             sessions=sessions,
             inflight=self.inflight,
@@ -164,12 +164,12 @@ class Supervisor(KernelSupervisor[ServerSlot], ChildKind[ServerSlot]):
     # ------------------------------------------------------------------------------------ startup
 
     async def start(self, ready_timeout: float) -> Failure | None:
-        """Spawn `min_workers` and wait for the first to be ready. On failure everything is retired and
+        """Spawn `min_servers` and wait for the first to be ready. On failure everything is retired and
         the failure returned: a load error at once (with the environment's traceback), servers that died
         while loading past the restart budget, or the readiness deadline."""
         deadline = time.monotonic() + ready_timeout
         try:
-            for _ in range(self.config.min_workers):
+            for _ in range(self.config.min_servers):
                 self.spawn("initial", ready_timeout)
         except Exception as exc:  # nothing could be created (a malformed runtime_env, resources)
             await self.close()
@@ -184,7 +184,7 @@ class Supervisor(KernelSupervisor[ServerSlot], ChildKind[ServerSlot]):
             done, _ = await asyncio.wait(pending, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED)
             if not done:
                 failure = Failure(
-                    type="EnvReadinessTimeout", message=f"no env worker ready in {ready_timeout} s"
+                    type="EnvReadinessTimeout", message=f"no env server ready in {ready_timeout} s"
                 )
             for up in done:
                 exc = up.exception()
@@ -208,8 +208,8 @@ class Supervisor(KernelSupervisor[ServerSlot], ChildKind[ServerSlot]):
             )
             last = exit_detail(died[-1]) if died else "unknown"
             failure = Failure(
-                type="EnvWorkerDied",
-                message=f"env worker died while loading {len(died)} time(s); {why}; last: died while "
+                type="EnvServerDied",
+                message=f"env server died while loading {len(died)} time(s); {why}; last: died while "
                 f"loading: {last}",
             )
         await self.close()
@@ -286,15 +286,15 @@ class Supervisor(KernelSupervisor[ServerSlot], ChildKind[ServerSlot]):
         ready, starting = self.ready(), self.starting()
         live = len(ready) + len(starting)
         sessions = sum(self.sessions.on(w.name) for w in ready)
-        if live < cfg.min_workers:
+        if live < cfg.min_servers:
             self.spawn("restart")
         elif (
             not starting
-            and live < cfg.max_workers
+            and live < cfg.max_servers
             and sessions >= cfg.grow_fraction * len(ready) * cfg.multiplex
         ):
             self.spawn("grow")
-        elif len(ready) > cfg.min_workers and sessions < cfg.grow_fraction * (len(ready) - 1) * cfg.multiplex:
+        elif len(ready) > cfg.min_servers and sessions < cfg.grow_fraction * (len(ready) - 1) * cfg.multiplex:
             idle = [
                 w
                 for w in ready

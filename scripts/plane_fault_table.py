@@ -91,7 +91,7 @@ async def holding(plane: RolloutPlane, env: Ref, count: int) -> None:
     env_pool, renderer_pool = plane._pools.supervisor(env).current(), plane._pools.supervisor().current()
     while (await env_pool.stats.remote()).sessions < count or (
         await renderer_pool.stats.remote()
-    ).leases < count:
+    ).slots < count:
         await asyncio.sleep(0.05)
 
 

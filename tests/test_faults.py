@@ -26,9 +26,9 @@ from rollout_actors.wire import Result
 
 def test_a_fault_crosses_json_and_pickle_as_the_same_type_with_its_loss():
     loss = Loss(part="env server", how="wedged", call="step", step=3, name="env-1")
-    raised = PartLost("lost it", lost=loss, type_name="EnvWorkerLost")
+    raised = PartLost("lost it", lost=loss, type_name="EnvServerLost")
     failure = Failure.model_validate_json(raised.failure.model_dump_json())
-    assert failure.fault == "lost" and failure.lost == loss and failure.type == "EnvWorkerLost"
+    assert failure.fault == "lost" and failure.lost == loss and failure.type == "EnvServerLost"
     rebuilt = Fault.from_failure(failure)
     assert isinstance(rebuilt, PartLost) and rebuilt.lost == loss and rebuilt.kind == "infrastructure"
     again = pickle.loads(pickle.dumps(LoadFailed("no tokenizer", kind="caller")))
@@ -41,7 +41,7 @@ def test_classify_reads_the_type_not_the_name():
     kind, failure = classify(MalformedResponse("ids outside the vocabulary"))
     assert kind == "model" and failure.fault == "model" and failure.type == "MalformedResponse"
     # A plain exception that happens to be named like a loss is not one: it stands.
-    imposter = type("EnvWorkerLost", (Exception,), {})("not really")
+    imposter = type("EnvServerLost", (Exception,), {})("not really")
     kind, failure = classify(imposter)
     assert kind == "infrastructure" and failure.lost is None and not RedispatchRule().redispatches(failure)
 
@@ -135,8 +135,8 @@ def test_a_fault_raised_on_the_renderer_side_reaches_the_rollout_typed_as_it_was
         (TokenizerUnavailable("no such directory"), "ready", RendererLoadFailed, "infrastructure"),
         (TokenizerNotFound("no hub id"), "ready", RendererLoadFailed, "caller"),
         (OSError("disk"), "ready", RendererLoadFailed, "infrastructure"),
-        (RendererStartupError("failed to start", kind="caller"), "lease", RendererLoadFailed, "caller"),
-        (RendererBudgetSpent("restart budget spent"), "lease", RendererUnavailable, "infrastructure"),
+        (RendererStartupError("failed to start", kind="caller"), "acquire", RendererLoadFailed, "caller"),
+        (RendererBudgetSpent("restart budget spent"), "acquire", RendererUnavailable, "infrastructure"),
     ]
     for cause, method, expected, kind in cases:
         cause = pickle.loads(pickle.dumps(cause))  # as Ray ships it

@@ -85,7 +85,7 @@ def test_sixteen_poison_rollouts_among_sixty_four_healthy_ones_spend_neither_the
     servers itself, and those 32 servers are replaced outside the budget (each request's poison bound
     limits them), which keeps restarts to spare for losses nobody can be blamed for."""
     env = Ref(target=BLOCKS, config={"blocking_tasks": 16, "num_tasks": 80})
-    env_pool = {"min_workers": SERVERS, "max_workers": SERVERS, "multiplex": 8}  # growth would spend it
+    env_pool = {"min_servers": SERVERS, "max_servers": SERVERS, "multiplex": 8}  # growth would spend it
 
     async def scenario():
         async with plane(env_pool) as p:
