@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import time
@@ -43,7 +44,6 @@ from typing import Any
 
 import ray
 
-from renderer_actors.actor import RendererActor
 from renderer_actors.calls import RendererSlot
 from renderer_actors.config import RendererKeyStats, RendererPoolConfig, RendererPoolStats, RendererStats
 from renderer_actors.key import RendererKey
@@ -107,7 +107,8 @@ class _KeyPool(Supervisor[_Renderer], ChildKind[_Renderer]):
 
     def create(self, name: str) -> _Renderer:
         renderer_id = new_id("renderer")
-        handle = _REMOTE_RENDERER.options(
+        renderer_class = _remote_renderer()
+        handle = renderer_class.options(
             num_cpus=self.config.renderer_num_cpus,
             max_concurrency=2 * self.multiplex + RENDERER_MIN_CONCURRENCY,
             scheduling_strategy="SPREAD",  # one node's loss takes a fraction of the renderers
@@ -397,5 +398,13 @@ def get_or_create_renderer_pool(
     ).remote(config)
 
 
-_REMOTE_RENDERER = ray.remote(RendererActor)
+@functools.cache
+def _remote_renderer() -> Any:
+    # Imported when the pool first spawns one: the renderer's library (and the `openai` it imports) costs
+    # the pool's own process ~1.5 s of start on 2 cores, and the pool never renders.
+    from renderer_actors.actor import RendererActor
+
+    return ray.remote(RendererActor)
+
+
 _REMOTE_POOL = ray.remote(RendererPool)
