@@ -33,10 +33,8 @@ from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from functools import cache
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
-
-import openai
 
 try:  # openai >= 3 ships its own fork of httpx
     import httpx2 as httpx
@@ -45,6 +43,9 @@ except ImportError:  # pragma: no cover - openai 1.x / 2.x
 
 from env_actors.interface import Environment, Message, StepOut
 from rollout_actors.kernel import REDACTED, CallerError
+
+if TYPE_CHECKING:  # imported by `client()`: the SDK costs every env server ~1.5 s of start on 2 cores
+    import openai
 
 OUTPUT_TAIL_CHARS = 4000  # of an agent's output, kept for its failure message: the end is what explains it
 KILL_GRACE_S = 2.0  # SIGTERM, then this long, then SIGKILL: an agent that ignores SIGTERM still ends
@@ -75,6 +76,8 @@ class AgentEndpoint:
         """An `AsyncOpenAI` client for this endpoint, closed when the agent's run ends (an in-process
         agent need not close it; it may build its own instead). Cheap: no TLS state is built for it, and
         no proxy from the environment stands between the agent and its endpoint."""
+        import openai
+
         options.setdefault("timeout", AGENT_CLIENT_TIMEOUT_S)
         options.setdefault("max_retries", 0)  # a retried call would be a second turn of the same prompt
         if "http_client" not in options:

@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from rollout_actors.kernel.renamed import renamed_fields, warn_renamed
 from rollout_actors.kernel.supervision import Health, RestartIntensity, Supervision
 
 ENV_RESTARTS = RestartIntensity(max_restarts=3, window_s=60.0)
@@ -46,15 +47,15 @@ class EnvPoolConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    min_workers: int = Field(default=1, ge=1)
-    """Workers started with the pool (no restart budget spent) and kept through idle periods."""
-    max_workers: int = Field(default=8, ge=1)
+    min_servers: int = Field(default=1, ge=1)
+    """Env servers started with the pool (no restart budget spent) and kept through idle periods."""
+    max_servers: int = Field(default=8, ge=1)
     multiplex: int = Field(default=64, ge=1)
-    """Concurrent sessions one worker is meant to hold; the growth threshold is measured in these."""
+    """Concurrent sessions one server is meant to hold; the growth threshold is measured in these."""
     grow_fraction: float = Field(default=0.75, gt=0.0, le=1.0)
-    """Grow by one worker when open sessions reach this fraction of ready workers x multiplex."""
+    """Grow by one server when open sessions reach this fraction of ready servers x multiplex."""
     idle_timeout_s: float = Field(default=300.0, gt=0)
-    """A worker above `min_workers` with no session for this long is retired."""
+    """A server above `min_servers` with no session for this long is retired."""
     num_cpus: float = Field(default=0.25, ge=0)
     """CPU reservation of each EnvServer: environments mostly wait, so a fraction of a core."""
     resources: dict[str, float] = Field(default_factory=dict)
@@ -64,17 +65,18 @@ class EnvPoolConfig(BaseModel):
     step_timeout_s: float = Field(default=120.0, gt=0)
     score_timeout_s: float = Field(default=60.0, gt=0)
     close_timeout_s: float = Field(default=10.0, gt=0)
-    spawn_timeout_s: float = Field(default=300.0, gt=0)
-    """Readiness deadline of a worker spawned while serving (load included); then it is killed."""
+    ready_timeout_s: float = Field(default=300.0, gt=0)
+    """From spawn to ready, for a server spawned while serving (load included); then it is killed."""
 
     hang_timeout_s: float = Field(default=30.0, gt=0)
-    """A worker with no sign of life (probe answered, event loop turning) for this long is wedged: it is
+    """A server with no sign of life (probe answered, event loop turning) for this long is wedged: it is
     retired, its calls fail and it is killed. Ray alone would wait ~65 s for a hung node, forever for a
     frozen process."""
     probe_interval_s: float = Field(default=0.5, gt=0)
     probe_timeout_s: float = Field(default=2.0, gt=0)
     restart: RestartIntensity = ENV_RESTARTS
-    """Replacements and growth spawns share it; the initial `min_workers` do not spend it."""
+    """Replacements and growth spawns share it; the initial `min_servers` do not spend it, nor does the
+    replacement of a server wedged by a known request's call (`EnvPoolStats.culprit_replacements`)."""
     session_idle_timeout_s: float = Field(default=3600.0, gt=0)
     """A session untouched this long is closed by the pool (its owner is presumed gone)."""
     allowed_ref_prefixes: tuple[str, ...] | None = None
@@ -91,16 +93,22 @@ class EnvPoolConfig(BaseModel):
         """The supervision setting of this pool's servers, as the kernel's supervisor reads it."""
         return Supervision(
             restart=self.restart,
-            ready_timeout_s=self.spawn_timeout_s,
+            ready_timeout_s=self.ready_timeout_s,
             probe_interval_s=self.probe_interval_s,
             probe_timeout_s=self.probe_timeout_s,
             hang_timeout_s=self.hang_timeout_s,
         )
 
+    _renamed = model_validator(mode="before")(
+        renamed_fields(
+            {"spawn_timeout_s": "ready_timeout_s", "min_workers": "min_servers", "max_workers": "max_servers"}
+        )
+    )
+
     @model_validator(mode="after")
     def _sizes(self) -> EnvPoolConfig:
-        if self.max_workers < self.min_workers:
-            raise ValueError(f"max_workers ({self.max_workers}) < min_workers ({self.min_workers})")
+        if self.max_servers < self.min_servers:
+            raise ValueError(f"max_servers ({self.max_servers}) < min_servers ({self.min_servers})")
         return self
 
 
@@ -132,8 +140,10 @@ class EnvServerHealth(Health):
     """Env calls running now (an operator, or a test, sees a call start without guessing)."""
 
 
-class WorkerInfo(BaseModel):
-    worker: str
+class EnvServerInfo(BaseModel):
+    """One env server of a pool, as `EnvPoolStats.servers` shows it."""
+
+    name: str
     """The EnvServer's actor name (reachable with `ray.get_actor`)."""
     state: Literal["starting", "ready"]
     sessions: int
@@ -141,12 +151,22 @@ class WorkerInfo(BaseModel):
     pid: int | None = None
     node_id: str | None = None
 
+    @property
+    def worker(self) -> str:
+        """The old name of `name`."""
+        warn_renamed("EnvServerInfo.worker", "name")
+        return self.name
+
+
+WorkerInfo = EnvServerInfo
+"""The old name of `EnvServerInfo` (DESIGN.md, "Words": a worker is a rollout worker)."""
+
 
 class EnvPoolStats(BaseModel):
     """What the supervisor knows, for tests, logs and the plane's status line."""
 
     name: str
-    workers: list[WorkerInfo]
+    servers: list[EnvServerInfo]
     ready: int
     starting: int
     sessions: int
@@ -156,11 +176,20 @@ class EnvPoolStats(BaseModel):
     spawn_failures: int
     """Spawns that never became ready (load error, died while loading, readiness deadline)."""
     deaths: int
-    """Ready workers lost: died or wedged."""
+    """Ready servers lost: died or wedged."""
     restarts_left: int
     budget_denials: int
     """Spawns wanted (replacement or growth) but refused because the restart budget was spent."""
+    culprit_replacements: int = 0
+    """Servers wedged by a known session's call and replaced outside the restart budget: the request that
+    wedged each is charged instead (its poison bound limits what it costs)."""
     spawning_stopped: str | None = None
     """Set when the pool gave up spawning (a crash loop); why."""
     retired: list[str] = Field(default_factory=list)
-    """The most recent retirements, newest last: `"<worker>: <reason>"`."""
+    """The most recent retirements, newest last: `"<server>: <reason>"`."""
+
+    @property
+    def workers(self) -> list[EnvServerInfo]:
+        """The old name of `servers` (DESIGN.md, "Words": a worker is a rollout worker)."""
+        warn_renamed("EnvPoolStats.workers", "servers")
+        return self.servers

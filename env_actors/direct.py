@@ -1,20 +1,20 @@
 """A session's direct line to its `EnvServer`: handle lookup, the call itself, and telling the pool.
 
-A session's steps and score go from the rollout's process straight to the worker holding it, not through
-the pool, and batched: every call this event loop makes of one worker in one tick travels in one
-`call_many`. The worker answers each call that finished by the time the first did plus a short linger
+A session's steps and score go from the rollout's process straight to the server holding it, not through
+the pool, and batched: every call this event loop makes of one server in one tick travels in one
+`call_many`. The server answers each call that finished by the time the first did plus a short linger
 (`server.BATCH_LINGER_S`); the rest come back from `collect`, so a slow step never holds a fast one back
 for long. Turns that finish together (many rollouts' completions arriving in one tick) then cost one
 Ray round trip, not one each. What the pool still has to know travels on the side:
 
-- **Placement.** The pool picks the worker (`place_many`, one call per pool per tick for every session
-  this loop opens) and hands back its handle; the session's reset then goes to the worker directly.
+- **Placement.** The pool picks the server (`place_many`, one call per pool per tick for every session
+  this loop opens) and hands back its handle; the session's reset then goes to the server directly.
 - **A death.** Ray fails a dead actor's calls within milliseconds (`ActorDiedError`). The session then
-  asks the pool why the worker ended (`worker_lost`): the supervisor may have killed it as wedged, and
-  that reason is what the caller gets; if the supervisor had not noticed yet, it retires the worker now.
+  asks the pool why the server ended (`worker_lost`): the supervisor may have killed it as wedged, and
+  that reason is what the caller gets; if the supervisor had not noticed yet, it retires the server now.
 - **A session ended by its scored step.** The pool drops it from placement (`forget_many`), one call
   per pool per event-loop tick, not awaited by the rollout: a lost notice only leaves the session to the
-  pool's idle reaper, which asks the worker before closing anything.
+  pool's idle reaper, which asks the server before closing anything.
 
 Everything here has a deadline; nothing raises except `EnvCallFailed` (and `CancelledError`).
 """
@@ -34,15 +34,16 @@ from env_actors.supervisor import resolve
 from rollout_actors.kernel import Failure, Loss, process_owner
 from rollout_actors.kernel.coalescer import TickBatch, TickCoalescer, actor_key, per_loop
 from rollout_actors.kernel.faults import Fault, exit_detail, ray_loss
+from rollout_actors.kernel.renamed import warn_renamed
 
 logger = logging.getLogger(__name__)
 
 DIRECT_CALL_SLACK_S = 0.5
-"""The worker enforces each call's deadline itself; waiting this much longer only matters when it cannot
+"""The server enforces each call's deadline itself; waiting this much longer only matters when it cannot
 answer at all (a frozen process the supervisor has not retired yet)."""
-POOL_NOTICE_TIMEOUT_S = 5.0  # asking the pool for a handle or why a worker died; forgetting sessions
-WHY_LOST_TIMEOUT_S = 15.0  # the pool's verdict on a lost worker: worth waiting for, it decides poison
-MAX_PLACE_WAIT_S = 60.0  # a placement waits at most this for a replacement worker: a spawn's order of time
+POOL_NOTICE_TIMEOUT_S = 5.0  # asking the pool for a handle or why a server died; forgetting sessions
+WHY_LOST_TIMEOUT_S = 15.0  # the pool's verdict on a lost server: worth waiting for, it decides poison
+MAX_PLACE_WAIT_S = 60.0  # a placement waits at most this for a replacement server: a spawn's order of time
 
 
 FailureKind = Literal["env", "infrastructure", "caller"]
@@ -53,15 +54,21 @@ class EnvCallFailed(Fault):
     `lost`), `.kind` whose fault it was: `caller`, `env` (environment code) or `infrastructure` (ours)."""
 
     def __init__(
-        self, failure: Failure, kind: FailureKind = "infrastructure", worker_exit: str | None = None
+        self, failure: Failure, kind: FailureKind = "infrastructure", server_exit: str | None = None
     ):
         super().__init__(f"{failure.type}: {failure.message}", kind=kind)
         self._failure = failure
-        self.worker_exit = worker_exit
+        self.server_exit = server_exit
 
     @property
     def failure(self) -> Failure:
         return self._failure
+
+    @property
+    def worker_exit(self) -> str | None:
+        """The old name of `server_exit` (DESIGN.md, "Words": a worker is a rollout worker)."""
+        warn_renamed("EnvCallFailed.worker_exit", "server_exit")
+        return self.server_exit
 
 
 def unwrap(response: EnvResponse, method: str) -> Any:
@@ -69,14 +76,14 @@ def unwrap(response: EnvResponse, method: str) -> Any:
     if not response.success:
         failure = response.error or Failure(type="EnvCallFailed", message=f"{method} failed")
         kind: FailureKind = response.kind if response.kind in ("caller", "env") else "infrastructure"  # type: ignore[assignment]
-        raise EnvCallFailed(failure, kind, response.worker_exit)
+        raise EnvCallFailed(failure, kind, response.server_exit)
     return response.value
 
 
 async def call_server(
     pool: Any,
     server: Any,
-    worker: str,
+    server_name: str,
     method: SessionMethod,
     session_id: str,
     args: tuple,
@@ -84,8 +91,8 @@ async def call_server(
     score_if_done: bool = False,
     step: int | None = None,
 ) -> Any:
-    """`server.<method>(session_id, *args, timeout)` straight to the worker, in one `call_many` with every
-    call this loop makes of that worker in the same tick; every failure an `EnvCallFailed`, a lost worker
+    """`server.<method>(session_id, *args, timeout)` straight to the server, in one `call_many` with every
+    call this loop makes of that server in the same tick; every failure an `EnvCallFailed`, a lost server
     one whose `failure.lost` names the call and the session's `step`. A caller that gives up stops
     waiting; the call itself ends with its session (`close`)."""
     call = EnvCall(method, session_id, args, timeout, score_if_done)
@@ -96,7 +103,9 @@ async def call_server(
         # The server enforces the call's deadline itself (an `env` failure). No answer at all past it:
         # the rollout's own time ran out, or the server cannot answer; the supervisor judges the server
         # (a wedge it kills reaches the sessions on it as a loss), the rollout stops here.
-        message = f"env worker {worker} gave no answer to {method} within {timeout + DIRECT_CALL_SLACK_S:g} s"
+        message = (
+            f"env server {server_name} gave no answer to {method} within {timeout + DIRECT_CALL_SLACK_S:g} s"
+        )
         raise EnvCallFailed(Failure(type=DEADLINE_FAILURE, message=message, fault="unavailable")) from None
     except RayError as exc:
         how = ray_loss(exc)
@@ -104,25 +113,25 @@ async def call_server(
             raise EnvCallFailed(Failure.from_exception(exc)) from None
         if how == "unreachable":
             # Its node is unreachable (lost, or not yet declared dead, which takes Ray tens of seconds): the
-            # session cannot go on. Whether the worker is dead is the supervisor's call (hang_timeout_s);
+            # session cannot go on. Whether the server is dead is the supervisor's call (hang_timeout_s);
             # for the rollout it is a lost part, and the pool places nothing more on it.
-            _notice_unreachable(pool, worker)
-            reason, type_name, culprit = exit_detail(exc), "EnvWorkerUnreachable", None
+            _notice_unreachable(pool, server_name)
+            reason, type_name, culprit = exit_detail(exc), "EnvServerUnreachable", None
         else:
             # The supervisor may have killed it as wedged: that, not Ray's "killed", is how it was lost.
-            reason, how, culprit = await _why_lost(pool, worker, exit_detail(exc), session_id)
-            type_name = "EnvWorkerLost"
-        lost = Loss(part="env server", how=how, call=method, step=step, name=worker, culprit=culprit)
-        message = f"env worker {worker} was lost during {method}: {reason}"
+            reason, how, culprit = await _why_lost(pool, server_name, exit_detail(exc), session_id)
+            type_name = "EnvServerLost"
+        lost = Loss(part="env server", how=how, call=method, step=step, name=server_name, culprit=culprit)
+        message = f"env server {server_name} was lost during {method}: {reason}"
         failure = Failure(type=type_name, message=message, fault="lost", lost=lost)
-        raise EnvCallFailed(failure, worker_exit=reason) from None
+        raise EnvCallFailed(failure, server_exit=reason) from None
     return unwrap(response, method)
 
 
 async def place(pool: Any, session_id: str, timeout: float) -> tuple[str, Any]:
-    """(worker name, handle) the pool placed the new session on; `EnvCallFailed` if it could not."""
+    """(server name, handle) the pool placed the new session on; `EnvCallFailed` if it could not."""
     value = await pool_call(_place(pool, session_id, timeout), timeout, "place")
-    return value["worker"], value["handle"]
+    return value["server_name"], value["handle"]
 
 
 async def pool_call(answer: Awaitable[EnvResponse], wait_s: float, method: str) -> Any:
@@ -153,19 +162,21 @@ def forget_later(pool: Any, session_id: str) -> None:
     _forget(pool, session_id)
 
 
-def _notice_unreachable(pool: Any, worker: str) -> None:
+def _notice_unreachable(pool: Any, server_name: str) -> None:
     try:
-        pool.worker_unreachable.remote(worker)  # a notice: nobody waits for its answer
+        pool.worker_unreachable.remote(server_name)  # a notice: nobody waits for its answer
     except Exception:  # the pool is gone: nothing to tell
         pass
 
 
-async def _why_lost(pool: Any, worker: str, detail: str, session_id: str) -> tuple[str, Any, bool | None]:
-    """(why, how, culprit) the worker ended, as its pool's supervisor judged it: `died` or `wedged`, and
+async def _why_lost(
+    pool: Any, server_name: str, detail: str, session_id: str
+) -> tuple[str, Any, bool | None]:
+    """(why, how, culprit) the server ended, as its pool's supervisor judged it: `died` or `wedged`, and
     whether this session's own call was the one that wedged it."""
     try:
         reason, how, culprit = await asyncio.wait_for(
-            resolve(pool.worker_lost.remote(worker, detail, session_id)), WHY_LOST_TIMEOUT_S
+            resolve(pool.worker_lost.remote(server_name, detail, session_id)), WHY_LOST_TIMEOUT_S
         )
         return reason, how, culprit
     except Exception:  # the pool is gone or busy: Ray's word is all there is, and no verdict on the
@@ -174,7 +185,7 @@ async def _why_lost(pool: Any, worker: str, detail: str, session_id: str) -> tup
 
 
 async def _send_calls(batch: TickBatch) -> None:
-    """One `call_many` for a tick's calls to one worker, then `collect` until every call is answered."""
+    """One `call_many` for a tick's calls to one server, then `collect` until every call is answered."""
     live = [
         (call, waiter) for call, waiter in zip(batch.items, batch.waiters, strict=True) if not waiter.done()
     ]
@@ -198,9 +209,10 @@ async def _send_calls(batch: TickBatch) -> None:
 
 
 async def _send_places(batch: TickBatch) -> None:
-    """One `place_many` for every session this loop opens on one pool in the tick; `deadline` is the
-    longest the pool may wait for a replacement worker."""
-    pool, session_ids, wait_s = batch.target, batch.items, batch.deadline
+    """One `place_many` for every session this loop opens on one pool in the tick; until `deadline` the
+    pool may wait for a replacement server."""
+    pool, session_ids = batch.target, batch.items
+    wait_s = max(0.0, batch.deadline - asyncio.get_running_loop().time())
     answers = await asyncio.wait_for(
         resolve(pool.place_many.remote(session_ids, process_owner(), wait_s)), wait_s + POOL_NOTICE_TIMEOUT_S
     )
@@ -222,16 +234,16 @@ async def _send_forgets(batch: TickBatch) -> None:
 
 
 async def _call(server: Any, call: EnvCall) -> EnvResponse:
-    """One session call, sent with this tick's other calls to the same worker."""
+    """One session call, sent with this tick's other calls to the same server."""
     return await per_loop(TickCoalescer).add(("call", actor_key(server)), server, call, _send_calls)
 
 
 async def _place(pool: Any, session_id: str, timeout: float) -> EnvResponse:
     """One placement, asked with every other session this loop opens on the pool in this tick. The pool
-    may wait up to `timeout` for a replacement worker when none is ready."""
-    wait_s = min(timeout, MAX_PLACE_WAIT_S)
+    may wait up to `timeout` for a replacement server when none is ready."""
+    deadline = asyncio.get_running_loop().time() + min(timeout, MAX_PLACE_WAIT_S)
     return await per_loop(TickCoalescer).add(
-        ("place", actor_key(pool)), pool, session_id, _send_places, wait_s
+        ("place", actor_key(pool)), pool, session_id, _send_places, deadline
     )
 
 

@@ -106,8 +106,8 @@ class ResetOut(BaseModel):
     session_id: str
     messages: list[Message]
     tools: list[dict[str, Any]] | None = None
-    worker: str | None = None
-    """Which env worker holds the session (for logs and fault tests)."""
+    server_name: str | None = None
+    """Which env server holds the session (for logs and fault tests)."""
 
     @field_validator("messages", mode="before")
     @classmethod
@@ -154,7 +154,7 @@ class StepOut(BaseModel):
     result (`Turn.reward`) and in `trainer_samples`. It is not the episode's reward (`score`)."""
     score: ScoreOut | None = None
     """Set by the server, never by the environment: the episode's score when the step was asked to score
-    if done (`score_if_done`) and was done. The session has then ended on its worker (`close` ran)."""
+    if done (`score_if_done`) and was done. The session has then ended on its server (`close` ran)."""
 
     @field_validator("messages", mode="before")
     @classmethod
@@ -171,7 +171,7 @@ class EnvResponse(BaseModel):
     `kind` is classified where the failure happened: `caller` for a `CallerError` raised by the environment
     (or a session the caller got wrong), `env` for the environment's own faults (it raised, answered
     something that is not its answer, missed its deadline), `infrastructure` for ours (a dead or wedged
-    worker, no live worker).
+    env server, no live server).
     """
 
     success: bool
@@ -179,31 +179,31 @@ class EnvResponse(BaseModel):
     """`ResetOut`/`StepOut`/`ScoreOut` as a dict, a task count, or None."""
     error: Failure | None = None
     kind: EnvCallKind = "ok"
-    worker_exit: str | None = None
-    """How the worker that held the call ended (Ray's exit detail, or why it was judged wedged)."""
-    worker: str | None = None
+    server_exit: str | None = None
+    """How the env server that held the call ended (Ray's exit detail, or why it was judged wedged)."""
+    server_name: str | None = None
 
     @classmethod
-    def ok(cls, value: Any = None, worker: str | None = None) -> EnvResponse:
-        return cls(success=True, value=value, worker=worker)
+    def ok(cls, value: Any = None, server_name: str | None = None) -> EnvResponse:
+        return cls(success=True, value=value, server_name=server_name)
 
     @classmethod
     def failed(
         cls,
         failure: Failure,
         kind: EnvCallKind = "infrastructure",
-        worker: str | None = None,
-        worker_exit: str | None = None,
+        server_name: str | None = None,
+        server_exit: str | None = None,
     ) -> EnvResponse:
-        return cls(success=False, error=failure, kind=kind, worker=worker, worker_exit=worker_exit)
+        return cls(success=False, error=failure, kind=kind, server_name=server_name, server_exit=server_exit)
 
     @classmethod
-    def from_exception(cls, exc: BaseException, worker: str | None = None) -> EnvResponse:
+    def from_exception(cls, exc: BaseException, server_name: str | None = None) -> EnvResponse:
         # Raised while running environment code (the server's `_guard`): the environment's fault.
         kind: EnvCallKind = "caller" if isinstance(exc, CallerError) else "env"
         failure = Failure.from_exception(exc)
         failure.fault = failure.fault or kind
-        return cls.failed(failure, kind, worker=worker)
+        return cls.failed(failure, kind, server_name=server_name)
 
 
 SessionMethod = Literal["reset", "step", "score", "agent"]

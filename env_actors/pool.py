@@ -3,7 +3,7 @@
     pool = await start_env_pool("math", Ref("env_actors.examples.math_env:MathEnv"), EnvPoolConfig(), 120)
     session = await EnvSession.open(pool, task_index=3, task=None, timeout=60)   # see session.py
     ...
-    await stop_env_pool(pool)
+    await close_env_pool(pool)
 
 The pool is an async actor that only waits (num_cpus=0). It places each new session on the least-busy ready
 worker (`place_many`) and ends sessions (`end_session`), answering each call with an `EnvResponse` within the
@@ -31,9 +31,18 @@ from env_actors.sessions import OpenSessions
 from env_actors.supervisor import ServerSlot, Supervisor, exit_detail, resolve
 from rollout_actors.kernel import Failure, Ref
 from rollout_actors.kernel.faults import ray_loss
+from rollout_actors.kernel.renamed import warn_renamed
 from rollout_actors.kernel.supervision import Health
 
-__all__ = ["EnvPool", "EnvPoolConfig", "EnvStartupError", "get_env_pool", "start_env_pool", "stop_env_pool"]
+__all__ = [
+    "EnvPool",
+    "EnvPoolConfig",
+    "EnvStartupError",
+    "close_env_pool",
+    "get_env_pool",
+    "start_env_pool",
+    "stop_env_pool",  # the old name of close_env_pool
+]
 
 POOL_CALL_SLACK_S = 0.5
 """The server enforces each call's deadline itself; the pool waits this much longer, which only matters
@@ -68,7 +77,6 @@ class EnvPool:
         self._retired: OrderedDict[str, tuple[str, str, str | None]] = OrderedDict()
         """Retired worker -> (why, how: `died` or `wedged`, the session whose call wedged it), for the
         sessions that find it gone."""
-        """Worker name -> why it was retired, for sessions whose direct call found it dead."""
         self._lost_owners: OrderedDict[str, None] = OrderedDict()
         self._supervisor = Supervisor(name, env, config, self._sessions, self._on_retire)
         self._started = False
@@ -107,7 +115,7 @@ class EnvPool:
         self, session_ids: list[str], owner: str | None = None, wait_s: float = 0.0
     ) -> list[EnvResponse]:
         """Place new sessions on the least-busy ready workers without starting them; each value is
-        `{"worker": name, "handle": handle}`. The opener then sends `reset` to the worker itself (batched
+        `{"server_name": name, "handle": handle}`. The opener then sends `reset` to the worker itself (batched
         with that worker's other calls, see `direct.py`), and ends the session with `end_session` if the reset
         fails. A placed session counts toward placement at once. With no ready worker but a replacement
         starting, placement waits for it up to `wait_s`; with none coming it fails at once. `owner`: the
@@ -129,7 +137,7 @@ class EnvPool:
                 answers.append(self._no_live_worker())
                 continue
             self._sessions.add(session_id, slot.name, time.monotonic(), owner)
-            answers.append(EnvResponse.ok({"worker": slot.name, "handle": slot.handle}, slot.name))
+            answers.append(EnvResponse.ok({"server_name": slot.name, "handle": slot.handle}, slot.name))
         return answers
 
     async def close_owned(self, owner: str) -> int:
@@ -184,7 +192,7 @@ class EnvPool:
         sup = self._supervisor
         return EnvPoolStats(
             name=self._name,
-            workers=[w.info(self._sessions.on(w.name)) for w in sup.workers.values()],
+            servers=[w.info(self._sessions.on(w.name)) for w in sup.workers.values()],
             ready=len(sup.ready()),
             starting=len(sup.starting()),
             sessions=len(self._sessions),
@@ -194,12 +202,13 @@ class EnvPool:
             deaths=sup.deaths,
             restarts_left=sup.budget.remaining(),
             budget_denials=sup.budget_denials,
+            culprit_replacements=sup.spawned_for["blamed"],
             spawning_stopped=sup.stopped,
             retired=list(sup.retired_log),
         )
 
-    async def shutdown(self) -> EnvPoolStats:
-        """Stop supervising and kill every worker; in-flight calls fail at once. Idempotent."""
+    async def close(self) -> EnvPoolStats:
+        """Stop supervising and kill every env server; in-flight calls fail at once. Idempotent."""
         self._closed = True
         await self._supervisor.close()
         return await self.stats()
@@ -222,12 +231,12 @@ class EnvPool:
             call.cancel()
             if slot.gone.done():
                 reason = slot.gone.result()[0]
-                message = f"env worker {slot.name} was retired during {method}: {reason}"
+                message = f"env server {slot.name} was retired during {method}: {reason}"
                 return EnvResponse.failed(
-                    Failure(type="EnvWorkerLost", message=message), worker=slot.name, worker_exit=reason
+                    Failure(type="EnvServerLost", message=message), server_name=slot.name, server_exit=reason
                 )
-            message = f"{method} got no answer from env worker {slot.name} within its {deadline:g} s deadline"
-            return EnvResponse.failed(Failure(type=DEADLINE_FAILURE, message=message), worker=slot.name)
+            message = f"{method} got no answer from env server {slot.name} within its {deadline:g} s deadline"
+            return EnvResponse.failed(Failure(type=DEADLINE_FAILURE, message=message), server_name=slot.name)
         finally:
             slot.inflight -= 1
 
@@ -239,10 +248,10 @@ class EnvPool:
             detail = exit_detail(exc)
             self._supervisor.retire(slot, f"died: {detail}", "died")
             failure = Failure(
-                type=type(exc).__name__, message=f"env worker {slot.name} died during {method}: {detail}"
+                type=type(exc).__name__, message=f"env server {slot.name} died during {method}: {detail}"
             )
-            return EnvResponse.failed(failure, worker=slot.name, worker_exit=detail)
-        return EnvResponse.failed(Failure.from_exception(exc), worker=slot.name)
+            return EnvResponse.failed(failure, server_name=slot.name, server_exit=detail)
+        return EnvResponse.failed(Failure.from_exception(exc), server_name=slot.name)
 
     def _on_retire(self, slot: ServerSlot, reason: str) -> None:
         wedged = slot.gone.done() and slot.gone.result()[1] == "wedged"
@@ -296,9 +305,9 @@ class EnvPool:
         if sup.stopped:
             detail += f"; spawning stopped: {sup.stopped}"
         message = (
-            f"no live env worker in pool {self._name!r} ({detail}); failing at once rather than queueing"
+            f"no live env server in pool {self._name!r} ({detail}); failing at once rather than queueing"
         )
-        return EnvResponse.failed(Failure(type="NoLiveEnvWorker", message=message))
+        return EnvResponse.failed(Failure(type="NoLiveEnvServer", message=message))
 
     def _closed_response(self) -> EnvResponse:
         return EnvResponse.failed(
@@ -366,15 +375,21 @@ def get_env_pool(name: str) -> Any:
     return ray.get_actor(name)
 
 
-async def stop_env_pool(handle: Any, timeout: float = 10.0) -> EnvPoolStats | None:
-    """Shut the pool down (its workers are killed) and kill the pool actor. Never raises."""
+async def close_env_pool(handle: Any, timeout: float = 10.0) -> EnvPoolStats | None:
+    """Close the pool (its env servers are killed) and kill the pool actor. Never raises."""
     stats = None
     try:
-        stats = await asyncio.wait_for(resolve(handle.shutdown.remote()), timeout)
+        stats = await asyncio.wait_for(resolve(handle.close.remote()), timeout)
     except Exception:  # a dead or wedged pool is killed below all the same
         pass
     _kill(handle)
     return stats
+
+
+async def stop_env_pool(handle: Any, timeout: float = 10.0) -> EnvPoolStats | None:
+    """The old name of `close_env_pool` (DESIGN.md, "Words": close is the one stop verb)."""
+    warn_renamed("stop_env_pool", "close_env_pool")
+    return await close_env_pool(handle, timeout)
 
 
 def _kill(handle: Any) -> None:

@@ -55,7 +55,7 @@ logger = logging.getLogger(__name__)
 
 class EnvServer:
     """Serves one environment to many sessions. Created (unready) by the supervisor, which then awaits
-    `start()` (construct + load) and one `health()` answer: only then does the worker take traffic.
+    `start()` (construct + load) and one `health()` answer: only then does the server take traffic.
 
     Every call takes the deadline the pool computed and answers an `EnvResponse`; it never raises.
     """
@@ -63,13 +63,13 @@ class EnvServer:
     def __init__(
         self,
         env: Ref,
-        worker: str,
+        name: str,
         allowed_prefixes: tuple[str, ...] = DEFAULT_ALLOWED_PREFIXES,
         limits: EnvCallLimits = EnvCallLimits(),
         env_packages: tuple[str, ...] = (),
     ):
         self._ref = env
-        self._worker = worker
+        self._name = name
         self._resolver = RefResolver(allowed_prefixes)
         """The allowlist is the pool's configuration, fixed here: nothing a request carries reaches it."""
         self._limits = limits
@@ -98,7 +98,7 @@ class EnvServer:
     async def start(self) -> EnvResponse:
         """Construct the environment from its Ref and load it. Idempotent once ready."""
         if self._env is not None:
-            return EnvResponse.ok(self._ready_info(), self._worker)
+            return EnvResponse.ok(self._ready_info(), self._name)
         self._loop_thread = threading.get_ident()
         self._watch.bind()
         try:
@@ -118,10 +118,10 @@ class EnvServer:
         except Exception as exc:
             self._phase = "failed"
             self._env = None
-            return EnvResponse.from_exception(exc, self._worker)
+            return EnvResponse.from_exception(exc, self._name)
         self._phase = "ready"
         settle_actor()  # the environment is loaded: it lives as long as this process
-        return EnvResponse.ok(info, self._worker)
+        return EnvResponse.ok(info, self._name)
 
     def _ready_info(self) -> dict[str, Any]:
         return {
@@ -218,7 +218,7 @@ class EnvServer:
         if call.method in ("reset", "score", "agent"):
             return getattr(self, call.method)(call.session_id, *call.args, call.timeout_s)
         failure = Failure(type="CallerError", message=f"{call.method!r} cannot be batched")
-        return _answer(EnvResponse.failed(failure, "caller", self._worker))
+        return _answer(EnvResponse.failed(failure, "caller", self._name))
 
     async def collect(self, tickets: list[int]) -> list[EnvAnswer]:
         """Answers of batched calls: each one finished within `BATCH_LINGER_S` of the first to finish;
@@ -275,25 +275,25 @@ class EnvServer:
         try:
             async with scope:
                 value = await work
-            return EnvResponse.ok(value, self._worker)
+            return EnvResponse.ok(value, self._name)
         except TimeoutError as exc:
             if not scope.expired():  # the environment's own TimeoutError, not our deadline
-                return EnvResponse.from_exception(exc, self._worker)
-            message = f"{method} exceeded its {timeout:g} s deadline on env worker {self._worker}"
+                return EnvResponse.from_exception(exc, self._name)
+            message = f"{method} exceeded its {timeout:g} s deadline on env server {self._name}"
             missed = Failure(type=DEADLINE_FAILURE, message=message, fault="env")  # the environment's
-            return EnvResponse.failed(missed, "env", worker=self._worker)
+            return EnvResponse.failed(missed, "env", server_name=self._name)
         except Exception as exc:
-            return EnvResponse.from_exception(exc, self._worker)
+            return EnvResponse.from_exception(exc, self._name)
 
     def _loaded(self) -> Any:
         if self._env is None:
-            raise RuntimeError(f"env worker {self._worker} is not loaded (phase {self._phase})")
+            raise RuntimeError(f"env server {self._name} is not loaded (phase {self._phase})")
         return self._env
 
     def _state(self, session_id: str) -> Any:
         if session_id not in self._sessions:
             raise CallerError(
-                f"no session {session_id!r} on env worker {self._worker} (closed or never started)"
+                f"no session {session_id!r} on env server {self._name} (closed or never started)"
             )
         return self._sessions[session_id]
 
@@ -310,7 +310,9 @@ class EnvServer:
         elif not isinstance(task, dict):
             raise CallerError(f"a task is a JSON object, got {type(task).__name__}")
         start = await run_env_code(env.reset, task)
-        out = ResetOut(session_id=session_id, messages=start.messages, tools=start.tools, worker=self._worker)
+        out = ResetOut(
+            session_id=session_id, messages=start.messages, tools=start.tools, server_name=self._name
+        )
         self._sessions[session_id] = start.state
         self._last_used[session_id] = time.monotonic()
         return out.model_dump()
@@ -358,7 +360,7 @@ class EnvServer:
             await self._close(session_id)
         except Exception:
             logger.warning(
-                "env worker %s: close of scored session %s raised", self._worker, session_id, exc_info=True
+                "env server %s: close of scored session %s raised", self._name, session_id, exc_info=True
             )
 
 
@@ -385,7 +387,7 @@ def create_env_server(name: str, env: Ref, config: EnvPoolConfig) -> ray.actor.A
     runtime_env = uploaded_runtime_env(config.runtime_env) if config.runtime_env is not None else None
     python = runtime_env and runtime_env.get("py_executable")
     if python and not os.access(python, os.X_OK):
-        # Ray retries a worker whose interpreter is missing for ever: refused here, on the pool's node
+        # Ray retries a process whose interpreter is missing for ever: refused here, on the pool's node
         # (interpreters are at the same path on every node), as the configuration's fault.
         raise CallerError(f"the env pool's runtime_env.py_executable {python!r} is not an executable here")
     actor = _EnvServerActor.options(
@@ -425,7 +427,7 @@ def uploaded_runtime_env(runtime_env: EnvRuntimeEnv) -> dict[str, Any]:
 
 
 # Concurrency groups can only be declared here, not in `.options()`. No Ray-level restarts: the
-# supervisor replaces workers under its restart budget; Ray restarting them behind its back would hide
+# supervisor replaces servers under its restart budget; Ray restarting them behind its back would hide
 # deaths and spend no budget.
 _EnvServerActor = ray.remote(
     concurrency_groups={PROBE_GROUP: PROBE_GROUP_SIZE}, max_restarts=0, max_task_retries=0

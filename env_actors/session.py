@@ -13,15 +13,15 @@
         await session.close()                   # idempotent, never raises
 
 `score_if_done=True` folds the last step, the score and the close into one call: a step that ends the
-episode comes back with its score, and the session has already ended on its worker (`close` is then a
+episode comes back with its score, and the session has already ended on its server (`close` is then a
 no-op; `score` fails as on any closed session). Without it, or while not done, a step is just a step.
 
-The pool places the session (`place_many`); its reset, steps and score then go straight to the worker,
+The pool places the session (`place_many`); its reset, steps and score then go straight to the server,
 batched per event-loop tick (`direct.py`); close goes through the pool. Every call has a deadline. A
 failed call raises `EnvCallFailed` carrying the `Failure` and its kind: `caller` when the request was at
 fault (a `CallerError` in the environment: bad task index, malformed task), `env` when the environment's
-code raised, answered garbage or missed its deadline, `infrastructure` for ours (its worker died or
-wedged: `failure.lost` says where; no live worker; the pool itself is gone). A rollout maps the kind onto
+code raised, answered garbage or missed its deadline, `infrastructure` for ours (its env server died or
+wedged: `failure.lost` says where; no live server; the pool itself is gone). A rollout maps the kind onto
 its `Result`.
 """
 
@@ -38,6 +38,7 @@ from env_actors.direct import EnvCallFailed, call_server, forget_later, place, p
 from env_actors.interface import EnvResponse, ResetOut, ScoreOut, SessionMethod, StepOut
 from env_actors.supervisor import resolve
 from rollout_actors.kernel import Failure, new_id
+from rollout_actors.kernel.renamed import warn_renamed
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ SESSION_CALL_SLACK_S = 3.0
 
 @dataclass
 class EnvSession:
-    """One episode of one environment, pinned to one env worker for its whole life."""
+    """One episode of one environment, pinned to one env server for its whole life."""
 
     pool: Any
     """The EnvPool actor handle."""
@@ -57,8 +58,8 @@ class EnvSession:
     messages: list[dict[str, Any]]
     """The opening messages from `reset`."""
     tools: list[dict[str, Any]] | None
-    worker: str
-    """The env worker holding this session."""
+    server_name: str
+    """The env server holding this session (its actor name)."""
     server: Any
     """Its handle: reset, steps and score go to it directly."""
     closed: bool = False
@@ -66,6 +67,12 @@ class EnvSession:
     """Steps taken: the point (`Loss.step`) a lost env server is reported at (0 is the reset)."""
     _inflight: set[Any] = field(default_factory=set, init=False, repr=False)
     """Agent runs in flight (asyncio tasks), cancelled by `close`."""
+
+    @property
+    def worker(self) -> str:
+        """The old name of `server_name` (DESIGN.md, "Words": a worker is a rollout worker)."""
+        warn_renamed("EnvSession.worker", "server_name")
+        return self.server_name
 
     @classmethod
     async def open(
@@ -75,12 +82,12 @@ class EnvSession:
         task: dict[str, Any] | None = None,
         timeout: float = 60.0,
     ) -> EnvSession:
-        """Start a session for a task (by index, or the task itself) on the least-busy ready worker."""
+        """Start a session for a task (by index, or the task itself) on the least-busy ready server."""
         session_id = new_id("envsess")
-        worker, server = await place(pool, session_id, timeout)
+        server_name, server = await place(pool, session_id, timeout)
         try:
             value = await call_server(
-                pool, server, worker, "reset", session_id, (task_index, task), timeout, step=0
+                pool, server, server_name, "reset", session_id, (task_index, task), timeout, step=0
             )
             out = _answer_of(ResetOut, value, "reset")
         except BaseException:  # failed, timed out or cancelled: the placement (or a late reset) is ended
@@ -91,7 +98,7 @@ class EnvSession:
             session_id=session_id,
             messages=out.messages,
             tools=out.tools,
-            worker=out.worker,
+            server_name=out.server_name,
             server=server,
         )
 
@@ -104,7 +111,7 @@ class EnvSession:
         value = await self._direct("step", (assistant_message,), timeout, score_if_done)
         out = _answer_of(StepOut, value, "step")
         if out.score is not None:
-            self.closed = True  # the worker ended the session with this step; nothing is left to close
+            self.closed = True  # the server ended the session with this step; nothing is left to close
             forget_later(self.pool, self.session_id)
         return out
 
@@ -120,12 +127,12 @@ class EnvSession:
         return _answer_of(ScoreOut, await self._direct("score", (), timeout), "score")
 
     async def close(self, timeout: float = 5.0) -> None:
-        """End the session on its worker. Idempotent; never raises. The close request is submitted before
+        """End the session on its server. Idempotent; never raises. The close request is submitted before
         the first await, so a rollout cancelled while closing still ends its session."""
         if self.closed:
             return
         self.closed = True
-        for task in list(self._inflight):  # an agent still running on the worker stops there too
+        for task in list(self._inflight):  # an agent still running on the server stops there too
             task.cancel()
         try:
             await _call(
@@ -147,13 +154,13 @@ class EnvSession:
     async def _direct(
         self, method: SessionMethod, args: tuple, timeout: float, score_if_done: bool = False
     ) -> Any:
-        """One call straight to the worker. An agent run is cancellable by `close` from another task (the
+        """One call straight to the server. An agent run is cancellable by `close` from another task (the
         rollout serves the agent's endpoint meanwhile); a reset, step or score is awaited by the rollout's
         own task, which a cancellation or its deadline reaches directly: no task of its own per turn."""
         call = call_server(
             self.pool,
             self.server,
-            self.worker,
+            self.server_name,
             method,
             self.session_id,
             args,

@@ -56,6 +56,11 @@ class OpenSessions:
         """How many open sessions `worker` holds."""
         return len(self._by_worker.get(worker, ()))
 
+    def only_one_on(self, worker: str) -> str | None:
+        """The one session `worker` holds; None when it holds none or several."""
+        on_worker = self._by_worker.get(worker, ())
+        return next(iter(on_worker)) if len(on_worker) == 1 else None
+
     def owned_by(self, owner: str) -> list[str]:
         return [sid for sid, session in self._by_id.items() if session.owner == owner]
 

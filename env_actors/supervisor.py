@@ -7,8 +7,13 @@ The kernel decides what a death means (probes, wedges, retirement, replacement o
   start at once with the environment's traceback, a runtime_env that did not build is the caller's;
 - placement: the ready server with the fewest sessions, preferring those that showed life lately;
 - growth: one server more when open sessions reach `grow_fraction` of capacity, one less when idle for
-  `idle_timeout_s` above `min_workers`; a server lost below `min_workers` is replaced. Every spawn after
-  the initial `min_workers` (replacement or growth) spends one restart from the budget.
+  `idle_timeout_s` above `min_servers`; a server lost below `min_servers` is replaced. Every spawn after
+  the initial `min_servers` (replacement or growth) spends one restart from the budget, but one:
+- blame: a server judged wedged while one session's call blocked its loop (`ServerSlot.blocking`, named
+  by its probe answers; asked once more before retirement when they named nobody) is replaced outside
+  the budget. That request pays for it instead: its poison bound (two servers at one point,
+  `max_dispatches` in all) limits what it costs, and its fellow sessions are told they were collateral.
+  Losses nobody can be blamed for (deaths, wedges of unknown cause, spawn failures) spend the budget.
 """
 
 from __future__ import annotations
@@ -17,11 +22,11 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from env_actors.config import EnvPoolConfig, EnvServerHealth, WorkerInfo
+from env_actors.config import EnvPoolConfig, EnvServerHealth, EnvServerInfo
 from env_actors.runtime_env_check import started_unless_pip_fails
 from env_actors.server import create_env_server
 from env_actors.sessions import OpenSessions
@@ -45,10 +50,16 @@ ENV_RESTARTS_USED = Metric(
     tag_keys=_POOL_TAGS,
 )
 
-BLOCKED_S = 0.5  # a probe reporting less loop stall than this says the loop runs: no call blocks it
 DIAGNOSE_TIMEOUT_S = 0.5  # one probe to say why a server missed its readiness deadline
 
 __all__ = ["ServerSlot", "Supervisor", "exit_detail", "resolve"]
+
+
+def _read_blocker(slot: ServerSlot, sent: int, answer: asyncio.Future[EnvServerHealth]) -> None:
+    if answer.cancelled() or answer.exception() is not None or sent < slot.answered:
+        return
+    if slot.state == "ready":  # a retired server's blocker was read at its retirement
+        slot.answered, slot.blocking = sent, answer.result().blocking
 
 
 async def resolve(ref: Any) -> Any:
@@ -73,14 +84,19 @@ class ServerSlot(Child):
     node_id: str | None = None
     idle_since: float = 0.0
     blocking: str | None = None
-    """The session whose env call held its loop at the last probe (the one that wedged it, if it was)."""
+    """The session whose env call held its loop at the newest-sent probe answered (the one that wedged
+    it, if it was), late answers included; None once an answer shows the loop running, or names no call."""
+    probes_sent: int = 0
+    answered: int = 0
+    """The newest probe (by `probes_sent`) whose answer set `blocking`: an older answer arriving late
+    does not overwrite a newer one."""
     unreachable_at: float | None = None
     """When a session last found it unreachable; it takes no new session until it shows life after that."""
 
-    def info(self, sessions: int) -> WorkerInfo:
+    def info(self, sessions: int) -> EnvServerInfo:
         state = "ready" if self.state == "ready" else "starting"
-        return WorkerInfo(
-            worker=self.name,
+        return EnvServerInfo(
+            name=self.name,
             state=state,
             sessions=sessions,
             inflight=self.inflight,
@@ -148,12 +164,12 @@ class Supervisor(KernelSupervisor[ServerSlot], ChildKind[ServerSlot]):
     # ------------------------------------------------------------------------------------ startup
 
     async def start(self, ready_timeout: float) -> Failure | None:
-        """Spawn `min_workers` and wait for the first to be ready. On failure everything is retired and
+        """Spawn `min_servers` and wait for the first to be ready. On failure everything is retired and
         the failure returned: a load error at once (with the environment's traceback), servers that died
         while loading past the restart budget, or the readiness deadline."""
         deadline = time.monotonic() + ready_timeout
         try:
-            for _ in range(self.config.min_workers):
+            for _ in range(self.config.min_servers):
                 self.spawn("initial", ready_timeout)
         except Exception as exc:  # nothing could be created (a malformed runtime_env, resources)
             await self.close()
@@ -168,7 +184,7 @@ class Supervisor(KernelSupervisor[ServerSlot], ChildKind[ServerSlot]):
             done, _ = await asyncio.wait(pending, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED)
             if not done:
                 failure = Failure(
-                    type="EnvReadinessTimeout", message=f"no env worker ready in {ready_timeout} s"
+                    type="EnvReadinessTimeout", message=f"no env server ready in {ready_timeout} s"
                 )
             for up in done:
                 exc = up.exception()
@@ -192,8 +208,8 @@ class Supervisor(KernelSupervisor[ServerSlot], ChildKind[ServerSlot]):
             )
             last = exit_detail(died[-1]) if died else "unknown"
             failure = Failure(
-                type="EnvWorkerDied",
-                message=f"env worker died while loading {len(died)} time(s); {why}; last: died while "
+                type="EnvServerDied",
+                message=f"env server died while loading {len(died)} time(s); {why}; last: died while "
                 f"loading: {last}",
             )
         await self.close()
@@ -237,17 +253,31 @@ class Supervisor(KernelSupervisor[ServerSlot], ChildKind[ServerSlot]):
             "(a hanging constructor or load()?)"
         )
 
-    async def signs(self, slot: ServerSlot) -> AsyncIterator[EnvServerHealth]:
-        async for health in super().signs(slot):
-            # Kept through the stall (a later probe may go unanswered), forgotten once the loop runs.
-            if health.blocking is not None or health.loop_stall_s < BLOCKED_S:
-                slot.blocking = health.blocking
-            yield health
+    async def probe(self, slot: ServerSlot) -> EnvServerHealth:
+        # The supervisor stops waiting at `probe_timeout_s`; the answer is still read when it comes (on a
+        # loaded machine a probe may take longer than that, and a late answer still names the call that
+        # blocks the loop). An answer names a call only while the loop is stalled past
+        # `BLOCKING_AFTER_S`: kept through the stall, forgotten with a newer answer once the loop runs.
+        slot.probes_sent += 1
+        answer = asyncio.ensure_future(resolve(slot.handle.health.remote()))
+        answer.add_done_callback(lambda done, sent=slot.probes_sent: _read_blocker(slot, sent, done))
+        return await asyncio.shield(answer)
+
+    def wants_last_probe(self, slot: ServerSlot) -> bool:
+        # Under load no answer may have come since the stall grew long enough to name its call: one more
+        # probe tells a request that wedged it from a frozen process, and the collateral from the culprit.
+        return slot.blocking is None
+
+    def budgets_replacement(self, slot: ServerSlot, cause: RetireCause) -> bool:
+        return not (cause == "wedged" and slot.blocking is not None)
 
     def on_ready(self, slot: ServerSlot) -> None:
         slot.idle_since = time.monotonic()
 
     def on_retired(self, slot: ServerSlot, reason: str, cause: RetireCause) -> None:
+        if cause == "wedged" and slot.blocking is None:
+            # No answer named the call, but a server holding one session can only have been wedged by it.
+            slot.blocking = self.sessions.only_one_on(slot.name)
         self._on_retire(slot, reason)
 
     def tick(self, now: float) -> None:
@@ -256,15 +286,15 @@ class Supervisor(KernelSupervisor[ServerSlot], ChildKind[ServerSlot]):
         ready, starting = self.ready(), self.starting()
         live = len(ready) + len(starting)
         sessions = sum(self.sessions.on(w.name) for w in ready)
-        if live < cfg.min_workers:
+        if live < cfg.min_servers:
             self.spawn("restart")
         elif (
             not starting
-            and live < cfg.max_workers
+            and live < cfg.max_servers
             and sessions >= cfg.grow_fraction * len(ready) * cfg.multiplex
         ):
             self.spawn("grow")
-        elif len(ready) > cfg.min_workers and sessions < cfg.grow_fraction * (len(ready) - 1) * cfg.multiplex:
+        elif len(ready) > cfg.min_servers and sessions < cfg.grow_fraction * (len(ready) - 1) * cfg.multiplex:
             idle = [
                 w
                 for w in ready

@@ -1,17 +1,17 @@
-"""Coalesce this process's concurrent renderer-side calls, per event-loop tick: one `lease_many` for every
-lease asked for in the tick, one `ready` call per renderer, one `release_many` per tick, and one
+"""Coalesce this process's concurrent renderer-side calls, per event-loop tick: one `acquire_many` for every
+slot asked for in the tick, one `ready` call per renderer, one `release_many` per tick, and one
 `call_many` per renderer for every start / parse / bridge asked of it in the tick.
 
 Why: a rollout worker runs thousands of rollouts at once, and every Ray call costs about half a
 millisecond of CPU on each side on a small machine, more than a parse or a bridge itself. Issued one by
-one, 2,048 leases queue for seconds and the last rollout to ask waits several times longer than the
+one, 2,048 slot requests queue for seconds and the last rollout to ask waits several times longer than the
 first; turns that finish together (a wave, or a busy loop whose ticks hold many answers) pay the hop
 once per tick instead of once per rollout. A quiet loop sends batches of one: no call waits for company.
 
 Ownership: one `BatchedCalls` per event loop owns its flush tasks (the kernel's `TickCoalescer`, the same
 skeleton the env sessions' direct calls use); each is bounded, and each waiter bounds
-its own wait with its deadline. A waiter that gives up before its lease arrives cancels its future; the
-flush sees that and returns the lease to the pool, so nothing leaks. A render call whose waiter gave up
+its own wait with its deadline. A waiter that gives up before its slot arrives cancels its future; the
+flush sees that and returns the slot to the pool, so nothing leaks. A render call whose waiter gave up
 still runs (it is short and stateless); its answer is dropped.
 """
 
@@ -21,7 +21,7 @@ import asyncio
 import functools
 from typing import Any
 
-from renderer_actors.calls import RendererLease
+from renderer_actors.calls import RendererSlot
 from rollout_actors.kernel import Failure, process_owner
 from rollout_actors.kernel.coalescer import TickBatch, TickCoalescer, actor_key, per_loop
 
@@ -60,11 +60,11 @@ class BatchedCalls:
         async with asyncio.timeout(timeout):
             return await waiter
 
-    async def lease(self, pool: Any, key_json: str, multiplex: int, timeout: float) -> RendererLease:
-        """One lease, from a `lease_many` shared with every other lease asked for in this tick."""
-        key = ("lease", actor_key(pool), key_json, multiplex)
-        waiter = self._ticks.add(key, pool, None, functools.partial(_send_leases, key_json, multiplex))
-        # Not shielded: a timeout cancels the waiter, which tells the flush to hand its lease back.
+    async def acquire(self, pool: Any, key_json: str, multiplex: int, timeout: float) -> RendererSlot:
+        """One slot, from an `acquire_many` shared with every other slot asked for in this tick."""
+        key = ("acquire", actor_key(pool), key_json, multiplex)
+        waiter = self._ticks.add(key, pool, None, functools.partial(_send_acquires, key_json, multiplex))
+        # Not shielded: a timeout cancels the waiter, which tells the flush to hand its slot back.
         async with asyncio.timeout(timeout):
             return await waiter
 
@@ -85,9 +85,9 @@ class BatchedCalls:
             self._ready.pop(renderer_id, None)  # failures are not cached: the next session asks afresh
             raise
 
-    async def release(self, pool: Any, lease_id: str, timeout: float) -> None:
-        """Return a lease, in one `release_many` with every release asked for in this tick."""
-        waiter = self._ticks.add(("release", actor_key(pool)), pool, lease_id, _send_releases)
+    async def release(self, pool: Any, slot_id: str, timeout: float) -> None:
+        """Return a slot, in one `release_many` with every release asked for in this tick."""
+        waiter = self._ticks.add(("release", actor_key(pool)), pool, slot_id, _send_releases)
         await asyncio.wait_for(asyncio.shield(waiter), timeout)
 
 
@@ -103,22 +103,22 @@ async def _send_calls(batch: TickBatch) -> None:
             waiter.set_exception(RenderCallFailed(outcome.failure, outcome.rejected))
 
 
-async def _send_leases(key_json: str, multiplex: int, batch: TickBatch) -> None:
+async def _send_acquires(key_json: str, multiplex: int, batch: TickBatch) -> None:
     pool, waiters = batch.target, batch.waiters
-    leases = await asyncio.wait_for(
-        pool.lease_many.remote(key_json, multiplex, len(waiters), process_owner()), BATCH_CALL_TIMEOUT_S
+    slots = await asyncio.wait_for(
+        pool.acquire_many.remote(key_json, multiplex, len(waiters), process_owner()), BATCH_CALL_TIMEOUT_S
     )
     unclaimed = []
-    for waiter, lease in zip(waiters, leases, strict=True):
+    for waiter, slot in zip(waiters, slots, strict=True):
         if waiter.done():  # its owner gave up (timeout, cancellation) meanwhile
-            unclaimed.append(lease.lease_id)
+            unclaimed.append(slot.slot_id)
         else:
-            waiter.set_result(lease)
+            waiter.set_result(slot)
     if unclaimed:
         try:
             await asyncio.wait_for(pool.release_many.remote(unclaimed), BATCH_CALL_TIMEOUT_S)
         except Exception:
-            pass  # the pool expires leases nobody releases (`max_lease_s`)
+            pass  # the pool expires slots nobody releases (`slot_timeout_s`)
 
 
 async def _send_releases(batch: TickBatch) -> None:

@@ -15,18 +15,30 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from rollout_actors.kernel import Failure
+from rollout_actors.kernel.renamed import warn_renamed
 
 
 @dataclass(frozen=True, slots=True)
-class RendererLease:
-    """A slot on one renderer, handed out by the `RendererPool` and given back with `release(lease_id)`."""
+class RendererSlot:
+    """A slot on one renderer, handed out by the `RendererPool` and given back with `release(slot_id)`.
+    (DESIGN.md, "Words": what a rollout holds of a renderer is a slot; a lease is a request's.)"""
 
-    lease_id: str
+    slot_id: str
     renderer: Any
     """The renderer's actor handle: calls go to it directly."""
     renderer_id: str
     ready: bool
-    """It had answered its readiness call when the lease was placed (callers still await `ready`)."""
+    """It had answered its readiness call when the slot was placed (callers still await `ready`)."""
+
+    @property
+    def lease_id(self) -> str:
+        """The old name of `slot_id`."""
+        warn_renamed("RendererSlot.lease_id", "slot_id")
+        return self.slot_id
+
+
+RendererLease = RendererSlot
+"""The old name of `RendererSlot`."""
 
 
 SCAFFOLD = -1

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from rollout_actors.kernel import Ref
+from rollout_actors.kernel.renamed import renamed_fields, warn_renamed
 from rollout_actors.kernel.supervision import RestartIntensity, Supervision
 
 ThinkingRetention = Literal["tool_cycle", "all"]
@@ -21,7 +22,7 @@ DEFAULT_RENDERER_PREFIXES: tuple[str, ...] = ("renderer_actors.examples.",)
 pool config (`RendererPoolConfig.allowed_ref_prefixes`), separate from the environments' allowlist."""
 RENDERER_RESTARTS = RestartIntensity(max_restarts=3, window_s=60.0)
 """Per key: rides out an OOM or a lost node; a renderer that dies (or fails to load) on every start spends
-it in seconds, and then leases for that key fail with the reason instead of respawning it forever."""
+it in seconds, and then slots for that key fail with the reason instead of respawning it forever."""
 
 
 class RendererConfig(BaseModel):
@@ -71,35 +72,49 @@ class RendererPoolConfig(BaseModel):
     renderer_num_cpus: float = Field(default=0.5, ge=0)
     """Logical CPUs per renderer actor: half a core, as rendering is bursts between model calls."""
     idle_timeout_s: float = 300.0
-    """An idle renderer beyond the first of its key retires after this long without leases."""
+    """An idle renderer beyond the first of its key retires after this long without slots held."""
     reap_interval_s: float = 5.0
-    health_interval_s: float = 10.0
-    health_timeout_s: float = 30.0
-    """A renderer that cannot answer a health call this long is wedged: replaced like a dead one."""
-    startup_timeout_s: float = 300.0
+    probe_interval_s: float = 10.0
+    """How often each ready renderer is asked for `health`."""
+    hang_timeout_s: float = 30.0
+    """A renderer that cannot answer a health call this long is wedged: replaced like a dead one (also
+    how long one probe may go unanswered)."""
+    ready_timeout_s: float = 300.0
     """Tokenizer load budget (a hub download on first use can take minutes)."""
     failure_hold_s: float = 10.0
-    """After a startup failure, leases for that key fail at once for this long."""
+    """After a startup failure, slots for that key fail at once for this long."""
     max_renderers_per_key: int = Field(default=64, ge=1)
-    """Beyond this, leases overfill the least-loaded renderer instead of growing the pool."""
+    """Beyond this, slots overfill the least-loaded renderer instead of growing the pool."""
     restart: RestartIntensity = RENDERER_RESTARTS
     """Restart intensity per key: every spawn after the key's first spends one, growth under load and
     replacements of renderers that died, wedged or failed to start alike (DESIGN.md contract 9)."""
-    max_lease_s: float = 6 * 3600.0
-    """A lease never released (its holder's process died) stops counting as load after this."""
+    slot_timeout_s: float = 6 * 3600.0
+    """A slot never released (its holder's process died) stops counting as load after this.
+    (It was `max_lease_s`.)"""
     allowed_ref_prefixes: tuple[str, ...] = DEFAULT_RENDERER_PREFIXES
     """Modules a custom renderer Ref may name (the renderer side's allowlist, fixed for the pool's life;
     requests cannot widen it)."""
+
+    _renamed = model_validator(mode="before")(
+        renamed_fields(
+            {
+                "health_interval_s": "probe_interval_s",
+                "health_timeout_s": "hang_timeout_s",
+                "startup_timeout_s": "ready_timeout_s",
+                "max_lease_s": "slot_timeout_s",
+            }
+        )
+    )
 
     @property
     def supervision(self) -> Supervision:
         """The supervision setting of each key's renderers, as the kernel's supervisor reads it."""
         return Supervision(
             restart=self.restart,
-            ready_timeout_s=self.startup_timeout_s,
-            probe_interval_s=self.health_interval_s,
-            probe_timeout_s=self.health_timeout_s,
-            hang_timeout_s=self.health_timeout_s,
+            ready_timeout_s=self.ready_timeout_s,
+            probe_interval_s=self.probe_interval_s,
+            probe_timeout_s=self.hang_timeout_s,
+            hang_timeout_s=self.hang_timeout_s,
         )
 
 
@@ -108,19 +123,19 @@ class RendererStats(BaseModel):
 
     renderer_id: str
     load: int
-    """Leases it holds."""
+    """Slots it holds."""
     ready: bool
     idle_s: float
-    """Seconds without a lease (0 while it holds one)."""
+    """Seconds without a slot held (0 while it holds one)."""
 
 
 class RendererKeyStats(BaseModel):
     """The renderers of one `RendererKey`."""
 
     multiplex: int
-    """The multiplex in force for the key (the first lease's)."""
+    """The multiplex in force for the key (the first slot's)."""
     loads: list[int]
-    """Leases per renderer, oldest renderer first."""
+    """Slots per renderer, oldest renderer first."""
     renderers: list[RendererStats]
     startup_failure: str | None
     restarts_left: int
@@ -131,14 +146,26 @@ class RendererPoolStats(BaseModel):
 
     keys: dict[str, RendererKeyStats]
     """Key JSON -> its renderers."""
-    leases: int
-    """Leases held now."""
+    slots: int
+    """Renderer slots held now."""
     spawned: int = 0
     retired: int = 0
     """Idle renderers retired."""
     replaced: int = 0
     """Dead, wedged or failed renderers replaced."""
     startup_failures: int = 0
-    expired_leases: int = 0
-    """Leases dropped at `max_lease_s` (their holder never released them)."""
+    expired_slots: int = 0
+    """Slots dropped at `slot_timeout_s` (their holder never released them)."""
     budget_denials: int = 0
+
+    @property
+    def leases(self) -> int:
+        """The old name of `slots` (DESIGN.md, "Words": a lease is a request's)."""
+        warn_renamed("RendererPoolStats.leases", "slots")
+        return self.slots
+
+    @property
+    def expired_leases(self) -> int:
+        """The old name of `expired_slots`."""
+        warn_renamed("RendererPoolStats.expired_leases", "expired_slots")
+        return self.expired_slots

@@ -5,7 +5,7 @@ tokenizer, same library renderer config (family, settings, template kwargs), sam
 key is canonical: a named family's config is validated by the library and dumped with every default
 filled in, so `{}` and the explicit defaults share one key. `multiplex` is deliberately not part of the
 key: it is the pool's sizing policy, not a property of the rendering, so configs that differ only in
-multiplex share one pool (the first lease for a key fixes its multiplex).
+multiplex share one pool (the first slot for a key fixes its multiplex).
 
 Built in the rollout's process, so it imports no code a request names: a `custom` renderer stays a Ref
 here and is resolved (or refused) on the renderer side, under that side's allowlist.

@@ -21,7 +21,7 @@ that died or did not answer is a `PartLost` naming the call and the step (the pl
 rollout, and answers it as poison if that happens twice at the same point); a renderer that could not
 load what the key names is a `RendererLoadFailed` (`caller` for a name the request got wrong,
 `infrastructure` otherwise; never re-dispatched: it would fail the same way); a call the renderer
-failed outright, or a pool that cannot place a lease, is a `RendererUnavailable` (`infrastructure`); a
+failed outright, or a pool that cannot place a slot, is a `RendererUnavailable` (`infrastructure`); a
 request the renderer rejects is a `RendererCallerError` (`caller`). Each carries the renderer-side
 traceback.
 """
@@ -53,12 +53,12 @@ from rollout_actors.kernel.faults import (
     remote_cause,
 )
 
-CLOSE_TIMEOUT_S = 5.0  # returning a lease must not hold a finished rollout hostage
+CLOSE_TIMEOUT_S = 5.0  # returning a slot must not hold a finished rollout hostage
 MAX_CACHED_KEYS = 256  # (model, renderer config) pairs one process resolves; a run uses a handful
 
 
 class RendererUnavailable(Unavailable):
-    """A renderer failed a call outright, or the pool could place no lease (its key's restart budget is
+    """A renderer failed a call outright, or the pool could place no slot (its key's restart budget is
     spent, the pool is shut down): `infrastructure`, not re-dispatched."""
 
 
@@ -99,14 +99,14 @@ class BridgeStep:
 
 
 class RendererSession:
-    """One rollout's lease on a renderer plus its trajectory. Not shared between rollouts."""
+    """One rollout's slot on a renderer plus its trajectory. Not shared between rollouts."""
 
     def __init__(self, pool: Any, key: RendererKey, multiplex: int, key_json: str | None = None) -> None:
         self._pool = pool
         self._key = key
         self._key_json = key_json or key.to_json()
         self._multiplex = multiplex
-        self._lease_id: str | None = None
+        self._slot_id: str | None = None
         self._renderer: Any = None
         self.renderer_id: str | None = None
         self._info: RendererInfo | None = None
@@ -125,7 +125,7 @@ class RendererSession:
 
     @classmethod
     async def open(cls, pool: Any, model: str, config: RendererConfig, timeout: float) -> RendererSession:
-        """Lease a slot on the least-loaded renderer for (model, config) and wait until it is ready."""
+        """Take a slot on the least-loaded renderer for (model, config) and wait until it is ready."""
         key, key_json = _key_of(model, config)
         session = cls(pool, key, config.multiplex, key_json)
         deadline = time.monotonic() + timeout
@@ -245,15 +245,15 @@ class RendererSession:
         )
 
     async def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
-        """Release the lease. Idempotent; never raises (the pool may already be gone)."""
-        lease_id, self._lease_id = self._lease_id, None
+        """Release the slot. Idempotent; never raises (the pool may already be gone)."""
+        slot_id, self._slot_id = self._slot_id, None
         self._renderer = None
-        if lease_id is None:
+        if slot_id is None:
             return
         try:
-            await batched_calls().release(self._pool, lease_id, timeout)
+            await batched_calls().release(self._pool, slot_id, timeout)
         except Exception:
-            pass  # an unreleased lease expires in the pool (`max_lease_s`)
+            pass  # an unreleased slot expires in the pool (`slot_timeout_s`)
 
     # ------------------------------------------------------------------------------- internals
 
@@ -269,17 +269,17 @@ class RendererSession:
     async def _acquire(self, deadline: float) -> None:
         calls = batched_calls()
         # Batched with every other session this process opens in this tick.
-        lease = await self._remote(
-            calls.lease(self._pool, self._key_json, self._multiplex, deadline - time.monotonic()),
+        slot = await self._remote(
+            calls.acquire(self._pool, self._key_json, self._multiplex, deadline - time.monotonic()),
             deadline,
             "renderer pool",
-            "lease",
+            "acquire",
         )
-        self._lease_id = lease.lease_id
-        self._renderer = lease.renderer
-        self.renderer_id = lease.renderer_id
+        self._slot_id = slot.slot_id
+        self._renderer = slot.renderer
+        self.renderer_id = slot.renderer_id
         self._info = await self._remote(
-            calls.ready(lease.renderer_id, lease.renderer, deadline - time.monotonic()),
+            calls.ready(slot.renderer_id, slot.renderer, deadline - time.monotonic()),
             deadline,
             "renderer",
             "ready",
@@ -312,7 +312,7 @@ class RendererSession:
             _cancel(call)
             if method == "ready":
                 # Still loading when the call's time ran out: alive, and nothing of this request's doing
-                # (a load that hangs or fails is the pool's to end: `startup_timeout_s`). Re-dispatched,
+                # (a load that hangs or fails is the pool's to end: `ready_timeout_s`). Re-dispatched,
                 # never counted as poison evidence (`culprit` False), within its own bound.
                 lost = Loss(part=part, how="wedged", call=method, step=self.step, name=name, culprit=False)
                 raise PartLost(f"{what}: still loading when the call's time ran out", lost=lost) from None
@@ -381,7 +381,7 @@ def _far_fault(exc: RayTaskError, what: str, method: str) -> Fault:
         fault.traceback = fault.traceback or str(exc)
         return fault
     message = f"{what} failed: {type(cause).__name__}: {cause}"
-    if method != "lease" and isinstance(cause, ValueError):
+    if method != "acquire" and isinstance(cause, ValueError):
         return RendererCallerError(message, traceback=str(exc))
     return RendererUnavailable(message, traceback=str(exc))
 

@@ -35,7 +35,7 @@ RUN_FLAGS: list[tuple[str, str, Any, str]] = [
     ("--max-turns", "run.max_turns", int, "model turns per rollout at most"),
     ("--mode", "run.mode", str, "token ids (token), relayed chat (chat), the env's own agent (agent)"),
     ("--seed", "run.seed", int, "base sampling seed (each rollout of a task adds its index)"),
-    ("--deadline", "run.deadline_s", float, "per-rollout deadline, seconds"),
+    ("--timeout", "run.timeout_s", float, "seconds each rollout may take"),
     ("--ray-address", "run.ray_address", str, "join this Ray cluster (default: $RAY_ADDRESS or local)"),
     ("--output", "run.output", str, "JSON-lines results file (default: rollouts-<time>.jsonl)"),
     ("--report-png", "run.report_png", str, "write the run report's plots to this PNG at the end"),
@@ -67,6 +67,14 @@ def _parser() -> argparse.ArgumentParser:
     for flag, dotted, kind, text in RUN_FLAGS:
         default = _lookup(defaults, dotted)
         run.add_argument(flag, dest=dotted, type=kind, default=argparse.SUPPRESS, help=f"{text} [{default}]")
+    run.add_argument(  # the old name of --timeout, kept working (hidden) for a while
+        "--deadline",
+        dest="run.timeout_s",
+        type=float,
+        action=_RenamedFlag,
+        new="--timeout",
+        help=argparse.SUPPRESS,
+    )
     run.add_argument(
         "--base-url",
         dest="servers.endpoints",
@@ -118,6 +126,19 @@ def _parser() -> argparse.ArgumentParser:
     report.add_argument("results", help="the JSON-lines file a run wrote")
     report.add_argument("--png", default=None, help="write the plots to this PNG file")
     return parser
+
+
+class _RenamedFlag(argparse.Action):
+    """A flag's old spelling: still sets the new flag's key, and says so on stderr."""
+
+    def __init__(self, *args: Any, new: str, **kwargs: Any) -> None:
+        kwargs["default"] = argparse.SUPPRESS  # unset unless given, like every flag of `run`
+        super().__init__(*args, **kwargs)
+        self.new = new
+
+    def __call__(self, parser: Any, namespace: Any, values: Any, option: str | None = None) -> None:
+        print(f"rollouts: {option} is now {self.new} (the old name will go)", file=sys.stderr)
+        setattr(namespace, self.dest, values)
 
 
 def _lookup(config: Any, dotted: str) -> Any:
@@ -248,7 +269,7 @@ async def _run_plane(config: RunConfig, endpoints: list[str], model: str, output
         mode=job.mode,
         renderer=config.renderer,
         max_turns=job.max_turns,
-        deadline_s=job.deadline_s,
+        timeout_s=job.timeout_s,
         return_messages=job.messages,
     )
     results: list[Result] = []
@@ -272,7 +293,7 @@ async def _run_plane(config: RunConfig, endpoints: list[str], model: str, output
         with output.open("w") as sink, status:
             for _ in range(job.tasks):
                 # The plane answers every request within its deadline plus grace; past that, fail loudly.
-                group = await plane.next_group(timeout=job.deadline_s + plane_config.answer_grace_s + 60)
+                group = await plane.next_group(timeout=job.timeout_s + plane_config.answer_grace_s + 60)
                 for result in group.results:
                     results.append(result)
                     # Defaults left out: each line reads back whole with `Result.model_validate_json`.

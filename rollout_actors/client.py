@@ -12,8 +12,7 @@ import gc
 import os
 import ssl
 import threading
-
-import openai
+from typing import TYPE_CHECKING
 
 try:  # openai >= 3 ships its own fork of httpx
     import httpx2 as httpx
@@ -22,6 +21,9 @@ except ImportError:  # pragma: no cover - openai 1.x / 2.x
 
 from rollout_actors.kernel import register_secret
 from rollout_actors.wire import CallerError, ClientConfig
+
+if TYPE_CHECKING:  # imported where a client is built: `auth_headers` alone must not cost an actor ~1 s
+    import openai
 
 _ssl_lock = threading.Lock()
 _ssl_context: ssl.SSLContext | None = None
@@ -75,6 +77,8 @@ def auth_headers(api_key_var: str | None) -> dict[str, str]:
 
 def build_client(config: ClientConfig, session_id: str | None = None) -> openai.AsyncOpenAI:
     """A fresh client for one rollout. The caller owns it and must `await client.close()`."""
+    import openai
+
     if config.base_url is None:
         raise CallerError("client.base_url is not set and no endpoint was routed to this rollout")
     timeout = httpx.Timeout(
@@ -108,4 +112,6 @@ def build_client(config: ClientConfig, session_id: str | None = None) -> openai.
 def open_client_count() -> int:
     """Debug: OpenAI clients in this process not yet closed, found by walking the heap when asked (leak
     checks: `RolloutWorker.debug_resources`). Nothing is recorded as clients are built."""
+    import openai
+
     return sum(1 for obj in gc.get_objects() if isinstance(obj, openai.AsyncOpenAI) and not obj.is_closed())

@@ -28,7 +28,7 @@ class PoolSupervision(BaseModel):
     """Restarts of one pool actor (its renderers or env servers die with it and restart with it)."""
     hang_timeout_s: float = Field(default=30.0, gt=0)
     """A pool that shows no sign of life this long is wedged: killed and restarted like a dead one. Its
-    `health` answers on the loop that serves every lease and placement, so this is generous."""
+    `health` answers on the loop that serves every renderer slot and placement, so this is generous."""
     probe_interval_s: float = Field(default=1.0, gt=0)
     """How often each pool is asked for `health`; a death is seen within about this long."""
     node_id: str | None = None

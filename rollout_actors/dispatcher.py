@@ -205,7 +205,7 @@ class Dispatcher:
         request = record.request
         # The deadline (loop time) covers everything from here: its env pool's start, waiting for a
         # worker, and every attempt (a re-dispatch gets what is left, not a fresh budget).
-        deadline = asyncio.get_running_loop().time() + request.deadline_s
+        deadline = asyncio.get_running_loop().time() + request.timeout_s
         started = time.time()
         record.waits.lane_s = since(record.submitted_clock)
         try:
@@ -297,7 +297,7 @@ class Dispatcher:
                 endpoint=record.endpoint,
                 model=record.policy.model,
                 policy_version=record.policy.version,
-                timeout_s=left,
+                remaining_timeout_s=left,
                 env_pool=env_pool,
                 renderer_pool=renderer_pool,
             )
@@ -370,7 +370,7 @@ class Dispatcher:
         record.slot = slot
         lost = asyncio.ensure_future(slot.lost.wait())
         cancel = asyncio.ensure_future(record.cancelled.wait())
-        wait_s = envelope.timeout_s + self.answer_grace_s
+        wait_s = envelope.remaining_timeout_s + self.answer_grace_s
         try:
             done, _ = await asyncio.wait(
                 {answer, lost, cancel}, timeout=wait_s, return_when="FIRST_COMPLETED"
@@ -394,7 +394,7 @@ class Dispatcher:
             if lost in done or not slot.alive:
                 return _worker_loss(slot)
             late = Unavailable(
-                f"no answer within deadline_s + answer_grace_s = {wait_s:g} s", type_name="DeadlineExceeded"
+                f"no answer within timeout_s + answer_grace_s = {wait_s:g} s", type_name="DeadlineExceeded"
             )
             return self._failed(record, "infrastructure", late.failure)
         finally:
@@ -426,7 +426,7 @@ class Dispatcher:
     def _deadline_exceeded(
         self, record: InFlight, when: str, losses: list[Loss] | None = None, attempts: int = 1
     ) -> Result:
-        message = f"the request's deadline_s={record.request.deadline_s:g} passed {when}"
+        message = f"the request's deadline (timeout_s={record.request.timeout_s:g}) passed {when}"
         if losses:
             message += f": {'; '.join(loss.describe() for loss in losses)}"
         failure = Unavailable(message, type_name="DeadlineExceeded", losses=losses or ())

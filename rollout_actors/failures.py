@@ -22,7 +22,7 @@ class MalformedResponse(ModelError):
 
 
 class CallDeadlineExceeded(ModelError):
-    """A model call ran past its total deadline (`ClientConfig.call_deadline`): the server's fault."""
+    """A model call ran past its total deadline (`ClientConfig.total_call_timeout_s`): the server's fault."""
 
 
 class TurnAborted(ModelError):

@@ -86,12 +86,12 @@ def _ids(value: Any, what: str, vocab_size: int | None = None) -> list[int]:
     return value
 
 
-async def _bounded(call: Awaitable[Any], deadline_s: float) -> Any:
-    """Await one model call under its total deadline (`ClientConfig.call_deadline`). The SDK's own timeouts
-    are per attempt and per read: a server that drips one byte at a time, or asks for a long
-    `Retry-After`, would stretch them; this deadline it cannot. A body that claims JSON and is not is
+async def _bounded(call: Awaitable[Any], timeout_s: float) -> Any:
+    """Await one model call under its total timeout (`ClientConfig.total_call_timeout_s`). The SDK's own
+    timeouts are per attempt and per read: a server that drips one byte at a time, or asks for a long
+    `Retry-After`, would stretch them; this one it cannot. A body that claims JSON and is not is
     the server's fault too: `MalformedResponse`."""
-    scope = asyncio.timeout(deadline_s)
+    scope = asyncio.timeout(timeout_s)
     started, outcome = time.monotonic(), "error"
     try:
         async with scope:
@@ -100,7 +100,7 @@ async def _bounded(call: Awaitable[Any], deadline_s: float) -> Any:
         return answer
     except TimeoutError as exc:
         if scope.expired():
-            raise CallDeadlineExceeded(f"model call exceeded its total deadline of {deadline_s:g} s") from exc
+            raise CallDeadlineExceeded(f"model call exceeded its total timeout of {timeout_s:g} s") from exc
         raise
     except json.JSONDecodeError as exc:
         raise MalformedResponse(f"response body is not JSON: {exc}") from exc
@@ -158,7 +158,7 @@ async def complete_tokens(
     prompt_ids: list[int],
     sampling: SamplingConfig,
     *,
-    deadline_s: float,
+    timeout_s: float,
     vocab_size: int | None = None,
     stop_token_ids: Sequence[int] = (),
     tags: CallTags | None = None,
@@ -185,7 +185,7 @@ async def complete_tokens(
         content=_completion_body(prompt_ids, fields, prompt_json),
         options={"headers": _headers(tags)},
     )
-    response = await _bounded(call, deadline_s)
+    response = await _bounded(call, timeout_s)
     data = _json_object(response)
     choices = data.get("choices")
     if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
@@ -244,7 +244,7 @@ async def complete_chat(
     tools: list[dict[str, Any]] | None,
     sampling: SamplingConfig,
     *,
-    deadline_s: float,
+    timeout_s: float,
     vocab_size: int | None = None,
     tags: CallTags | None = None,
 ) -> Sampled:
@@ -259,7 +259,7 @@ async def complete_chat(
         extra_headers=_headers(tags),
         **kwargs,
     )
-    response = await _bounded(call, deadline_s)
+    response = await _bounded(call, timeout_s)
     choices = getattr(response, "choices", None)
     if not choices or getattr(choices[0], "message", None) is None:
         raise MalformedResponse("chat response has no choices[0].message")

@@ -153,8 +153,13 @@ class RolloutPlane:
     async def start(self) -> RolloutPlane:
         if not ray.is_initialized():
             ray.init()
-        await self._pools.start()
-        await self._workers.start()
+        # Side by side: a worker looks its pools up per dispatch, so neither start waits for the other.
+        started = await asyncio.gather(self._pools.start(), self._workers.start(), return_exceptions=True)
+        failed = [outcome for outcome in started if isinstance(outcome, BaseException)]
+        if failed:  # nothing half-started is left behind (the caller's `async with` never reached exit)
+            await self._workers.close()
+            await self._pools.close()
+            raise failed[0]
         self._metrics_task = asyncio.get_running_loop().create_task(self._metrics.run(self))
         if self.config.concurrency is not None:
             reader = LoadReader(self._api_key_var)

@@ -12,9 +12,18 @@ is re-dispatched under its lease; a collateral loss (the part named another requ
 not spend the request's `max_dispatches` (it has its own bound). Two losses of one of `poison_parts` the same way at the same point
 (`Loss.point`: part, how, call, step), neither of them collateral (`Loss.culprit` False: the part named
 another request's call as the one that wedged it), mean the failure follows the request: it is a
-poison request, answered at once, so one bad task cannot spend a pool's restart budget. A lost rollout
-worker is never poison: a worker carries many rollouts, and the loss of a node or a killed worker strikes
-them all at once.
+poison request, answered at once. This bound is what one bad task may cost: an env server wedged by a
+known request's call is replaced outside the pool's restart budget (`env_actors.supervisor`), so the
+budget is left for losses nobody can be blamed for. A loss whose culprit is unknown (None: a death, a
+frozen process) counts toward poison like the request's own: two such losses at one point are the
+evidence contract 5 names. Except a wedge of a part that names the call wedging it (`attributed_parts`:
+an env server names it from its probe answers, or holds one session only): when it named nobody, it is
+evidence against no request in particular (its probes went unanswered under load), so it spends the
+request's dispatches and never makes it poison; measured, two such wedges under a healthy request at
+load 39 on two cores judged it poison before this rule. Nor is a part lost with its node unreachable
+evidence against anyone. A lost rollout worker is
+never poison: a worker carries many rollouts, and the loss of a node or a killed worker strikes them all
+at once.
 """
 
 from __future__ import annotations
@@ -48,6 +57,9 @@ class RedispatchRule(BaseModel):
     poison_parts: tuple[Part, ...] = ("env server", "renderer")
     """Parts whose repeated loss at one point makes the request poison: they run the request's own
     content (environment code, its messages). Not the worker or the pools: their losses are shared."""
+    attributed_parts: tuple[Part, ...] = ("env server",)
+    """Parts that name the request whose call wedged them (`Loss.culprit`): their wedges with no culprit
+    named never count toward poison (they still spend `max_dispatches`)."""
     poison_repeats: int = Field(default=2, ge=2)
     """Losses at the same point that make a request poison: twice, as contract 5 says."""
     poison_kind: dict[str, str] = {"env server": "env"}
@@ -66,8 +78,8 @@ class RedispatchRule(BaseModel):
     def decide(self, losses: list[Loss]) -> Decision:
         """What to do after the latest of `losses` (every loss so far, oldest first)."""
         latest = losses[-1]
-        if latest.part in self.poison_parts and latest.culprit is not False:
-            same = sum(1 for loss in losses if loss.point() == latest.point() and loss.culprit is not False)
+        if latest.part in self.poison_parts and self._against(latest):
+            same = sum(1 for loss in losses if loss.point() == latest.point() and self._against(loss))
             if same >= self.poison_repeats:
                 return "poison"
         collateral = sum(1 for loss in losses if loss.culprit is False)
@@ -75,6 +87,12 @@ class RedispatchRule(BaseModel):
         if own >= self.max_dispatches or collateral > self.max_collateral:
             return "spent"
         return "redispatch"
+
+    def _against(self, loss: Loss) -> bool:
+        """Whether a loss is evidence against this request (it may count toward poison)."""
+        if loss.culprit is None:  # an unreachable node says nothing of the requests on it
+            return loss.how == "died" or (loss.how == "wedged" and loss.part not in self.attributed_parts)
+        return loss.culprit
 
     def poison(self, losses: list[Loss], last: Failure | None = None) -> tuple[str, Failure]:
         """(result kind, failure) a poison request is answered with: the chain of its losses, the last

@@ -1,7 +1,7 @@
 """The rollout loop: one request in, exactly one `Result` out.
 
 A rollout owns three things and releases all of them in `finally`, whatever the exit path (ok, error,
-cancel, deadline): its OpenAI client, its env session, its renderer lease (held by its turn strategy,
+cancel, deadline): its OpenAI client, its env session, its renderer slot (held by its turn strategy,
 `turns.py`: token mode or chat mode). The loop itself is the same for both modes.
 """
 
@@ -22,7 +22,9 @@ from rollout_actors.timings import RolloutTimings, clock, since
 from rollout_actors.turns import TokenTurns, TurnStrategy, strategy_for
 from rollout_actors.wire import CallerError, Failure, Result, RolloutRequest, Turn
 
-CLEANUP_TIMEOUT_S = 5.0  # releasing a lease or ending a session must not hold a finished rollout hostage
+CLEANUP_TIMEOUT_S = (
+    5.0  # releasing a renderer slot or ending a session must not hold a finished rollout hostage
+)
 
 
 class PoolDirectory(Protocol):
@@ -107,7 +109,7 @@ async def run_rollout(
     answers `cancelled` with the turns it had sampled."""
     started = time.time()
     state = _Trajectory()
-    scope = asyncio.timeout(request.deadline_s)
+    scope = asyncio.timeout(request.timeout_s)
     try:
         async with scope:
             await _run(request, pools, policy, limits, state, scope)
@@ -116,7 +118,7 @@ async def run_rollout(
         if scope.expired():
             kind = "infrastructure"
             error = Failure(
-                type="DeadlineExceeded", message=f"rollout exceeded its deadline of {request.deadline_s:g} s"
+                type="DeadlineExceeded", message=f"rollout exceeded its timeout_s of {request.timeout_s:g} s"
             )
         else:  # a call's own deadline, not the rollout's
             kind, error = classify(exc)
@@ -181,7 +183,7 @@ async def _run(
         final: ScoreOut | None = None
         if request.mode == "agent":  # the environment's agent drives the turns (`rollout_actors.agent`)
             assert isinstance(turns, TokenTurns)
-            left = lambda: _budget(scope, request.deadline_s)  # noqa: E731 - what remains of the rollout's deadline
+            left = lambda: _budget(scope, request.timeout_s)  # noqa: E731 - what remains of the rollout's deadline
             await run_agent_episode(request, env, turns, state.turns, state.messages, left)
         else:
             await turns.open(state.messages, tools)
@@ -218,7 +220,7 @@ async def _run(
 
 async def _release(client: Any, env: EnvSession | None, turns: TurnStrategy) -> None:
     """Release everything the rollout owns. Shielded so a cancellation that lands mid-cleanup still lets
-    the client close, the env session end and the renderer lease return."""
+    the client close, the env session end and the renderer slot return."""
 
     async def release_all() -> None:
         try:

@@ -17,11 +17,12 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from renderer_actors.config import RendererConfig
 from rollout_actors.config import PlaneConfig
 from rollout_actors.kernel import JSON
+from rollout_actors.kernel.renamed import renamed_fields
 from rollout_actors.wire import ClientConfig, RolloutMode, SamplingConfig
 
 DEFAULT_ENV = "env_actors.examples.calculator_env:CalculatorEnv"
@@ -45,8 +46,8 @@ class JobSettings(_Section):
     max_turns: int = Field(default=4, ge=1)
     mode: RolloutMode = "token"
     """`agent`: the environment's own agent program drives the turns (an `AgentEnvironment`)."""
-    deadline_s: float = Field(default=600.0, gt=0, allow_inf_nan=False)
-    """Per-rollout deadline."""
+    timeout_s: float = Field(default=600.0, gt=0, allow_inf_nan=False)
+    """Seconds each rollout may take (`RolloutRequest.timeout_s`; was `deadline_s`)."""
     seed: int = 0
     """Base sampling seed; each rollout of a task adds its index."""
     output: str | None = None
@@ -58,6 +59,8 @@ class JobSettings(_Section):
     """Write the run report's plots here at the end (see `rollouts report`)."""
     progress: bool = True
     """A live progress bar; off, a plain status line every few seconds (what `ray job logs` shows)."""
+
+    _renamed = model_validator(mode="before")(renamed_fields({"deadline_s": "timeout_s"}))
     ray_address: str | None = None
     """Join this Ray cluster; default `$RAY_ADDRESS`, else an embedded local Ray."""
 

@@ -26,7 +26,7 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from env_actors.pool import EnvPoolConfig, EnvStartupError, start_env_pool, stop_env_pool
+from env_actors.pool import EnvPoolConfig, EnvStartupError, close_env_pool, start_env_pool
 from renderer_actors.pool import get_or_create_renderer_pool
 from rollout_actors.config import PlaneConfig
 from rollout_actors.kernel.faults import Fault, Unavailable
@@ -82,7 +82,7 @@ class SharedPools:
                 f"env pool {env.target} ({key})",
                 self._names.env_pool(env),
                 lambda name: self._start_env_pool(env, name),
-                stop_env_pool,
+                close_env_pool,
                 self._config.pool_supervision,
             )
             entry = self._env[key] = (pool, asyncio.ensure_future(pool.start()))
@@ -128,7 +128,7 @@ class SharedPools:
         return self._env[env_key(env)][0]
 
     def release_owner(self, owner: str | None) -> None:
-        """A rollout worker was lost: every pool ends the env sessions and returns the renderer leases its
+        """A rollout worker was lost: every pool ends the env sessions and returns the renderer slots its
         rollouts held, now rather than at their idle timeouts, and refuses what it asks for later (a call
         it sent before dying may still arrive). A pool being restarted holds nothing of it any more."""
         if owner is None or self._renderer is None:
@@ -207,7 +207,7 @@ class SharedPools:
 
 async def _stop_renderer_pool(handle: Any) -> None:
     try:
-        await asyncio.wait_for(handle.shutdown.remote(), POOL_SHUTDOWN_TIMEOUT_S)
+        await asyncio.wait_for(handle.close.remote(), POOL_SHUTDOWN_TIMEOUT_S)
     except Exception as exc:
         log.warning("renderer pool shutdown: %s", exc)
     _kill(handle)

@@ -201,7 +201,7 @@ class TokenTurns:
                     request.client.model,
                     self._prompt + done if done else self._prompt,
                     sampling,
-                    deadline_s=request.client.call_deadline,
+                    timeout_s=request.client.total_call_timeout_s,
                     vocab_size=self._renderer.vocab_size,
                     stop_token_ids=self._renderer.stop_token_ids,
                     tags=tags,
@@ -295,7 +295,7 @@ class ChatTurns:
     async def sample(self, messages: list[dict[str, Any]]) -> tuple[Turn, dict[str, Any]]:
         request = self._request
         started = clock()
-        await self._calls.unpaused(request.client.call_deadline)
+        await self._calls.unpaused(request.client.total_call_timeout_s)
         tags, sent_under = self._calls.next()
         sampled = await complete_chat(
             self._client,
@@ -303,7 +303,7 @@ class ChatTurns:
             messages,
             self._tools,
             request.sampling,
-            deadline_s=request.client.call_deadline,
+            timeout_s=request.client.total_call_timeout_s,
             vocab_size=self._vocab_size,
             tags=tags,
         )

@@ -37,6 +37,7 @@ from rollout_actors.kernel import (
     check_json,
     new_id,
 )
+from rollout_actors.kernel.renamed import renamed_fields, warn_renamed
 from rollout_actors.timings import RolloutTimings, TurnTimings
 
 __all__ = [
@@ -140,11 +141,17 @@ class ClientConfig(BaseModel):
         return value
 
     @property
-    def call_deadline(self) -> float:
+    def total_call_timeout_s(self) -> float:
         """`call_timeout_s`, or the default derived from the per-attempt timeouts."""
         if self.call_timeout_s is not None:
             return self.call_timeout_s
         return (1 + self.max_retries) * (self.connect_timeout_s + self.read_timeout_s)
+
+    @property
+    def call_deadline(self) -> float:
+        """The old name of `total_call_timeout_s` (a duration, not a deadline)."""
+        warn_renamed("ClientConfig.call_deadline", "total_call_timeout_s")
+        return self.total_call_timeout_s
 
 
 class SamplingConfig(BaseModel):
@@ -187,7 +194,7 @@ each call rendered and sampled as in token mode."""
 Lane = str
 
 MAX_ID_CHARS = 256  # ids travel as an HTTP header and into every log line: ample for any naming scheme
-MAX_DEADLINE_S = 7 * 24 * 3600.0  # a week: longer is a unit mistake (ms for s), not a rollout
+MAX_REQUEST_TIMEOUT_S = 7 * 24 * 3600.0  # a week: longer is a unit mistake (ms for s), not a rollout
 
 
 def check_id(value: str) -> str:
@@ -226,8 +233,9 @@ class RolloutRequest(BaseModel):
     mode: RolloutMode = "token"
     renderer: RendererConfig = Field(default_factory=RendererConfig)
     max_turns: int = Field(default=8, ge=1)
-    deadline_s: float = Field(default=3600.0, gt=0, le=MAX_DEADLINE_S, allow_inf_nan=False)
-    """Wall-clock budget for the whole request, re-dispatches and its env pool's start included."""
+    timeout_s: float = Field(default=3600.0, gt=0, le=MAX_REQUEST_TIMEOUT_S, allow_inf_nan=False)
+    """Seconds the whole request may take, re-dispatches and its env pool's start included: the plane
+    turns it into a deadline on its loop's clock when it starts the request (was `deadline_s`)."""
     lane: Lane = "train"
     policy_version: int | None = Field(default=None, ge=0)
     """The policy to sample from: None takes the active one when the rollout starts; N pins published
@@ -238,6 +246,8 @@ class RolloutRequest(BaseModel):
     return_messages: bool = False
     """Also return the conversation as chat messages (`Result.messages`). Off by default: they repeat
     the token ids as text and would double a long trajectory's result."""
+
+    _renamed = model_validator(mode="before")(renamed_fields({"deadline_s": "timeout_s"}))
 
     @field_validator("task", mode="before")
     @classmethod
@@ -271,9 +281,9 @@ class Dispatch(BaseModel):
     """The served model name of the policy it samples from (a published adapter); None: the request's."""
     policy_version: int = 0
     """The policy version the rollout starts under."""
-    timeout_s: float = Field(gt=0)
-    """What was left of the request's `deadline_s` when the plane dispatched it (a duration: loop clocks
-    differ between processes)."""
+    remaining_timeout_s: float = Field(gt=0)
+    """What was left of the request's `timeout_s` when the plane dispatched it: this dispatch's own
+    timeout (a duration, not the plane's deadline: loop clocks differ between processes)."""
     env_pool: str
     """The actor name of the serving env pool incarnation (`pool_lookup.PoolRoute`)."""
     renderer_pool: str | None = None
@@ -296,7 +306,7 @@ class Dispatch(BaseModel):
                 "client": client,
                 "renderer": renderer,
                 "policy_version": self.policy_version,
-                "deadline_s": self.timeout_s,
+                "timeout_s": self.remaining_timeout_s,
             }
         )
 

@@ -139,7 +139,7 @@ class RolloutWorker:
 
     async def ping(self) -> dict[str, Any]:
         """Readiness: answered on the rollout event loop, whose heartbeat it starts. `actor_id` is the
-        owner tag of the env sessions and renderer leases this worker's rollouts take."""
+        owner tag of the env sessions and renderer slots this worker's rollouts take."""
         self._loop_watch.bind()
         return {
             "in_flight": len(self._running),

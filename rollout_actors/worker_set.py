@@ -6,7 +6,7 @@ loop's `LoopWatch`); signs of life come over one long-lived streaming call (`hea
 `worker.py`), so they are not queued behind the rollouts a loaded worker is still receiving; the set is
 kept at its size; `lost` tells every rollout waiting on a lost worker at once, so the plane can
 re-dispatch without waiting for Ray to notice, and `on_lost` lets the owners of what its rollouts held
-(env sessions, renderer leases) release it.
+(env sessions, renderer slots) release it.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ class WorkerSlot(Child):
     how: How = "died"
     """How it was lost, once `cause` is set: `died` (Ray said so) or `wedged` (judged silent)."""
     owner: str | None = None
-    """The worker's actor id: the owner tag of the env sessions and renderer leases its rollouts take."""
+    """The worker's actor id: the owner tag of the env sessions and renderer slots its rollouts take."""
     peak: int = 0
     """The most rollouts it held at once."""
 

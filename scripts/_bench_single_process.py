@@ -104,7 +104,7 @@ async def _rollout(workload: SingleProcessWorkload, order: int, shared: Any) -> 
                 workload.client.model,
                 prompt,
                 workload.sampling,
-                deadline_s=workload.client.call_deadline,
+                timeout_s=workload.client.total_call_timeout_s,
                 prompt_json=prompt_json,
             )
             timing.calls.append(time.monotonic() - asked)

@@ -54,13 +54,13 @@ def raise_open_files_limit() -> int:
 
 
 async def grow_renderer_pool(plane: RolloutPlane, model: str, multiplex: int, c: int) -> None:
-    """Bring the renderer pool to the size the wave will use (one renderer per `multiplex` leases) and wait
+    """Bring the renderer pool to the size the wave will use (one renderer per `multiplex` slots) and wait
     until every renderer is loaded, as the single-process ways load theirs before the wave: a renderer's
     startup is not a cost per turn."""
     pool = ray.get_actor(plane.names.renderer_pool)
     key_json = RendererKey.from_config(model, RendererConfig(multiplex=multiplex)).to_json()
-    leases = await pool.lease_many.remote(key_json, multiplex, c)
-    await pool.release_many.remote([lease.lease_id for lease in leases])
+    slots = await pool.acquire_many.remote(key_json, multiplex, c)
+    await pool.release_many.remote([slot.slot_id for slot in slots])
     deadline = time.monotonic() + RENDERERS_LOADED_TIMEOUT_S
     while time.monotonic() < deadline:
         renderers = (await pool.stats.remote()).keys[key_json].renderers

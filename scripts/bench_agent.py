@@ -182,7 +182,7 @@ async def run(args: argparse.Namespace) -> None:
             hop = await ray_round_trip_ms()
             http_ms, http_cpu = await http_hop()
     finally:
-        server.stop()
+        server.close()
     print(
         f"\n{args.rollouts} rollouts x {args.rounds} rounds per mode, {args.concurrency} concurrent, "
         f"model latency {args.latency:g} s; 2 model calls per rollout"

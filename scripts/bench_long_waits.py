@@ -46,9 +46,7 @@ RSS_BOUND = 3 * 2**30  # bytes, every plane process together
 MAX_TOKENS = 256  # the scripted policy writes < 150 tokens a turn; nothing is cut
 WARMUP_ROLLOUTS = 4  # one model turn each at no latency: starts the env pool and the first renderer
 PROBE_INTERVAL_S = 2.0  # waits are tens of seconds; a finer probe only takes CPU from the wave
-STANDIN_STARTUP_TIMEOUT_S = (
-    600.0  # its tokenizer loads in seconds, minutes on a machine shared past its cores
-)
+STANDIN_READY_TIMEOUT_S = 600.0  # its tokenizer loads in seconds, minutes on a machine shared past its cores
 RESULT_SLACK_S = 600.0  # past the ideal, a result that has not come is a hang, not a slow wave
 
 
@@ -103,7 +101,7 @@ async def run_wave(args: argparse.Namespace, c: int) -> Wave:
     env_workers = args.env_workers
     server = StandinServer(
         standin_options(ServerSpec(kind="standin", model=BUNDLED_MODEL), latency_s=args.latency),
-        startup_timeout_s=STANDIN_STARTUP_TIMEOUT_S,
+        ready_timeout_s=STANDIN_READY_TIMEOUT_S,
     ).start()
     server_pid = server.pid
     plane = RolloutPlane(
@@ -112,8 +110,8 @@ async def run_wave(args: argparse.Namespace, c: int) -> Wave:
             workers=args.workers,
             worker_num_cpus=0.5,
             env_pool={
-                "min_workers": env_workers,
-                "max_workers": env_workers,
+                "min_servers": env_workers,
+                "max_servers": env_workers,
                 "multiplex": math.ceil(c / env_workers),
                 "num_cpus": 0.25,
             },
@@ -147,7 +145,7 @@ async def run_wave(args: argparse.Namespace, c: int) -> Wave:
         sample = probe.stop()
     finally:
         await plane.close()
-        server.stop()
+        server.close()
     roles[server_pid] = "stand-in"
     kinds: dict[str, int] = {}
     for r in results:

@@ -197,9 +197,9 @@ async def main(args: argparse.Namespace) -> None:
     options = StandinOptions(kv_cache_tokens=args.kv_tokens, prefill_token_latency_s=args.prefill)
     unbounded = StandinOptions(kv_cache_tokens=args.kv_tokens * 64, prefill_token_latency_s=args.prefill)
     launched = [
-        StandinServer(options, startup_timeout_s=STARTUP_S).start(wait=False) for _ in range(args.servers)
+        StandinServer(options, ready_timeout_s=STARTUP_S).start(wait=False) for _ in range(args.servers)
     ]
-    launched.append(StandinServer(unbounded, startup_timeout_s=STARTUP_S).start(wait=False))
+    launched.append(StandinServer(unbounded, ready_timeout_s=STARTUP_S).start(wait=False))
     try:
         for server in launched:
             server.wait_ready()
@@ -231,7 +231,7 @@ async def main(args: argparse.Namespace) -> None:
                 print(f"  {line}", flush=True)
     finally:
         for server in launched:
-            server.stop()
+            server.close()
     prefix, least, ref = phases["prefix"], phases["least_loaded"], phases["reference"]
     print(f"prefix hit rate / one unbounded server's: {prefix.hit_rate / ref.hit_rate:.3f} (target >= 0.9)")
     print(f"prefix max/mean load: {prefix.max_over_mean:.2f} (target <= 1.25)")

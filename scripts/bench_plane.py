@@ -174,8 +174,8 @@ async def run_plane(args: argparse.Namespace, c: int, server: StandinServer) -> 
             workers=args.workers,
             worker_num_cpus=args.worker_num_cpus,
             env_pool={
-                "min_workers": env_workers,
-                "max_workers": env_workers,
+                "min_servers": env_workers,
+                "max_servers": env_workers,
                 "multiplex": max(64, math.ceil(c / env_workers)),
                 "num_cpus": 0.25,
             },
@@ -300,7 +300,7 @@ async def run_way(args: argparse.Namespace, c: int, way: str) -> WayResult:
             return await run_plane(args, c, server)
         return await run_single(args, c, way, server)
     finally:
-        server.stop()
+        server.close()
 
 
 def print_table(args: argparse.Namespace, c: int, results: dict[str, WayResult]) -> None:

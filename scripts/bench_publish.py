@@ -216,8 +216,8 @@ async def measure(args: argparse.Namespace, urls: list[str], storage: str) -> tu
             workers=2,
             worker_num_cpus=0.5,
             env_pool={
-                "min_workers": 1,
-                "max_workers": 1,
+                "min_servers": 1,
+                "max_servers": 1,
                 "multiplex": max(64, args.inflight),
                 "num_cpus": 0.25,
             },
@@ -342,7 +342,7 @@ def main() -> None:
     finally:
         ray.shutdown()
         for server in servers:
-            server.stop()
+            server.close()
         shutil.rmtree(storage, ignore_errors=True)
     print_report(args, rows, bench)
 

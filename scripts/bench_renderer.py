@@ -166,7 +166,7 @@ async def run(args: argparse.Namespace) -> None:
         cold = await cold_start(cold_pool, args.rollouts, args.multiplex)
     finally:
         for pool in (growth_pool, cold_pool):
-            await asyncio.wait_for(pool.shutdown.remote(), 30)
+            await asyncio.wait_for(pool.close.remote(), 30)
             ray.kill(pool, no_restart=True)
 
     first = rows[0]

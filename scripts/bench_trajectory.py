@@ -90,7 +90,7 @@ async def run(
             allowed_ref_prefixes=("env_actors.faults.",),
             workers=args.workers,
             worker_num_cpus=0.5,
-            env_pool={"min_workers": 2, "max_workers": 2, "multiplex": c, "num_cpus": 0.25},
+            env_pool={"min_servers": 2, "max_servers": 2, "multiplex": c, "num_cpus": 0.25},
             batch_window_s=args.batch_window,
         )
     )
@@ -105,7 +105,7 @@ async def run(
             sampling=SamplingConfig(max_tokens=args.max_tokens),
             renderer=RendererConfig(multiplex=c),
             max_turns=max_turns,
-            deadline_s=3600.0,
+            timeout_s=3600.0,
         )
 
     try:
@@ -141,7 +141,7 @@ async def run(
         result_bytes = statistics.fmean(len(r.model_dump_json()) for r in results)
     finally:
         await plane.close()
-        server.stop()
+        server.close()
     records = [
         json.loads(line) for path in meter_dir.glob("*.jsonl") for line in path.read_text().splitlines()
     ]

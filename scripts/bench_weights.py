@@ -168,7 +168,7 @@ def main() -> None:
         asyncio.run(bench(args, urls))
     finally:
         for server in servers:
-            server.stop()
+            server.close()
         ray.shutdown()
 
 

@@ -18,7 +18,7 @@ pool actors (losing those is issue 17's business, not this run's).
 
 It prints kills by kind, results by kind (and failure type), re-dispatches, duplicates dropped, restarts
 against their budgets, p50/p99/max latency (submission to answer) with and without kills, the env
-sessions and renderer leases still held 10 s after the last result, the targets met or missed, and as
+sessions and renderer slots still held 10 s after the last result, the targets met or missed, and as
 its last line `answered exactly once: n/R`.
 """
 
@@ -151,8 +151,8 @@ def plane_config(args: argparse.Namespace) -> PlaneConfig:
         probe_interval_s=1.0,
         max_dispatches=3,
         env_pool=EnvPoolConfig(
-            min_workers=3,
-            max_workers=6,
+            min_servers=3,
+            max_servers=6,
             num_cpus=0.25,
             hang_timeout_s=args.hang_timeout,
             restart=ENV_RESTARTS,
@@ -167,7 +167,7 @@ def request(args: argparse.Namespace, group: int) -> RolloutRequest:
         client=ClientConfig(model=BUNDLED_MODEL),
         sampling=SamplingConfig(max_tokens=128, seed=args.seed * 100_000 + group * args.group_size),
         mode="token",
-        deadline_s=600.0,
+        timeout_s=600.0,
     )
 
 
@@ -211,18 +211,18 @@ async def run(args: argparse.Namespace, servers: InferenceServerSet, chaos: Chao
 
 
 async def held(plane: RolloutPlane) -> dict[str, int]:
-    """Env sessions (by the pool's count and by its servers') and renderer leases the plane still holds."""
+    """Env sessions (by the pool's count and by its servers') and renderer slots the plane still holds."""
     stats = await ray.get_actor(plane.names.env_pool(CALC)).stats.remote()
     on_servers = 0
-    for worker in stats.workers:
+    for server in stats.servers:
         with contextlib.suppress(Exception):
-            health = await asyncio.wait_for(ray.get_actor(worker.worker).health.remote(), 10)
+            health = await asyncio.wait_for(ray.get_actor(server.name).health.remote(), 10)
             on_servers += health.sessions
     renderer = await ray.get_actor(plane.names.renderer_pool).stats.remote()
     return {
         "env sessions (pool)": stats.sessions,
         "env sessions (servers)": on_servers,
-        "renderer leases": renderer.leases,
+        "renderer slots": renderer.slots,
     }
 
 
@@ -294,14 +294,12 @@ class Chaos:
 
     async def kill_env_server(self, plane: RolloutPlane) -> str:
         stats = await ray.get_actor(plane.names.env_pool(CALC)).stats.remote()
-        candidates = [w for w in stats.workers if w.state == "ready" and w.pid]
+        candidates = [w for w in stats.servers if w.state == "ready" and w.pid]
         self.rng.shuffle(candidates)
-        for worker in candidates:  # one lost a moment ago (its node) may still be listed
+        for server in candidates:  # one lost a moment ago (its node) may still be listed
             with contextlib.suppress(ProcessLookupError):
-                os.kill(worker.pid, signal.SIGKILL)
-                return (
-                    f"{worker.worker.rsplit('.', 1)[-1]} (pid {worker.pid}) with {worker.sessions} sessions"
-                )
+                os.kill(server.pid, signal.SIGKILL)
+                return f"{server.name.rsplit('.', 1)[-1]} (pid {server.pid}) with {server.sessions} sessions"
         raise RuntimeError("no live env server")
 
     async def kill_renderer(self, plane: RolloutPlane) -> str:
@@ -314,13 +312,13 @@ class Chaos:
         else:
             raise RuntimeError("no renderer started yet")
         key_json = next(iter(keys))
-        lease = await pool.lease.remote(key_json)
+        slot = await pool.acquire.remote(key_json)
         try:
-            pid = (await asyncio.wait_for(lease.renderer.health.remote(), 10)).pid
+            pid = (await asyncio.wait_for(slot.renderer.health.remote(), 10)).pid
         finally:
-            await pool.release.remote(lease.lease_id)
+            await pool.release.remote(slot.slot_id)
         os.kill(pid, signal.SIGKILL)
-        return f"{lease.renderer_id} (pid {pid})"
+        return f"{slot.renderer_id} (pid {pid})"
 
     async def kill_standin(self, plane: RolloutPlane) -> str:
         status = self.rng.choice([s for s in self.servers.status() if s.state == "ready" and s.pid])
@@ -445,7 +443,7 @@ def report(
 
 async def main_async(args: argparse.Namespace, cluster: Cluster) -> None:
     spec = ServerSpec(kind="standin", model=BUNDLED_MODEL, num_cpus=0.5, standin={"latency_s": args.latency})
-    servers = InferenceServerSet(spec, replicas=2, watch_period=2.0)
+    servers = InferenceServerSet(spec, replicas=2, probe_interval_s=2.0)
     began = time.monotonic()
     await servers.start()
     add_worker_nodes(cluster)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import ray
 
-from env_actors.pool import EnvPoolConfig, EnvStartupError, start_env_pool, stop_env_pool
+from env_actors.pool import EnvPoolConfig, EnvStartupError, close_env_pool, start_env_pool
 from env_actors.session import EnvCallFailed, EnvSession
 from rollout_actors.kernel.supervision import RestartIntensity
 from rollout_actors.wire import Ref
@@ -74,7 +74,7 @@ def short(exc: BaseException) -> str:
 
 
 async def pid_of(pool, worker: str) -> int:
-    return next(w.pid for w in (await pool.stats.remote()).workers if w.worker == worker)
+    return next(w.pid for w in (await pool.stats.remote()).servers if w.name == worker)
 
 
 async def replacement_serving(pool, old_worker: str, since: float) -> float:
@@ -83,7 +83,7 @@ async def replacement_serving(pool, old_worker: str, since: float) -> float:
         try:
             session = await EnvSession.open(pool, task_index=0, timeout=5)
             await session.close()
-            if session.worker != old_worker:
+            if session.server_name != old_worker:
                 return time.monotonic() - since
         except EnvCallFailed:
             pass
@@ -106,7 +106,7 @@ async def healthy() -> list[Row]:
     started = time.monotonic()
     pool = await start_env_pool(name(), ref("env_actors.examples.math_env:MathEnv"), pool_config(), 60)
     ready = time.monotonic() - started
-    await stop_env_pool(pool)
+    await close_env_pool(pool)
     return [Row("healthy pool", "ready (environment loaded, health answered)", ready)]
 
 
@@ -122,7 +122,7 @@ async def startup_failure(
         if failure and failure.fault == "caller":  # an import error: its cause is at the end
             detail = "..." + failure.message[-70:]
         return [Row(case, f"EnvStartupError: {detail[:90]}", time.monotonic() - started, target)]
-    await stop_env_pool(pool)
+    await close_env_pool(pool)
     return [Row(case, "started, but should have failed", None, broken=True)]
 
 
@@ -132,7 +132,7 @@ async def killed_worker() -> list[Row]:
         session = await EnvSession.open(pool, task_index=0, timeout=5)
         step = asyncio.ensure_future(session.step(ASSISTANT, timeout=60))
         await asyncio.sleep(0.3)
-        pid = await pid_of(pool, session.worker)
+        pid = await pid_of(pool, session.server_name)
         killed = time.monotonic()
         os.kill(pid, signal.SIGKILL)
         try:
@@ -141,13 +141,13 @@ async def killed_worker() -> list[Row]:
         except EnvCallFailed as exc:
             failed = time.monotonic() - killed
             saw = f"EnvCallFailed({exc.kind}, {exc.failure.type})"
-        replaced = await replacement_serving(pool, session.worker, killed)
+        replaced = await replacement_serving(pool, session.server_name, killed)
         return [
             Row("worker SIGKILLed, call in flight", saw, failed, 0.2),
             Row("  ... replacement", "new session served by a new worker", replaced, 3.0),
         ]
     finally:
-        await stop_env_pool(pool)
+        await close_env_pool(pool)
 
 
 async def wedged_worker() -> list[Row]:
@@ -155,7 +155,7 @@ async def wedged_worker() -> list[Row]:
     pid = None
     try:
         session = await EnvSession.open(pool, task_index=0, timeout=5)
-        pid = await pid_of(pool, session.worker)
+        pid = await pid_of(pool, session.server_name)
         step = asyncio.ensure_future(session.step(ASSISTANT, timeout=60))
         await asyncio.sleep(0.3)
         frozen = time.monotonic()
@@ -165,8 +165,8 @@ async def wedged_worker() -> list[Row]:
             return [Row("worker SIGSTOPped, call in flight", "call succeeded?!", None, broken=True)]
         except EnvCallFailed as exc:
             failed = time.monotonic() - frozen
-            saw = f"EnvCallFailed({exc.kind}, {(exc.worker_exit or '')[:40]})"
-        replaced = await replacement_serving(pool, session.worker, frozen)
+            saw = f"EnvCallFailed({exc.kind}, {(exc.server_exit or '')[:40]})"
+        replaced = await replacement_serving(pool, session.server_name, frozen)
         return [
             Row(f"worker SIGSTOPped (hang_timeout_s {HANG_TIMEOUT_S:g} s)", saw, failed, HANG_TIMEOUT_S + 1),
             Row("  ... replacement", "new session served by a new worker", replaced, HANG_TIMEOUT_S + 3),
@@ -177,7 +177,7 @@ async def wedged_worker() -> list[Row]:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        await stop_env_pool(pool)
+        await close_env_pool(pool)
 
 
 async def blocked_loop() -> list[Row]:
@@ -190,10 +190,10 @@ async def blocked_loop() -> list[Row]:
             await session.step(ASSISTANT, timeout=60)
             return [Row("env blocks its event loop", "call succeeded?!", None, broken=True)]
         except EnvCallFailed as exc:
-            saw = f"EnvCallFailed({exc.kind}, {(exc.worker_exit or '')[:40]})"
+            saw = f"EnvCallFailed({exc.kind}, {(exc.server_exit or '')[:40]})"
             return [Row("env blocks its event loop", saw, time.monotonic() - started, HANG_TIMEOUT_S + 1)]
     finally:
-        await stop_env_pool(pool)
+        await close_env_pool(pool)
 
 
 async def dies_on_every_load() -> list[Row]:
@@ -215,7 +215,7 @@ async def dies_on_every_load() -> list[Row]:
 
 async def budget_spent_under_load() -> list[Row]:
     config = pool_config(
-        max_workers=3,
+        max_servers=3,
         multiplex=2,
         grow_fraction=0.5,
         restart=RestartIntensity(max_restarts=1, window_s=60),
@@ -223,7 +223,7 @@ async def budget_spent_under_load() -> list[Row]:
     )
     pool = await start_env_pool(name(), ref(ECHO), config, 60)
     try:
-        first = (await pool.stats.remote()).workers[0].worker
+        first = (await pool.stats.remote()).servers[0].name
         ray.kill(ray.get_actor(first))
         await replacement_serving(pool, first, time.monotonic())
         sessions = [await EnvSession.open(pool, task_index=i, timeout=5) for i in range(6)]
@@ -234,13 +234,13 @@ async def budget_spent_under_load() -> list[Row]:
         saw = f"6 sessions on {stats.ready} worker(s), spawns {stats.spawns}, denials {stats.budget_denials}"
         return [Row("load after the restart budget is spent", saw, None, broken=stats.spawns != 2)]
     finally:
-        await stop_env_pool(pool)
+        await close_env_pool(pool)
 
 
 async def spawn_failure_mid_serve() -> list[Row]:
     with tempfile.TemporaryDirectory() as state:
         config = pool_config(
-            min_workers=2, max_workers=2, restart=RestartIntensity(max_restarts=1, window_s=60), **PROBES
+            min_servers=2, max_servers=2, restart=RestartIntensity(max_restarts=1, window_s=60), **PROBES
         )
         env = ref("env_actors.faults.envs:FlakyLoadEnv", state_dir=state, good_loads=2)
         pool = await start_env_pool(name(), env, config, 60)
@@ -248,7 +248,7 @@ async def spawn_failure_mid_serve() -> list[Row]:
             await wait_for(lambda: _ready(pool, 2), 20)
             survivor = await EnvSession.open(pool, task_index=0, timeout=5)
             doomed = next(
-                w.worker for w in (await pool.stats.remote()).workers if w.worker != survivor.worker
+                w.name for w in (await pool.stats.remote()).servers if w.name != survivor.server_name
             )
             killed = time.monotonic()
             ray.kill(ray.get_actor(doomed))
@@ -262,7 +262,7 @@ async def spawn_failure_mid_serve() -> list[Row]:
             saw = f"{stats.ready}/2 ready, supervisor alive, surviving session reward {reward:g}"
             return [Row("spawn fails mid-serve", saw, seen, broken=stats.ready != 1 or reward != 1.0)]
         finally:
-            await stop_env_pool(pool)
+            await close_env_pool(pool)
 
 
 async def answered_then_exited() -> list[Row]:
@@ -292,7 +292,7 @@ async def answered_then_exited() -> list[Row]:
             )
         ]
     finally:
-        await stop_env_pool(pool)
+        await close_env_pool(pool)
 
 
 async def no_live_worker() -> list[Row]:
@@ -300,7 +300,7 @@ async def no_live_worker() -> list[Row]:
         name(), ref(ECHO), pool_config(restart=RestartIntensity(max_restarts=0, window_s=60), **PROBES), 60
     )
     try:
-        worker = (await pool.stats.remote()).workers[0].worker
+        worker = (await pool.stats.remote()).servers[0].name
         ray.kill(ray.get_actor(worker))
         await wait_for(lambda: _deaths(pool, 1), 10)
         started = time.monotonic()
@@ -316,7 +316,7 @@ async def no_live_worker() -> list[Row]:
                 )
             ]
     finally:
-        await stop_env_pool(pool)
+        await close_env_pool(pool)
 
 
 async def _ready(pool, count: int) -> bool:

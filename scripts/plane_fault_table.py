@@ -16,8 +16,10 @@ A second table times failures that follow the request, not the part (DESIGN.md c
 environment that blocks its loop in every step (a poison request: answered after two env servers, within
 2 x `hang_timeout_s` + a spawn), sixteen of them among 64 healthy rollouts of one pool, and renderer keys
 that cannot load (every rollout of the key answered at once, not re-dispatched; the hub case waits at most
-`RAY_ROLLOUTS_HUB_TIMEOUT_S`). Each row: how the rollouts ended, dispatches, env servers lost, and the
-seconds from submit until the last of them was answered.
+`RAY_ROLLOUTS_HUB_TIMEOUT_S`). Its env pools run on the default restart budget. Each row: how the
+rollouts ended, dispatches, env servers lost (and of those, how many were replaced outside the restart
+budget because a known request's call wedged them), the pool's restarts left, and the seconds from submit
+until the last of them was answered.
 """
 
 from __future__ import annotations
@@ -59,6 +61,9 @@ class RequestRow:
     ended: str
     dispatches: str
     servers_lost: int | None
+    blamed: int | None
+    """Servers wedged by a known request's call, replaced outside the restart budget."""
+    restarts_left: int | None
     answered_s: float
     target_s: float
     broken: str = ""
@@ -86,7 +91,7 @@ async def holding(plane: RolloutPlane, env: Ref, count: int) -> None:
     env_pool, renderer_pool = plane._pools.supervisor(env).current(), plane._pools.supervisor().current()
     while (await env_pool.stats.remote()).sessions < count or (
         await renderer_pool.stats.remote()
-    ).leases < count:
+    ).slots < count:
         await asyncio.sleep(0.05)
 
 
@@ -190,8 +195,8 @@ def ended(results: list[Any]) -> str:
     return ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items()))
 
 
-async def env_deaths(plane: RolloutPlane, env: Ref) -> int:
-    return (await plane._pools.supervisor(env).current().stats.remote()).deaths
+async def env_pool_stats(plane: RolloutPlane, env: Ref) -> Any:
+    return await plane._pools.supervisor(env).current().stats.remote()
 
 
 async def run_request_cases(base_url: str) -> list[RequestRow]:
@@ -205,7 +210,6 @@ async def run_request_cases(base_url: str) -> list[RequestRow]:
             "hang_timeout_s": ENV_HANG_TIMEOUT_S,
             "probe_interval_s": 0.2,
             "probe_timeout_s": 1.0,
-            "restart": {"max_restarts": 12, "window_s": 120},
         },
     )
     rows = []
@@ -215,12 +219,15 @@ async def run_request_cases(base_url: str) -> list[RequestRow]:
         await plane._pools.ensure_env_pool(poison_alone)
         results, took = await answered(plane, [request(base_url, poison_alone, 0.0, 0)])
         ok = results[0].kind == "env" and results[0].error.fault == "poison"
+        stats = await env_pool_stats(plane, poison_alone)
         rows.append(
             RequestRow(
                 "env blocks its loop in every step",
                 ended(results),
                 str(results[0].attempts),
-                await env_deaths(plane, poison_alone),
+                stats.deaths,
+                stats.culprit_replacements,
+                stats.restarts_left,
                 took,
                 2 * ENV_HANG_TIMEOUT_S + spawn_s,
                 "" if ok else "not answered as poison",
@@ -233,15 +240,18 @@ async def run_request_cases(base_url: str) -> list[RequestRow]:
             batch[i] = one.model_copy(update={"task_index": i})
         results, took = await answered(plane, batch)
         healthy = [r for r in results if r.task_index >= 16]
-        stats = await plane._pools.supervisor(mixed).current().stats.remote()
+        stats = await env_pool_stats(plane, mixed)
         broken = "" if all(r.kind == "ok" for r in healthy) else "a healthy rollout failed"
-        broken = broken or ("" if stats.restarts_left > 0 else "restart budget exhausted")
+        spent = stats.restarts_left == 0 or stats.budget_denials > 0
+        broken = broken or ("restart budget exhausted" if spent else "")
         rows.append(
             RequestRow(
                 "  ... 16 of them among 64 healthy (one pool)",
                 ended(results),
                 "/".join(str(n) for n in sorted({r.attempts for r in results})),
                 stats.deaths,
+                stats.culprit_replacements,
+                stats.restarts_left,
                 took,
                 2 * ENV_HANG_TIMEOUT_S + 2 * spawn_s,
                 broken,
@@ -264,6 +274,8 @@ async def run_request_cases(base_url: str) -> list[RequestRow]:
                     ended(results),
                     "/".join(str(n) for n in sorted({r.attempts for r in results})),
                     None,
+                    None,
+                    None,
                     took,
                     target,
                     "" if failed_once else "re-dispatched, or served",
@@ -275,12 +287,21 @@ async def run_request_cases(base_url: str) -> list[RequestRow]:
 def print_request_table(rows: list[RequestRow]) -> None:
     width = max(len(r.case) for r in rows)
     kinds = max(len("ended"), *(len(r.ended) for r in rows))
-    header = f"{'follows the request':<{width}}  {'ended':<{kinds}}  dispatches  servers lost  answered s  target s"
+    header = (
+        f"{'follows the request':<{width}}  {'ended':<{kinds}}  dispatches  servers lost  off budget  "
+        "restarts left  answered s  target s"
+    )
     print(header)
     print("-" * len(header))
     for r in rows:
-        lost = f"{r.servers_lost:>12}" if r.servers_lost is not None else f"{'-':>12}"
-        line = f"{r.case:<{width}}  {r.ended:<{kinds}}  {r.dispatches:>10}  {lost}  {r.answered_s:10.1f}  {r.target_s:8.0f}"
+        lost, blamed, left = (
+            f"{n:>{w}}" if n is not None else f"{'-':>{w}}"
+            for n, w in ((r.servers_lost, 12), (r.blamed, 10), (r.restarts_left, 13))
+        )
+        line = (
+            f"{r.case:<{width}}  {r.ended:<{kinds}}  {r.dispatches:>10}  {lost}  {blamed}  {left}  "
+            f"{r.answered_s:10.1f}  {r.target_s:8.0f}"
+        )
         print(line + (f"  BROKEN: {r.broken}" if r.broken else ""))
 
 
@@ -301,6 +322,9 @@ def print_table(rows: list[Row]) -> None:
 
 
 def main() -> int:
+    if {"-h", "--help"} & set(sys.argv[1:]):
+        print(__doc__)
+        return 0
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False, configure_logging=False)
     else:  # a private Ray: a plain `ray.init()` joins whatever cluster someone's `ray start` left running

@@ -42,7 +42,7 @@ async def run(args: argparse.Namespace, url: str) -> None:
         client=ClientConfig(base_url=url, model=BUNDLED_MODEL, headers=headers),
         sampling=SamplingConfig(max_tokens=200),
         max_turns=4,
-        deadline_s=300,
+        timeout_s=300,
     )
     output = Path(args.output)
     async with RolloutPlane(config) as plane:

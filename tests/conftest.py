@@ -111,4 +111,4 @@ def standin_pair():
         yield tuple(server.wait_ready() for server in pair)
     finally:
         for server in pair:
-            server.stop()
+            server.close()

@@ -11,7 +11,7 @@ from typing import Any
 
 import ray
 
-from env_actors.pool import EnvPoolConfig, start_env_pool, stop_env_pool
+from env_actors.pool import EnvPoolConfig, close_env_pool, start_env_pool
 from rollout_actors.wire import Ref
 
 READY_TIMEOUT_S = 30
@@ -38,7 +38,7 @@ async def env_pool(target: str, config: EnvPoolConfig | None = None, **env_confi
     try:
         yield pool
     finally:
-        await stop_env_pool(pool)
+        await close_env_pool(pool)
 
 
 async def call_started(worker: str, timeout: float = 20.0) -> None:

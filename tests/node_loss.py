@@ -51,7 +51,7 @@ async def holding(plane: RolloutPlane, count: int, within: float = 60) -> None:
     """Until `count` rollouts hold an env session and a renderer lease."""
     env, renderer = plane._pools.supervisor(MATH).current(), plane._pools.supervisor().current()
     deadline = time.monotonic() + within
-    while (await env.stats.remote()).sessions < count or (await renderer.stats.remote()).leases < count:
+    while (await env.stats.remote()).sessions < count or (await renderer.stats.remote()).slots < count:
         assert time.monotonic() < deadline, "the rollouts never took their sessions and leases"
         await asyncio.sleep(0.05)
 

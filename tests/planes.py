@@ -33,16 +33,16 @@ def plane_factory(**defaults: Any) -> Callable[..., RolloutPlane]:
 
 @contextmanager
 def plane_on_own_loop(
-    lanes: dict[str, int], deadline_s: float, **overrides: Any
+    lanes: dict[str, int], timeout_s: float, **overrides: Any
 ) -> Iterator[tuple[Callable[[Any], Any], RolloutPlane]]:
     """(run, plane): one small started plane (one worker, `SMALL_PLANE` then `overrides`); `run(coro)` runs
-    on its loop under `deadline_s`. Closed, and its loop with it, on exit. For a module's tests that only
+    on its loop under `timeout_s`. Closed, and its loop with it, on exit. For a module's tests that only
     submit and read their own results: one plane start (worker, pools, renderer) instead of one per test."""
     loop = asyncio.new_event_loop()
     plane = RolloutPlane(PlaneConfig(lanes=lanes, **{**SMALL_PLANE, **overrides}))
 
     def run(coro: Any) -> Any:
-        return loop.run_until_complete(asyncio.wait_for(coro, deadline_s))
+        return loop.run_until_complete(asyncio.wait_for(coro, timeout_s))
 
     run(plane.start())
     try:

@@ -55,10 +55,10 @@ def test_sampling_config_refuses_absurd_values_naming_the_field(fields, name):
     assert name in str(info.value)
 
 
-def test_the_total_call_deadline_defaults_to_the_per_attempt_budget():
+def test_the_total_call_timeout_defaults_to_the_per_attempt_budget():
     config = ClientConfig(**BASE, read_timeout_s=10, connect_timeout_s=2, max_retries=1)
-    assert config.call_deadline == 24.0
-    assert ClientConfig(**BASE, call_timeout_s=5).call_deadline == 5.0
+    assert config.total_call_timeout_s == 24.0
+    assert ClientConfig(**BASE, call_timeout_s=5).total_call_timeout_s == 5.0
 
 
 @pytest.mark.slow

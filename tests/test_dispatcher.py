@@ -150,7 +150,7 @@ def test_the_dispatcher_runs_without_ray():
 def test_a_request_is_answered_once_through_an_envelope_that_leaves_it_untouched():
     async def scenario():
         host, workers, dispatcher = make(ok_now)
-        req = request(deadline_s=30)
+        req = request(timeout_s=30)
         original = req.model_dump()
         await drive(dispatcher, req)
         return host, workers, dispatcher, req, original
@@ -160,7 +160,7 @@ def test_a_request_is_answered_once_through_an_envelope_that_leaves_it_untouched
     assert req.model_dump() == original  # the caller's request is not rewritten
     (dispatch,) = [d for s in workers.slots for d in s.calls]
     assert dispatch.request == req and dispatch.attempt == 1
-    assert dispatch.endpoint == "http://endpoint:8000/v1" and 0 < dispatch.timeout_s <= 30
+    assert dispatch.endpoint == "http://endpoint:8000/v1" and 0 < dispatch.remaining_timeout_s <= 30
     assert (dispatch.env_pool, dispatch.renderer_pool) == ("env-pool", "renderer-pool")
     assert dispatch.rollout_request().client.base_url == "http://endpoint:8000/v1"
     assert dispatcher.counters["kind.ok"] == 1 and not list(dispatcher.in_flight())
@@ -195,7 +195,7 @@ def test_a_late_answer_after_the_plane_gave_up_is_dropped_and_counted():
 
     async def scenario():
         host, workers, dispatcher = make(never_answers, answer_grace_s=0.0)
-        await drive(dispatcher, request(deadline_s=0.2))
+        await drive(dispatcher, request(timeout_s=0.2))
         dispatch, answer = workers.late
         answer.set_result(_answer(dispatch))  # the worker answers after all
         await asyncio.sleep(0.05)
@@ -269,14 +269,14 @@ def test_answered_leases_forget_the_oldest_first():
 
 
 def test_an_envelope_runs_the_request_on_the_adapter_with_the_base_models_tokenizer():
-    req = request(deadline_s=600)
+    req = request(timeout_s=600)
     envelope = Dispatch(
-        request=req, model="policy-v3", policy_version=3, timeout_s=12.5, env_pool="e", attempt=2
+        request=req, model="policy-v3", policy_version=3, remaining_timeout_s=12.5, env_pool="e", attempt=2
     )
     runs = envelope.rollout_request()
     assert runs.client.model == "policy-v3" and runs.renderer.tokenizer == "m"  # the vocabulary stays
     assert runs.client.base_url == req.client.base_url  # no endpoint decided: the request's own
-    assert (runs.policy_version, runs.deadline_s) == (3, 12.5)
+    assert (runs.policy_version, runs.timeout_s) == (3, 12.5)
     assert (runs.request_id, runs.lease_id) == (req.request_id, req.lease_id)
     assert req.client.model == "m" and req.policy_version is None  # the caller's request is untouched
     assert Dispatch.model_validate_json(envelope.model_dump_json()) == envelope  # it crosses as JSON

@@ -285,9 +285,7 @@ def test_a_runtime_env_that_cannot_build_fails_its_rollouts_with_the_build_error
 
 
 README_SECTION = "Bring your environments: verifiers and skyrl-gym"
-README_RUN_DEADLINE_S = (
-    600  # an embedded Ray, the stand-in, a pool loading its framework: minutes when loaded
-)
+README_RUN_DEADLINE_S = 600  # the stand-in, a pool loading its framework: minutes when loaded
 
 
 def readme_packages(folder: Path) -> None:
@@ -333,10 +331,12 @@ README_COMMANDS = [c for c in commands(block(README_SECTION, "bash")) if c.start
 
 @pytest.mark.timeout(README_RUN_DEADLINE_S + 60)
 @pytest.mark.parametrize("command", README_COMMANDS, ids=lambda c: argv(c)[argv(c).index("--env") + 1])
-def test_the_readme_environment_commands_run_end_to_end(command, tmp_path):
+def test_the_readme_environment_commands_run_end_to_end(command, tmp_path, ray_session):
     readme_packages(tmp_path)
     args = as_tested(argv(command))
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # the CLI's own embedded Ray
+    # On the suite's Ray, joined as the CLI joins any cluster (`$RAY_ADDRESS`): an embedded Ray per command
+    # cost each ~6 s more here, and test_readme.py's quick start runs the CLI on its embedded Ray.
+    env = {**os.environ, "RAY_ADDRESS": ray_session.get_runtime_context().gcs_address}
     rollouts = os.path.join(os.path.dirname(sys.executable), "rollouts")
     done = subprocess.run(
         [rollouts, *args[1:], "--no-progress"],

@@ -39,7 +39,7 @@ async def ready_count(pool, count: int) -> bool:
 
 
 async def worker_pid(pool, worker: str) -> int:
-    return next(w.pid for w in (await pool.stats.remote()).workers if w.worker == worker)
+    return next(w.pid for w in (await pool.stats.remote()).servers if w.name == worker)
 
 
 async def full_episode(pool) -> float:
@@ -98,7 +98,7 @@ def test_environment_that_dies_on_every_load_fails_after_the_budget_without_a_re
         env = Ref(target="env_actors.faults.envs:DiesOnLoadEnv", config={"attempts_dir": str(tmp_path)})
         with pytest.raises(EnvStartupError) as failed:
             await start_env_pool(pool_name(), env, widened(config), 30)
-        assert failed.value.failure.type == "EnvWorkerDied" and "3 time(s)" in str(failed.value)
+        assert failed.value.failure.type == "EnvServerDied" and "3 time(s)" in str(failed.value)
         await asyncio.sleep(1.0)  # a respawn loop would keep adding attempts
         assert len(list(tmp_path.iterdir())) == 3  # the first spawn + 2 restarts, then nothing
 
@@ -140,18 +140,18 @@ def test_worker_killed_with_a_call_in_flight_fails_that_call_and_is_replaced():
         async with env_pool(ECHO, EnvPoolConfig(**PROBES), step_delay=30.0) as pool:
             session = await EnvSession.open(pool, task_index=0, timeout=10)
             step = asyncio.ensure_future(session.step(assistant(), timeout=60))
-            await call_started(session.worker)
-            os.kill(await worker_pid(pool, session.worker), signal.SIGKILL)
+            await call_started(session.server_name)
+            os.kill(await worker_pid(pool, session.server_name), signal.SIGKILL)
             with pytest.raises(EnvCallFailed) as failed:
                 await step
-            assert failed.value.kind == "infrastructure" and failed.value.failure.type == "EnvWorkerLost"
-            assert failed.value.worker_exit
+            assert failed.value.kind == "infrastructure" and failed.value.failure.type == "EnvServerLost"
+            assert failed.value.server_exit
             await session.close()
             await eventually(lambda: ready_count(pool, 1), 20)
             stats = await pool.stats.remote()
             assert stats.deaths == 1 and stats.spawns == 2
             replacement = await EnvSession.open(pool, task_index=1, timeout=10)
-            assert replacement.worker != session.worker
+            assert replacement.server_name != session.server_name
             await replacement.close()
 
     run(body(), 50)
@@ -162,17 +162,17 @@ def test_frozen_worker_is_detected_as_wedged_its_calls_fail_and_it_is_replaced()
     async def body():
         async with env_pool(ECHO, EnvPoolConfig(**WEDGE), step_delay=30.0) as pool:
             session = await EnvSession.open(pool, task_index=0, timeout=10)
-            pid = await worker_pid(pool, session.worker)
+            pid = await worker_pid(pool, session.server_name)
             step = asyncio.ensure_future(session.step(assistant(), timeout=60))
-            await call_started(session.worker)
+            await call_started(session.server_name)
             os.kill(pid, signal.SIGSTOP)
             try:
                 with pytest.raises(EnvCallFailed) as failed:
                     await step
-                assert failed.value.kind == "infrastructure" and "wedged" in failed.value.worker_exit
+                assert failed.value.kind == "infrastructure" and "wedged" in failed.value.server_exit
                 await eventually(lambda: ready_count(pool, 1), 20)
                 replacement = await EnvSession.open(pool, task_index=1, timeout=10)
-                assert replacement.worker != session.worker
+                assert replacement.server_name != session.server_name
                 await replacement.close()
             finally:
                 with suppress(ProcessLookupError):
@@ -190,7 +190,7 @@ def test_worker_whose_event_loop_is_blocked_is_retired_as_wedged():
             session = await EnvSession.open(pool, task_index=0, timeout=10)
             with pytest.raises(EnvCallFailed) as failed:
                 await session.step(assistant(), timeout=60)
-            assert "wedged" in failed.value.worker_exit
+            assert "wedged" in failed.value.server_exit
             await eventually(lambda: ready_count(pool, 1), 20)
 
     run(body(), 50)
@@ -199,14 +199,14 @@ def test_worker_whose_event_loop_is_blocked_is_retired_as_wedged():
 @pytest.mark.timeout(60)
 def test_session_whose_worker_is_killed_mid_episode_fails_as_infrastructure_others_finish():
     async def body():
-        async with env_pool(ECHO, EnvPoolConfig(min_workers=2, max_workers=2, **PROBES), turns=3) as pool:
+        async with env_pool(ECHO, EnvPoolConfig(min_servers=2, max_servers=2, **PROBES), turns=3) as pool:
             await eventually(lambda: ready_count(pool, 2), 20)
             doomed = await EnvSession.open(pool, task_index=0, timeout=10)
             survivor = await EnvSession.open(pool, task_index=1, timeout=10)
-            assert doomed.worker != survivor.worker
+            assert doomed.server_name != survivor.server_name
             assert not (await doomed.step(assistant(), timeout=10)).done
             assert not (await survivor.step(assistant(), timeout=10)).done
-            ray.kill(ray.get_actor(doomed.worker))
+            ray.kill(ray.get_actor(doomed.server_name))
             # ray.kill is asynchronous: a step sent at once may still be answered. Wait for the death.
             await eventually(lambda: _deaths(pool, 1), 10)
             with pytest.raises(EnvCallFailed) as failed:
@@ -232,7 +232,7 @@ def test_worker_that_answered_then_exited_keeps_its_answers():
             await eventually(lambda: _deaths(pool, 1), 10)
             with pytest.raises(EnvCallFailed) as lost:
                 await sessions[0].step(assistant(), timeout=10)
-            assert lost.value.kind == "infrastructure" and lost.value.failure.type == "EnvWorkerLost"
+            assert lost.value.kind == "infrastructure" and lost.value.failure.type == "EnvServerLost"
             for s in sessions:
                 await s.close()
 
@@ -249,11 +249,11 @@ def test_with_no_live_worker_calls_fail_at_once_instead_of_queueing():
         config = EnvPoolConfig(restart=RestartIntensity(max_restarts=0, window_s=60), **PROBES)
         async with env_pool(ECHO, config) as pool:
             session = await EnvSession.open(pool, task_index=0, timeout=10)
-            ray.kill(ray.get_actor(session.worker))
+            ray.kill(ray.get_actor(session.server_name))
             await eventually(lambda: _deaths(pool, 1), 10)
             with pytest.raises(EnvCallFailed) as failed:
                 await EnvSession.open(pool, task_index=0, timeout=60)
-            assert failed.value.kind == "infrastructure" and failed.value.failure.type == "NoLiveEnvWorker"
+            assert failed.value.kind == "infrastructure" and failed.value.failure.type == "NoLiveEnvServer"
             assert await eventually(lambda: _budget_denied(pool), 5)
 
     run(body(), 50)
@@ -267,14 +267,14 @@ async def _budget_denied(pool) -> bool:
 def test_sustained_load_after_the_budget_is_spent_does_not_scale_up():
     async def body():
         config = EnvPoolConfig(
-            max_workers=3,
+            max_servers=3,
             multiplex=2,
             grow_fraction=0.5,
             restart=RestartIntensity(max_restarts=1, window_s=60),
             **PROBES,
         )
         async with env_pool(ECHO, config) as pool:
-            first = (await pool.stats.remote()).workers[0].worker
+            first = (await pool.stats.remote()).servers[0].name
             ray.kill(ray.get_actor(first))  # the replacement spends the only restart
             await eventually(lambda: _deaths(pool, 1), 10)
             await eventually(lambda: ready_count(pool, 1), 20)
@@ -282,7 +282,7 @@ def test_sustained_load_after_the_budget_is_spent_does_not_scale_up():
             await asyncio.sleep(1.0)  # several supervision ticks under load
             stats = await pool.stats.remote()
             assert stats.spawns == 2 and stats.ready == 1 and stats.budget_denials >= 1
-            assert len({s.worker for s in sessions}) == 1
+            assert len({s.server_name for s in sessions}) == 1
             for s in sessions:
                 await s.close()
 
@@ -293,14 +293,14 @@ def test_sustained_load_after_the_budget_is_spent_does_not_scale_up():
 def test_spawn_failure_mid_serve_leaves_the_pool_one_short_and_the_supervisor_alive(tmp_path):
     async def body():
         config = EnvPoolConfig(
-            min_workers=2, max_workers=2, restart=RestartIntensity(max_restarts=1, window_s=60), **PROBES
+            min_servers=2, max_servers=2, restart=RestartIntensity(max_restarts=1, window_s=60), **PROBES
         )
         env = "env_actors.faults.envs:FlakyLoadEnv"
         async with env_pool(env, config, state_dir=str(tmp_path), good_loads=2) as pool:
             await eventually(lambda: ready_count(pool, 2), 20)
             survivor = await EnvSession.open(pool, task_index=0, timeout=10)
             doomed = next(
-                w.worker for w in (await pool.stats.remote()).workers if w.worker != survivor.worker
+                w.name for w in (await pool.stats.remote()).servers if w.name != survivor.server_name
             )
             ray.kill(ray.get_actor(doomed))
             await eventually(lambda: _spawn_failures(pool, 1), 20)

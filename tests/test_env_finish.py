@@ -70,7 +70,7 @@ def test_a_done_step_with_score_if_done_returns_the_score_and_ends_the_session_i
         async with env_pool(RECORDS_CLOSES, turns=1, closes_dir=str(tmp_path)) as pool:
             spy = PoolSpy(pool)
             session = await EnvSession.open(spy, task_index=0, timeout=10)
-            assert await worker_sessions(session.worker) == 1
+            assert await worker_sessions(session.server_name) == 1
 
             out = await session.step(assistant(), timeout=10, score_if_done=True)
 
@@ -78,8 +78,8 @@ def test_a_done_step_with_score_if_done_returns_the_score_and_ends_the_session_i
             assert out.score.reward == 1.0 and out.score.components == {"finished": 1.0}
             assert session.closed
             await eventually(lambda: _no_sessions(pool), 10)  # forgotten by the pool without a close call
-            assert [w.sessions for w in (await pool.stats.remote()).workers] == [0]
-            assert await worker_sessions(session.worker) == 0  # the EnvServer dropped the state
+            assert [w.sessions for w in (await pool.stats.remote()).servers] == [0]
+            assert await worker_sessions(session.server_name) == 0  # the EnvServer dropped the state
             assert closes(tmp_path) == 1  # the environment's close ran, once
 
             await session.close()
@@ -102,7 +102,7 @@ def test_a_step_that_is_not_done_carries_no_score_and_leaves_the_session_open(tm
 
             assert not out.done and out.score is None and out.messages
             assert not session.closed
-            assert await pool_sessions(pool) == 1 and await worker_sessions(session.worker) == 1
+            assert await pool_sessions(pool) == 1 and await worker_sessions(session.server_name) == 1
             assert closes(tmp_path) == 0
             assert (await session.score(timeout=10)).reward == 0.0  # the session still answers
             await session.close()
@@ -140,11 +140,11 @@ def test_a_raising_score_fails_the_finishing_step_as_infrastructure_and_close_st
             assert "in score" in failed.value.failure.traceback  # the environment's own frame
             assert not session.closed
             assert await pool_sessions(pool) == 1  # the pool did not forget it
-            assert await worker_sessions(session.worker) == 1 and closes(tmp_path) == 0
+            assert await worker_sessions(session.server_name) == 1 and closes(tmp_path) == 0
 
             await session.close()
             await eventually(lambda: _no_sessions(pool), 10)
-            assert await worker_sessions(session.worker) == 0 and closes(tmp_path) == 1
+            assert await worker_sessions(session.server_name) == 0 and closes(tmp_path) == 1
 
     run(body(), 50)
 
@@ -176,14 +176,14 @@ def test_worker_killed_during_the_finishing_step_fails_it_as_infrastructure():
             RECORDS_CLOSES, EnvPoolConfig(probe_interval_s=0.2), turns=1, step_delay=30.0
         ) as pool:
             session = await EnvSession.open(pool, task_index=0, timeout=10)
-            pid = next(w.pid for w in (await pool.stats.remote()).workers if w.worker == session.worker)
+            pid = next(w.pid for w in (await pool.stats.remote()).servers if w.name == session.server_name)
             step = asyncio.ensure_future(session.step(assistant(), timeout=60, score_if_done=True))
-            await call_started(session.worker)
+            await call_started(session.server_name)
             os.kill(pid, signal.SIGKILL)
             with pytest.raises(EnvCallFailed) as failed:
                 await step
-            assert failed.value.kind == "infrastructure" and failed.value.failure.type == "EnvWorkerLost"
-            assert failed.value.worker_exit and not session.closed
+            assert failed.value.kind == "infrastructure" and failed.value.failure.type == "EnvServerLost"
+            assert failed.value.server_exit and not session.closed
             await session.close()
             await eventually(lambda: _no_sessions(pool), 10)
             await eventually(lambda: _ready(pool), 20)  # replaced as after any death
@@ -245,7 +245,7 @@ def test_rollout_reward_comes_from_the_finishing_step_or_from_score_when_turns_r
                 sampling=SamplingConfig(max_tokens=16, seed=7),
                 mode="chat",
                 max_turns=max_turns,
-                deadline_s=60,
+                timeout_s=60,
             )
             result = await run_rollout(request, OneEnvPool(spy))
             assert result.kind == "ok", result.error

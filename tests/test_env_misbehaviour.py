@@ -120,7 +120,7 @@ def test_a_requests_deadline_holds_while_its_env_pool_starts(ray_session, standi
                 env=Ref(target=f"{FAULTS}:HangsInConstructorEnv"),
                 task_index=0,
                 client=ClientConfig(base_url=standin.base_url, model=BUNDLED_MODEL),
-                deadline_s=3.0,
+                timeout_s=3.0,
             )
             started = asyncio.get_running_loop().time()
             await plane.submit(request)

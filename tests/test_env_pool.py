@@ -112,10 +112,10 @@ def test_a_call_past_its_deadline_fails_naming_it_and_the_worker_keeps_serving()
 @pytest.mark.timeout(60)
 def test_new_sessions_go_to_the_least_busy_ready_worker():
     async def body():
-        async with env_pool(ECHO, EnvPoolConfig(min_workers=2, max_workers=2)) as pool:
+        async with env_pool(ECHO, EnvPoolConfig(min_servers=2, max_servers=2)) as pool:
             await eventually(lambda: _ready(pool, 2), 20)
             sessions = [await EnvSession.open(pool, task_index=i, timeout=10) for i in range(4)]
-            placed = [s.worker for s in sessions]
+            placed = [s.server_name for s in sessions]
             assert len(set(placed)) == 2 and all(placed.count(w) == 2 for w in placed)
             for s in sessions:
                 await s.close()
@@ -128,7 +128,7 @@ def test_closing_or_cancelling_a_session_ends_it_on_its_worker():
     async def body():
         async with env_pool(ECHO, step_delay=30.0) as pool:
             session = await EnvSession.open(pool, task_index=0, timeout=10)
-            worker = ray.get_actor(session.worker)
+            worker = ray.get_actor(session.server_name)
             assert (await worker.health.remote()).sessions == 1
 
             async def rollout():
@@ -138,7 +138,7 @@ def test_closing_or_cancelling_a_session_ends_it_on_its_worker():
                     await session.close()
 
             task = asyncio.ensure_future(rollout())
-            await call_started(session.worker)  # cancelled mid-step, not before the step left
+            await call_started(session.server_name)  # cancelled mid-step, not before the step left
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
@@ -154,7 +154,7 @@ def test_closing_or_cancelling_a_session_ends_it_on_its_worker():
 def test_pool_grows_with_open_sessions_and_shrinks_back_when_idle():
     async def body():
         config = EnvPoolConfig(
-            min_workers=1, max_workers=2, multiplex=2, grow_fraction=0.5, idle_timeout_s=0.5
+            min_servers=1, max_servers=2, multiplex=2, grow_fraction=0.5, idle_timeout_s=0.5
         )
         async with env_pool(ECHO, config) as pool:
             session = await EnvSession.open(pool, task_index=0, timeout=10)
@@ -173,7 +173,7 @@ def test_a_session_its_owner_abandoned_is_closed_after_the_idle_timeout():
     async def body():
         async with env_pool(ECHO, EnvPoolConfig(session_idle_timeout_s=0.5)) as pool:
             session = await EnvSession.open(pool, task_index=0, timeout=10)
-            worker = ray.get_actor(session.worker)
+            worker = ray.get_actor(session.server_name)
             assert await eventually(lambda: _worker_sessions(worker, 0), 10)
             assert (await pool.stats.remote()).sessions == 0
 
@@ -193,7 +193,7 @@ def test_a_session_stepping_directly_on_its_worker_is_not_idle_to_the_pool():
                 await session.step({"role": "assistant", "content": "again"}, timeout=10)
                 await asyncio.sleep(0.3)
             assert (await pool.stats.remote()).sessions == 1
-            worker = ray.get_actor(session.worker)
+            worker = ray.get_actor(session.server_name)
             assert await eventually(lambda: _worker_sessions(worker, 0), 10)  # abandoned now: reaped
             assert (await pool.stats.remote()).sessions == 0
 
@@ -207,7 +207,7 @@ def test_a_slow_step_does_not_hold_back_a_fast_one_sent_in_the_same_batch():
     async def body():
         async with env_pool("env_actors.faults.envs:SleepsOnRequestEnv", turns=5) as pool:
             slow, fast = [await EnvSession.open(pool, task_index=i, timeout=10) for i in range(2)]
-            assert slow.worker == fast.worker
+            assert slow.server_name == fast.server_name
             # Both in one tick, so one batch: the fast answer must not wait for the 2 s step.
             slow_step = asyncio.ensure_future(
                 slow.step({"role": "assistant", "content": "sleep:2.0"}, timeout=10)
@@ -251,4 +251,4 @@ async def _worker_sessions(worker, count: int) -> bool:
 
 
 async def _nothing_in_flight(pool) -> bool:
-    return all(w.inflight == 0 for w in (await pool.stats.remote()).workers)
+    return all(w.inflight == 0 for w in (await pool.stats.remote()).servers)

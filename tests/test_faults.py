@@ -26,9 +26,9 @@ from rollout_actors.wire import Result
 
 def test_a_fault_crosses_json_and_pickle_as_the_same_type_with_its_loss():
     loss = Loss(part="env server", how="wedged", call="step", step=3, name="env-1")
-    raised = PartLost("lost it", lost=loss, type_name="EnvWorkerLost")
+    raised = PartLost("lost it", lost=loss, type_name="EnvServerLost")
     failure = Failure.model_validate_json(raised.failure.model_dump_json())
-    assert failure.fault == "lost" and failure.lost == loss and failure.type == "EnvWorkerLost"
+    assert failure.fault == "lost" and failure.lost == loss and failure.type == "EnvServerLost"
     rebuilt = Fault.from_failure(failure)
     assert isinstance(rebuilt, PartLost) and rebuilt.lost == loss and rebuilt.kind == "infrastructure"
     again = pickle.loads(pickle.dumps(LoadFailed("no tokenizer", kind="caller")))
@@ -41,7 +41,7 @@ def test_classify_reads_the_type_not_the_name():
     kind, failure = classify(MalformedResponse("ids outside the vocabulary"))
     assert kind == "model" and failure.fault == "model" and failure.type == "MalformedResponse"
     # A plain exception that happens to be named like a loss is not one: it stands.
-    imposter = type("EnvWorkerLost", (Exception,), {})("not really")
+    imposter = type("EnvServerLost", (Exception,), {})("not really")
     kind, failure = classify(imposter)
     assert kind == "infrastructure" and failure.lost is None and not RedispatchRule().redispatches(failure)
 
@@ -61,8 +61,8 @@ def test_ray_errors_maps_deaths_and_unreachable_actors_and_nothing_else():
     assert ray_loss(task_error) is None
 
 
-def loss(part="env server", how="wedged", call="step", step=1) -> Loss:
-    return Loss(part=part, how=how, call=call, step=step)
+def loss(part="env server", how="wedged", call="step", step=1, culprit=True) -> Loss:
+    return Loss(part=part, how=how, call=call, step=step, culprit=culprit)
 
 
 def test_the_same_loss_at_the_same_point_twice_is_poison_and_says_its_chain():
@@ -98,6 +98,20 @@ def test_collateral_losses_never_make_poison_and_do_not_spend_the_dispatch_budge
     assert rule.most_dispatches == 5
 
 
+def test_a_loss_nobody_was_blamed_for_is_poison_evidence_only_where_no_part_could_have_named_it():
+    """Unknown culprit (None): a death or a renderer's wedge still counts (nothing could name the call);
+    an env server's wedge does not (its probes name the call that wedges it, so naming nobody means its
+    answers were lost under load); an unreachable node never does. Each still spends a dispatch."""
+    rule = RedispatchRule(max_dispatches=3)
+    unnamed = loss(culprit=None)
+    assert rule.decide([unnamed, unnamed]) == "redispatch"
+    assert rule.decide([unnamed, unnamed, unnamed]) == "spent"  # not collateral: its dispatches spent
+    assert rule.decide([unnamed, loss(), loss()]) == "poison"  # its own two, the unnamed one aside
+    assert rule.decide([loss(how="died", culprit=None)] * 2) == "poison"  # it kills its server each time
+    assert rule.decide([loss("renderer", "wedged", "bridge", 2, None)] * 2) == "poison"
+    assert rule.decide([loss(how="unreachable", culprit=None)] * 2) == "redispatch"
+
+
 def test_the_rule_is_declared_data_that_refuses_unknown_keys():
     with pytest.raises(ValueError):
         RedispatchRule(max_dispatches=3, retry_everything=True)  # type: ignore[call-arg]
@@ -121,8 +135,8 @@ def test_a_fault_raised_on_the_renderer_side_reaches_the_rollout_typed_as_it_was
         (TokenizerUnavailable("no such directory"), "ready", RendererLoadFailed, "infrastructure"),
         (TokenizerNotFound("no hub id"), "ready", RendererLoadFailed, "caller"),
         (OSError("disk"), "ready", RendererLoadFailed, "infrastructure"),
-        (RendererStartupError("failed to start", kind="caller"), "lease", RendererLoadFailed, "caller"),
-        (RendererBudgetSpent("restart budget spent"), "lease", RendererUnavailable, "infrastructure"),
+        (RendererStartupError("failed to start", kind="caller"), "acquire", RendererLoadFailed, "caller"),
+        (RendererBudgetSpent("restart budget spent"), "acquire", RendererUnavailable, "infrastructure"),
     ]
     for cause, method, expected, kind in cases:
         cause = pickle.loads(pickle.dumps(cause))  # as Ray ships it

@@ -78,7 +78,7 @@ MUTATIONS: dict[str, st.SearchStrategy[tuple[dict[str, Any], str]]] = {
         st.sampled_from(["task", "env.config", "metadata", "sampling.extra_body"]), NOT_JSON
     ).map(lambda pv: (_at(pv[0], {"k": pv[1]}), pv[0])),
     "ref to anything": REF_TO_ANYTHING.map(lambda target: ({"env": {"target": target}}, "env")),
-    "absurd deadline": ABSURD.map(lambda v: ({"deadline_s": v}, "deadline_s")),
+    "absurd deadline": ABSURD.map(lambda v: ({"timeout_s": v}, "timeout_s")),
     "absurd max_turns": st.sampled_from([0, -5, 1.5, "many", None]).map(
         lambda v: ({"max_turns": v}, "max_turns")
     ),

@@ -39,7 +39,7 @@ except ImportError:  # pragma: no cover
     import httpx
 
 DEADLINE_S = 90  # per test, well under the suite's 300 s: a hang fails here, with this test's name
-STANDIN = ServerSpec(kind="standin", model=BUNDLED_MODEL, host="127.0.0.1", startup_timeout_s=60, num_cpus=0)
+STANDIN = ServerSpec(kind="standin", model=BUNDLED_MODEL, host="127.0.0.1", ready_timeout_s=60, num_cpus=0)
 
 
 run = runner(DEADLINE_S)
@@ -47,7 +47,7 @@ run = runner(DEADLINE_S)
 
 async def stop(actor) -> None:
     try:
-        await asyncio.wait_for(actor.stop.remote(), 30)
+        await asyncio.wait_for(actor.close.remote(), 30)
     finally:
         ray.kill(actor)
 
@@ -106,9 +106,9 @@ def test_ready_server_answers_and_stops_with_its_process(ray_session):
                     },
                 )
                 assert chat.status_code == 200 and chat.json()["choices"][0]["message"]
-            stopped = await actor.stop.remote()
+            stopped = await actor.close.remote()
             assert stopped.state == "stopped"
-            assert not os.path.exists(stopped.log_path), "stop() cleans up the log directory"
+            assert not os.path.exists(stopped.log_path), "close() cleans up the log directory"
             assert not psutil.pid_exists(status.pid) or psutil.Process(status.pid).status() == "zombie"
         finally:
             ray.kill(actor)
@@ -146,13 +146,13 @@ def test_bogus_command_line_fails_at_once_with_the_usage_error(ray_session):
 
 
 def test_server_not_ready_by_its_deadline_is_killed_and_reported(ray_session):
-    spec = STANDIN.model_copy(update={"standin": {"startup_delay_s": 60.0}, "startup_timeout_s": 2.0})
+    spec = STANDIN.model_copy(update={"standin": {"startup_delay_s": 60.0}, "ready_timeout_s": 2.0})
 
     async def scenario():
         actor = InferenceServer.options(**server_actor_options(spec)).remote(spec)
         try:
             status = await actor.start.remote()
-            assert status.state == "dead" and "startup_timeout_s" in status.reason
+            assert status.state == "dead" and "ready_timeout_s" in status.reason
             assert status.exit_code == -signal.SIGKILL
             assert not psutil.pid_exists(status.pid) or psutil.Process(status.pid).status() == "zombie"
         finally:

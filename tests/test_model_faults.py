@@ -55,13 +55,13 @@ async def one_call(config: ClientConfig, mode: str = "token", vocab_size: int | 
                 config.model,
                 [1, 2, 3],
                 sampling,
-                deadline_s=config.call_deadline,
+                timeout_s=config.total_call_timeout_s,
                 vocab_size=vocab_size,
             )
         else:
             messages = [{"role": "user", "content": "hi"}]
             await complete_chat(
-                client, config.model, messages, None, sampling, deadline_s=config.call_deadline
+                client, config.model, messages, None, sampling, timeout_s=config.total_call_timeout_s
             )
         return "ok", None, time.monotonic() - started
     except Exception as exc:

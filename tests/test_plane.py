@@ -66,14 +66,14 @@ def test_a_late_answer_for_an_answered_lease_is_dropped_and_counted(ray_session,
         async with plane(answer_grace_s=0.0) as p:
             await p.submit(slow_request(standin, 0.0))  # warm: the env pool and renderer are up
             assert (await p.next_result(timeout=60)).kind == "ok"
-            await p.submit(slow_request(standin, 10.0, 1, deadline_s=2.0))
+            await p.submit(slow_request(standin, 10.0, 1, timeout_s=2.0))
             result = await p.next_result(timeout=30)
             await wait_until(lambda: p.stats().duplicates_dropped == 1, 30)
             return result, p.stats()
 
     result, stats = run(scenario())
     assert result.kind == "infrastructure" and result.error.type == "DeadlineExceeded", result.error
-    assert "deadline_s + answer_grace_s" in result.error.message  # the plane's answer, not the worker's
+    assert "timeout_s + answer_grace_s" in result.error.message  # the plane's answer, not the worker's
     assert stats.duplicates_dropped == 1 and stats.redispatched == 0
     assert stats.counters.get("kind.infrastructure") == 1  # the late answer was not delivered
 

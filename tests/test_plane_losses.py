@@ -45,10 +45,10 @@ async def held(p: RolloutPlane, env: Ref) -> dict[str, int]:
     """Env sessions (as the pool and as its servers count them) and renderer leases the plane holds."""
     stats = await ray.get_actor(p.names.env_pool(env)).stats.remote()
     server_sessions = 0
-    for worker in stats.workers:
-        server_sessions += (await ray.get_actor(worker.worker).health.remote()).sessions
+    for server in stats.servers:
+        server_sessions += (await ray.get_actor(server.name).health.remote()).sessions
     renderer = await ray.get_actor(p.names.renderer_pool).stats.remote()
-    return {"pool_sessions": stats.sessions, "server_sessions": server_sessions, "leases": renderer.leases}
+    return {"pool_sessions": stats.sessions, "server_sessions": server_sessions, "leases": renderer.slots}
 
 
 async def named(name: str):
@@ -111,7 +111,7 @@ def test_a_rollout_whose_env_server_died_is_redispatched_under_its_lease(ray_ses
 
             async def sessions_open():
                 stats = await pool.stats.remote()
-                return stats.workers[0] if stats.sessions == 4 else None
+                return stats.servers[0] if stats.sessions == 4 else None
 
             worker = await eventually(sessions_open, timeout=60)
             os.kill(worker.pid, signal.SIGKILL)
@@ -152,7 +152,7 @@ def test_a_rollout_whose_renderer_stays_unavailable_is_redispatched(ray_session,
     re-dispatched, and once the frozen renderer is gone the second attempt ends `ok`."""
 
     async def scenario():
-        renderer_pool = {"health_interval_s": 600.0}  # the pool does not notice on its own in this test
+        renderer_pool = {"probe_interval_s": 600.0}  # the pool does not notice on its own in this test
         async with plane(workers=1, call_timeout_s=3.0, renderer_pool=renderer_pool) as p:
             # Warm the renderer first, so the frozen one is the only one and is known to be ready.
             await p.submit(request(standin, 0))
@@ -174,11 +174,11 @@ def test_a_rollout_whose_renderer_stays_unavailable_is_redispatched(ray_session,
 
 async def _only_renderer_pid(pool) -> int:
     (key_json,) = (await pool.stats.remote()).keys
-    lease = await pool.lease.remote(key_json)
+    lease = await pool.acquire.remote(key_json)
     try:
         return (await lease.renderer.health.remote()).pid
     finally:
-        await pool.release.remote(lease.lease_id)
+        await pool.release.remote(lease.slot_id)
 
 
 def _lose_three_of_four(standin, n: int, **config):

@@ -21,6 +21,7 @@ pytestmark = pytest.mark.slow
 DEADLINE_S = 300
 HANG_TIMEOUT_S = 2.0
 BLOCKS = "env_actors.faults.envs:BlocksLoopEnv"
+SERVERS = 8  # the mixed pool's servers, all started with it: the poison wedges them in parallel
 
 
 def plane(env_pool: dict, **overrides) -> RolloutPlane:
@@ -55,7 +56,7 @@ def test_an_env_that_blocks_its_loop_on_every_step_is_poison_after_two_servers(r
     env = Ref(target=BLOCKS, config={})
 
     async def scenario():
-        async with plane({"restart": {"max_restarts": 5, "window_s": 60}}, max_dispatches=3) as p:
+        async with plane({}, max_dispatches=3) as p:  # the default restart budget
             await p._pools.ensure_env_pool(env)  # its start is not the poison's time
             submitted = time.monotonic()
             await p.submit(request(standin, env, 0))
@@ -71,25 +72,20 @@ def test_an_env_that_blocks_its_loop_on_every_step_is_poison_after_two_servers(r
     assert [(loss.part, loss.how, loss.call, loss.step, loss.culprit) for loss in losses] == [
         ("env server", "wedged", "step", 1, True)
     ] * 2
-    assert pool_stats.deaths <= 2, pool_stats
+    assert pool_stats.deaths <= 2 and pool_stats.culprit_replacements == pool_stats.deaths, pool_stats
     print(f"poison answered in {result.metrics['answered_s']:.1f} s (hang_timeout_s={HANG_TIMEOUT_S})")
 
 
 def test_sixteen_poison_rollouts_among_sixty_four_healthy_ones_spend_neither_them_nor_the_budget(
     ray_session, standin
 ):
-    """One pool: tasks 0-15 block the loop on every step, 16-79 are healthy. Every healthy rollout ends
-    `ok` (re-dispatched where a poison one wedged its server: collateral, never poison itself, and not
-    spending its dispatch budget), every poison one ends `env` after wedging two servers itself, and the
-    pool keeps restarts to spare: each poison request costs two servers (a third dispatch would cost 48),
-    each server wedged by one of them at a time."""
+    """One pool on the default restart budget: tasks 0-15 block the loop on every step, 16-79 are healthy.
+    Every healthy rollout ends `ok` (re-dispatched where a poison one wedged its server: collateral, never
+    poison itself, and not spending its dispatch budget), every poison one ends `env` after wedging two
+    servers itself, and those 32 servers are replaced outside the budget (each request's poison bound
+    limits them), which keeps restarts to spare for losses nobody can be blamed for."""
     env = Ref(target=BLOCKS, config={"blocking_tasks": 16, "num_tasks": 80})
-    env_pool = {
-        "min_workers": 4,
-        "max_workers": 8,
-        "multiplex": 8,
-        "restart": {"max_restarts": 44, "window_s": 600},
-    }
+    env_pool = {"min_servers": SERVERS, "max_servers": SERVERS, "multiplex": 8}  # growth would spend it
 
     async def scenario():
         async with plane(env_pool) as p:
@@ -102,11 +98,18 @@ def test_sixteen_poison_rollouts_among_sixty_four_healthy_ones_spend_neither_the
     results, stats, pool_stats = asyncio.run(asyncio.wait_for(scenario(), DEADLINE_S))
     healthy = [r for r in results if r.task_index >= 16]
     poison = [r for r in results if r.task_index < 16]
+    # Losses whose server named no blocking call (it answered no probe at all): rare, and reported.
+    unknown = [(r.task_index, loss) for r in poison for loss in r.error.losses if loss.culprit is None]
     assert len(healthy) == 64 and len(poison) == 16
-    assert [r.kind for r in healthy] == ["ok"] * 64, [r.error for r in healthy if r.kind != "ok"]
-    assert {(r.kind, r.error.fault) for r in poison} == {("env", "poison")}
+    assert [r.kind for r in healthy] == ["ok"] * 64, ([r.error for r in healthy if r.kind != "ok"], unknown)
+    assert {(r.kind, r.error.fault) for r in poison} == {("env", "poison")}, unknown
     for r in poison:  # its own two losses at step 1, whatever it lost as collateral besides
-        own = [loss for loss in r.error.losses if loss.culprit is not False]
-        assert [(loss.how, loss.call, loss.step) for loss in own] == [("wedged", "step", 1)] * 2, r.error
-    assert pool_stats.restarts_left > 0 and pool_stats.budget_denials == 0, pool_stats
-    print(f"{pool_stats.deaths} env servers lost, {stats.redispatched} re-dispatches, {stats.counters}")
+        own = [(loss.how, loss.call, loss.step) for loss in r.error.losses if loss.culprit is True]
+        assert own == [("wedged", "step", 1)] * 2, (r.error, unknown)
+    assert pool_stats.culprit_replacements >= 32, (pool_stats, unknown)  # outside the budget
+    assert pool_stats.budget_denials == 0 and pool_stats.restarts_left > 0, (pool_stats, unknown)
+    print(
+        f"{pool_stats.deaths} env servers lost, {pool_stats.culprit_replacements} replaced outside the "
+        f"budget, {pool_stats.restarts_left} restarts left, {stats.redispatched} re-dispatches, "
+        f"unknown culprits: {unknown}, {stats.counters}"
+    )

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.slow
 
 MATH = Ref(target="env_actors.examples.math_env:MathEnv")
 DEADLINE_S = 150
-STANDIN = ServerSpec(kind="standin", model=BUNDLED_MODEL, host="127.0.0.1", startup_timeout_s=60, num_cpus=0)
+STANDIN = ServerSpec(kind="standin", model=BUNDLED_MODEL, host="127.0.0.1", ready_timeout_s=60, num_cpus=0)
 
 
 run = runner(DEADLINE_S)

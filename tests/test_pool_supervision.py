@@ -54,7 +54,7 @@ async def holding(p: RolloutPlane, count: int, within: float = 60) -> None:
     """Until `count` rollouts hold an env session and a renderer lease (they are past dispatch)."""
     env, renderer = p._pools.supervisor(MATH).current(), p._pools.supervisor().current()
     deadline = asyncio.get_running_loop().time() + within
-    while (await env.stats.remote()).sessions < count or (await renderer.stats.remote()).leases < count:
+    while (await env.stats.remote()).sessions < count or (await renderer.stats.remote()).slots < count:
         assert asyncio.get_running_loop().time() < deadline, "the rollouts never took sessions and leases"
         await asyncio.sleep(0.05)
 

@@ -7,7 +7,7 @@ import asyncio
 import itertools
 
 from renderer_actors.batching import batched_calls
-from renderer_actors.calls import CallOutcome, RendererLease
+from renderer_actors.calls import CallOutcome, RendererSlot
 from rollout_actors.kernel.coalescer import batch_counts, set_batch_window
 
 
@@ -17,25 +17,25 @@ class _Method:
 
 
 class FakePool:
-    """Answers `lease_many` after `delay` seconds; records every call."""
+    """Answers `acquire_many` after `delay` seconds; records every call."""
 
     def __init__(self, delay: float = 0.0) -> None:
         self.delay = delay
         self.calls: list[tuple] = []
         self.released: list[str] = []
         self._ids = itertools.count()
-        self.lease_many = _Method(self._lease_many)
+        self.acquire_many = _Method(self._acquire_many)
         self.release_many = _Method(self._release_many)
 
-    async def _lease_many(self, key_json, multiplex, count, owner=None):
-        self.calls.append(("lease_many", key_json, multiplex, count))
+    async def _acquire_many(self, key_json, multiplex, count, owner=None):
+        self.calls.append(("acquire_many", key_json, multiplex, count))
         await asyncio.sleep(self.delay)
-        return [RendererLease(f"l{next(self._ids)}", None, "r", True) for _ in range(count)]
+        return [RendererSlot(f"l{next(self._ids)}", None, "r", True) for _ in range(count)]
 
-    async def _release_many(self, lease_ids):
-        self.calls.append(("release_many", list(lease_ids)))
-        self.released += lease_ids
-        return len(lease_ids)
+    async def _release_many(self, slot_ids):
+        self.calls.append(("release_many", list(slot_ids)))
+        self.released += slot_ids
+        return len(slot_ids)
 
 
 def test_concurrent_leases_in_one_tick_become_one_pool_call_per_key():
@@ -44,14 +44,14 @@ def test_concurrent_leases_in_one_tick_become_one_pool_call_per_key():
     async def scenario():
         calls = batched_calls()
         leases = await asyncio.gather(
-            *(calls.lease(pool, "k1", 4, timeout=5) for _ in range(5)),
-            *(calls.lease(pool, "k2", 4, timeout=5) for _ in range(2)),
+            *(calls.acquire(pool, "k1", 4, timeout=5) for _ in range(5)),
+            *(calls.acquire(pool, "k2", 4, timeout=5) for _ in range(2)),
         )
-        assert len({lease.lease_id for lease in leases}) == 7
-        assert sorted(c for c in pool.calls) == [("lease_many", "k1", 4, 5), ("lease_many", "k2", 4, 2)]
-        await asyncio.gather(*(calls.release(pool, lease.lease_id, timeout=5) for lease in leases))
+        assert len({lease.slot_id for lease in leases}) == 7
+        assert sorted(c for c in pool.calls) == [("acquire_many", "k1", 4, 5), ("acquire_many", "k2", 4, 2)]
+        await asyncio.gather(*(calls.release(pool, lease.slot_id, timeout=5) for lease in leases))
         assert pool.calls[-1][0] == "release_many" and sorted(pool.released) == sorted(
-            lease.lease_id for lease in leases
+            lease.slot_id for lease in leases
         )
 
     asyncio.run(asyncio.wait_for(scenario(), 10))
@@ -62,8 +62,8 @@ def test_a_lease_whose_waiter_gave_up_is_handed_back():
 
     async def scenario():
         calls = batched_calls()
-        patient = asyncio.ensure_future(calls.lease(pool, "k", 4, timeout=5))
-        impatient = asyncio.ensure_future(calls.lease(pool, "k", 4, timeout=0.05))
+        patient = asyncio.ensure_future(calls.acquire(pool, "k", 4, timeout=5))
+        impatient = asyncio.ensure_future(calls.acquire(pool, "k", 4, timeout=0.05))
         lease = await patient
         try:
             await impatient
@@ -74,7 +74,7 @@ def test_a_lease_whose_waiter_gave_up_is_handed_back():
             if pool.released:
                 break
             await asyncio.sleep(0.02)
-        assert len(pool.released) == 1 and pool.released[0] != lease.lease_id
+        assert len(pool.released) == 1 and pool.released[0] != lease.slot_id
 
     asyncio.run(asyncio.wait_for(scenario(), 10))
 

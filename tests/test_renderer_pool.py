@@ -20,7 +20,7 @@ from rollout_actors.kernel import Loss
 from rollout_actors.kernel.faults import PartLost, Unavailable
 from rollout_actors.wire import RendererConfig
 
-FAST = {"idle_timeout_s": 600.0, "reap_interval_s": 0.2, "health_interval_s": 0.5, "health_timeout_s": 10.0}
+FAST = {"idle_timeout_s": 600.0, "reap_interval_s": 0.2, "probe_interval_s": 0.5, "hang_timeout_s": 10.0}
 IM_END = 151645
 
 
@@ -39,7 +39,7 @@ def make_pool(ray_session):
     yield make
     for pool in pools:
         try:
-            ray.get(pool.shutdown.remote(), timeout=10)
+            ray.get(pool.close.remote(), timeout=10)
         finally:
             ray.kill(pool, no_restart=True)
 
@@ -64,16 +64,16 @@ def test_pool_grows_one_renderer_per_multiplex_leases_and_reuses_released_slots(
     key = key_json()
 
     async def scenario():
-        leases = await asyncio.gather(*(pool.lease.remote(key, 4) for _ in range(10)))
+        leases = await asyncio.gather(*(pool.acquire.remote(key, 4) for _ in range(10)))
         stats = await key_stats(pool, key)
         assert stats.loads == [4, 4, 2]
         assert len({lease.renderer_id for lease in leases}) == 3
-        released = await asyncio.gather(*(pool.release.remote(lease.lease_id) for lease in leases))
+        released = await asyncio.gather(*(pool.release.remote(lease.slot_id) for lease in leases))
         assert all(released)
         assert (await key_stats(pool, key)).loads == [0, 0, 0]
-        assert await pool.release.remote(leases[0].lease_id) is False  # idempotent
+        assert await pool.release.remote(leases[0].slot_id) is False  # idempotent
         await wait_until_ready(pool, key)  # a lease prefers ready renderers; compare like with like
-        again = await asyncio.gather(*(pool.lease.remote(key, 4) for _ in range(10)))
+        again = await asyncio.gather(*(pool.acquire.remote(key, 4) for _ in range(10)))
         assert (await key_stats(pool, key)).loads == [4, 3, 3]  # least-loaded first: spread
         assert {lease.renderer_id for lease in again} <= {lease.renderer_id for lease in leases}
         assert (await pool.stats.remote()).spawned == 3
@@ -110,9 +110,9 @@ def test_configs_differing_only_in_multiplex_share_one_pool_and_the_first_policy
     pool = make_pool()
 
     async def scenario():
-        first = await pool.lease.remote(key_json(multiplex=2), 2)
-        second = await pool.lease.remote(key_json(multiplex=64), 64)
-        third = await pool.lease.remote(key_json(multiplex=64), 64)
+        first = await pool.acquire.remote(key_json(multiplex=2), 2)
+        second = await pool.acquire.remote(key_json(multiplex=64), 64)
+        third = await pool.acquire.remote(key_json(multiplex=64), 64)
         assert first.renderer_id == second.renderer_id != third.renderer_id
         stats = await key_stats(pool, key_json())
         assert stats.multiplex == 2 and stats.loads == [2, 1]
@@ -125,9 +125,9 @@ def test_idle_renderers_beyond_one_are_retired(make_pool):
     key = key_json()
 
     async def scenario():
-        leases = await asyncio.gather(*(pool.lease.remote(key, 2) for _ in range(6)))
+        leases = await asyncio.gather(*(pool.acquire.remote(key, 2) for _ in range(6)))
         assert (await key_stats(pool, key)).loads == [2, 2, 2]
-        await asyncio.gather(*(pool.release.remote(lease.lease_id) for lease in leases))
+        await asyncio.gather(*(pool.release.remote(lease.slot_id) for lease in leases))
         deadline = time.monotonic() + 15
         while len((await key_stats(pool, key)).loads) > 1:
             assert time.monotonic() < deadline, "idle renderers were not retired"
@@ -169,7 +169,7 @@ def test_session_runs_a_token_exact_multi_turn_trajectory(make_pool):
         finally:
             await session.close()
             await session.close()  # idempotent
-        assert (await pool.stats.remote()).leases == 0
+        assert (await pool.stats.remote()).slots == 0
 
     run(scenario())
 
@@ -259,7 +259,7 @@ def test_a_killed_renderer_is_a_lost_part_naming_its_call_and_a_new_session_gets
         finally:
             await again.close()
         stats = await pool.stats.remote()
-        assert stats.replaced >= 1 and stats.leases == 0
+        assert stats.replaced >= 1 and stats.slots == 0
 
     run(scenario(), 150)
 
@@ -354,9 +354,9 @@ def test_a_renderer_killed_while_it_starts_is_replaced_not_held_as_a_startup_fai
 
     async def scenario():
         key = key_json()
-        lease = await pool.lease.remote(key)
+        lease = await pool.acquire.remote(key)
         ray.kill(lease.renderer, no_restart=True)  # the tokenizer takes seconds to load: still warming
-        await pool.release.remote(lease.lease_id)
+        await pool.release.remote(lease.slot_id)
 
         async def replaced():
             stats = await pool.stats.remote()

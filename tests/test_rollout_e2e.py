@@ -275,7 +275,7 @@ def test_env_worker_killed_mid_rollout_is_redispatched_and_others_finish(ray_ses
     slow = ClientConfig(base_url=standin.base_url, model=BUNDLED_MODEL, headers={"X-Standin-Latency": "5.0"})
 
     async def scenario():
-        async with small_plane(env_pool={"num_cpus": 0.25, "min_workers": 2}) as plane:
+        async with small_plane(env_pool={"num_cpus": 0.25, "min_servers": 2}) as plane:
             for i in range(4):
                 await plane.submit(request(standin, env=CALC, task_index=i, client=slow))
             await plane._pools.ensure_env_pool(CALC)  # started by the first dispatch; wait for it
@@ -283,13 +283,13 @@ def test_env_worker_killed_mid_rollout_is_redispatched_and_others_finish(ray_ses
             deadline = asyncio.get_running_loop().time() + 60
             while True:  # every session open at once (a model call takes 5 s); placement may pick one worker
                 stats = await pool.stats.remote()
-                busy = [w for w in stats.workers if w.sessions > 0]
+                busy = [w for w in stats.servers if w.sessions > 0]
                 if stats.sessions == 4 and busy:
                     break
                 assert asyncio.get_running_loop().time() < deadline, stats
                 await asyncio.sleep(0.1)
             victim = busy[0]
-            ray.kill(ray.get_actor(victim.worker), no_restart=True)
+            ray.kill(ray.get_actor(victim.name), no_restart=True)
             return victim.sessions, await collect(plane, 4)
 
     killed_sessions, results = run(scenario())

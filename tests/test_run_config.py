@@ -23,8 +23,8 @@ def test_plane_config_refuses_a_misspelled_pool_key_when_built_not_at_first_use(
         PlaneConfig(hang_timeout_seconds=3)
     with pytest.raises(ValidationError, match="lane limits"):
         PlaneConfig(lanes={"train": 0})
-    config = PlaneConfig(env_pool={"min_workers": 2}, renderer_pool={"idle_timeout_s": 1.0})
-    assert config.env_pool.min_workers == 2 and config.renderer_pool.idle_timeout_s == 1.0
+    config = PlaneConfig(env_pool={"min_servers": 2}, renderer_pool={"idle_timeout_s": 1.0})
+    assert config.env_pool.min_servers == 2 and config.renderer_pool.idle_timeout_s == 1.0
     with pytest.raises(ValidationError, match="frozen"):
         config.workers = 3
 

@@ -425,7 +425,7 @@ def test_health_answers_200_only_once_loaded(tmp_path):
 
 
 def test_startup_failure_raises_with_exit_code_and_log_tail():
-    server = StandinServer(StandinOptions(model="/nonexistent/tokenizer-dir"), startup_timeout_s=DEADLINE_S)
+    server = StandinServer(StandinOptions(model="/nonexistent/tokenizer-dir"), ready_timeout_s=DEADLINE_S)
     with pytest.raises(StandinStartupError) as info:
         server.start()
     assert info.value.exit_code == 1

@@ -273,3 +273,97 @@ def test_a_kinds_growth_policy_waits_for_the_owners_first_spawn():
         await sup.close()
 
     run(body())
+
+
+class BlamesWedges(Fakes):
+    """A kind that can name what wedged a child (an env server names the request whose call blocks its
+    loop) and charges that instead of the budget; a death is nobody's to blame."""
+
+    def budgets_replacement(self, child: Child, cause: str) -> bool:
+        return cause != "wedged"
+
+
+def test_a_loss_the_kind_blames_is_replaced_outside_the_budget_and_a_death_still_spends_it():
+    async def body():
+        sup = Supervisor("fakes", BlamesWedges(), settings(max_restarts=2, hang_timeout_s=0.3))
+        first = sup.spawn("initial")
+        await first.up
+        first.handle.mode = "frozen"
+        assert (await first.gone)[1] == "wedged"
+        await until(lambda: len(sup.ready()) == 1)
+        assert sup.budget.remaining() == 2 and sup.spawned_for["blamed"] == 1
+        second = sup.ready()[0]
+        second.handle.mode = "dead"
+        assert (await second.gone)[1] == "died"
+        await until(lambda: len(sup.ready()) == 1)
+        assert sup.budget.remaining() == 1 and sup.spawned_for["restart"] == 1 and sup.deaths == 2
+        await sup.close()
+
+    run(body())
+
+
+class AsksLast(Fakes):
+    """Its regular probes go unanswered (a loaded node); the last probe, asked before a wedged child is
+    retired, is answered with a loop stall of `last_stall_s` (None: unanswered too)."""
+
+    def __init__(self, last_stall_s: float | None) -> None:
+        super().__init__()
+        self.last_stall_s = last_stall_s
+        self.asked: list[str] = []
+        self.heard: list[tuple[str, str, float]] = []
+
+    async def signs(self, child: Child):
+        await asyncio.sleep(3600)
+        yield Health()
+
+    def wants_last_probe(self, child: Child) -> bool:
+        return True
+
+    async def probe(self, child: Child) -> Health:
+        self.asked.append(child.name)
+        if self.last_stall_s is None:
+            await asyncio.sleep(3600)
+        return Health(pid=1, loop_stall_s=self.last_stall_s)
+
+    def on_health(self, child: Child, health: Health) -> None:
+        self.heard.append((child.name, child.state, health.loop_stall_s))
+
+
+async def silent_child(last_stall_s: float | None) -> tuple[AsksLast, Supervisor, Child]:
+    kind = AsksLast(last_stall_s)
+    sup = Supervisor("fakes", kind, settings(hang_timeout_s=0.3))
+    child = sup.spawn("initial")
+    await child.up
+    return kind, sup, child
+
+
+def test_a_child_judged_wedged_is_asked_once_more_and_its_answer_is_read_before_it_is_retired():
+    async def body():
+        kind, sup, child = await silent_child(last_stall_s=10.0)
+        reason, cause = await child.gone
+        assert cause == "wedged" and "no sign of life" in reason
+        assert kind.asked.count(child.name) == 1
+        assert (child.name, "ready", 10.0) in kind.heard  # read while it was still in service
+        await sup.close()
+
+    run(body())
+
+
+def test_a_child_whose_last_probe_shows_its_loop_running_is_not_retired():
+    async def body():
+        kind, sup, child = await silent_child(last_stall_s=0.0)
+        await until(lambda: len(kind.asked) >= 3)  # silent again after each answer: asked again
+        assert child.state == "ready" and sup.deaths == 0 and not child.handle.killed
+        await sup.close()
+
+    run(body())
+
+
+def test_a_child_that_does_not_answer_its_last_probe_is_retired_as_wedged():
+    async def body():
+        kind, sup, child = await silent_child(last_stall_s=None)
+        assert (await child.gone)[1] == "wedged"
+        assert kind.asked.count(child.name) == 1 and not kind.heard and child.handle.killed
+        await sup.close()
+
+    run(body())

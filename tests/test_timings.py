@@ -134,7 +134,7 @@ def test_the_servers_own_queue_time_is_recorded_where_it_reports_it():
         prompts = [list(range(1 + k, 150 + k)) for k in range(2)]
         try:
             return await asyncio.gather(
-                *(complete_tokens(client, BUNDLED_MODEL, p, sampling, deadline_s=60) for p in prompts)
+                *(complete_tokens(client, BUNDLED_MODEL, p, sampling, timeout_s=60) for p in prompts)
             )
         finally:
             await client.close()

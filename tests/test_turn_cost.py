@@ -37,7 +37,7 @@ async def call(standin, prompt: list[int]) -> tuple[list[int], int, dict]:
     client = openai.AsyncOpenAI(base_url=standin.base_url, api_key="EMPTY", http_client=http)
     try:
         sampled = await complete_tokens(
-            client, BUNDLED_MODEL, prompt, SamplingConfig(max_tokens=32, seed=3), deadline_s=60
+            client, BUNDLED_MODEL, prompt, SamplingConfig(max_tokens=32, seed=3), timeout_s=60
         )
     finally:
         await client.close()
@@ -90,7 +90,7 @@ def test_a_prompt_encoded_as_it_grows_is_the_prompt_the_server_gets(standin):
 
         async def turn(ids, **kwargs):
             sent.append(list(ids))
-            sampled = await complete_tokens(client, BUNDLED_MODEL, ids, sampling, deadline_s=60, **kwargs)
+            sampled = await complete_tokens(client, BUNDLED_MODEL, ids, sampling, timeout_s=60, **kwargs)
             answers.append(sampled.completion_ids)
             return sampled
 

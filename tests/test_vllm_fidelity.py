@@ -150,7 +150,7 @@ def test_max_lora_rank_must_be_one_vllm_accepts():
     with pytest.raises(ValueError, match="max_lora_rank"):
         ServerSpec(model="m", max_lora_rank=48)
     with pytest.raises(StandinStartupError) as info:
-        StandinServer(StandinOptions(enable_lora=True, max_lora_rank=48), startup_timeout_s=30).start()
+        StandinServer(StandinOptions(enable_lora=True, max_lora_rank=48), ready_timeout_s=30).start()
     assert "--max-lora-rank" in info.value.log_tail
 
 
@@ -301,7 +301,7 @@ def test_readiness_and_publication_send_the_key_which_never_reaches_a_command_li
         kind="standin",
         model=BUNDLED_MODEL,
         host="127.0.0.1",
-        startup_timeout_s=60,
+        ready_timeout_s=60,
         num_cpus=0,
         api_key_var=KEY_VAR,
     )
@@ -336,7 +336,7 @@ def test_readiness_and_publication_send_the_key_which_never_reaches_a_command_li
             finally:
                 await keyless.aclose()
                 await keyed_publisher.aclose()
-            final = await actor.stop.remote()
+            final = await actor.close.remote()
             return cmdline, refused.value, loaded, final
         finally:
             import ray
@@ -372,7 +372,7 @@ def test_an_abort_the_plane_did_not_ask_for_is_a_model_failure_not_a_finished_tu
         client = build_client(config)
         async with httpx.AsyncClient(base_url=standin.url, timeout=10, trust_env=False) as http:
             call = asyncio.create_task(
-                complete_tokens(client, BUNDLED_MODEL, [1, 2, 3], SamplingConfig(max_tokens=8), deadline_s=30)
+                complete_tokens(client, BUNDLED_MODEL, [1, 2, 3], SamplingConfig(max_tokens=8), timeout_s=30)
             )
             await _until(http, lambda m: m["running"] >= 1)
             assert (await http.post("/pause", params={"mode": "abort"})).status_code == 200
@@ -576,9 +576,7 @@ def test_a_replacement_server_joins_the_weight_transfer_before_it_takes_a_full_u
     from rollout_actors.inference.weights import TransferJoin
     from rollout_actors.kernel.supervision import RestartIntensity
 
-    spec = ServerSpec(
-        kind="standin", model=BUNDLED_MODEL, host="127.0.0.1", startup_timeout_s=180, num_cpus=0
-    )
+    spec = ServerSpec(kind="standin", model=BUNDLED_MODEL, host="127.0.0.1", ready_timeout_s=180, num_cpus=0)
     refused_before_join: dict[str, str] = {}
 
     async def join(url: str) -> TransferJoin:

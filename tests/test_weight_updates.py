@@ -46,7 +46,7 @@ def servers():
         yield [server.wait_ready() for server in pair]
     finally:
         for server in pair:
-            server.stop()
+            server.close()
 
 
 def request(url: str, index: int) -> RolloutRequest:

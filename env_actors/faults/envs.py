@@ -1,7 +1,7 @@
 """A tiny healthy environment (`EchoEnv`) and variants of it that fail in one specific way each.
 
 Process-level faults (`os._exit`, blocking sleeps) are the point: they are what model-authored code,
-sandboxes and dataset loaders do to an env worker in production.
+sandboxes and dataset loaders do to an env server in production.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ class _Episode:
 
 class EchoEnv(Environment):
     """Healthy: `turns` steps per episode, each answered with one user message; reward 1.0 when finished.
-    `step_delay` makes each step take that long (awaited, so the worker stays responsive)."""
+    `step_delay` makes each step take that long (awaited, so the server stays responsive)."""
 
     def __init__(self, num_tasks: int = 16, turns: int = 2, step_delay: float = 0.0):
         self.count, self.turns, self.step_delay = num_tasks, turns, step_delay
@@ -121,7 +121,7 @@ class LoadRaisesEnv(EchoEnv):
 
 
 class DiesOnLoadEnv(EchoEnv):
-    """The worker process exits during `load()` (think: OOM-killed while loading), every time.
+    """The server process exits during `load()` (think: OOM-killed while loading), every time.
     Each attempt is recorded in `attempts_dir` so a test can count spawns from outside."""
 
     def __init__(self, attempts_dir: str | None = None, **kwargs: Any):
@@ -135,7 +135,7 @@ class DiesOnLoadEnv(EchoEnv):
 
 class FlakyLoadEnv(EchoEnv):
     """The first `good_loads` loads (counted across processes in `state_dir`) succeed, later ones raise:
-    a replacement spawned mid-serve fails while the original workers keep serving."""
+    a replacement spawned mid-serve fails while the original servers keep serving."""
 
     def __init__(self, state_dir: str, good_loads: int = 1, **kwargs: Any):
         super().__init__(**kwargs)
@@ -147,7 +147,7 @@ class FlakyLoadEnv(EchoEnv):
 
 
 class HangsInConstructorEnv(EchoEnv):
-    """The constructor never returns, and blocks the worker's event loop while at it."""
+    """The constructor never returns, and blocks the server's event loop while at it."""
 
     def __init__(self, **kwargs: Any):
         super().__init__(**kwargs)
@@ -183,7 +183,7 @@ class ExitsAfterAnsweringEnv(EchoEnv):
 
 
 class BlocksLoopEnv(EchoEnv):
-    """Each step blocks the worker's event loop (a synchronous call where an await belonged); with
+    """Each step blocks the server's event loop (a synchronous call where an await belonged); with
     `blocking_tasks`, only the steps of tasks below that index do (the rest are healthy echoes)."""
 
     def __init__(self, block_s: float = FOREVER_S, blocking_tasks: int | None = None, **kwargs: Any):

@@ -33,6 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from rollout_actors.client import auth_headers
 from rollout_actors.inference.standin.launch import StandinOptions, _child_env
 from rollout_actors.kernel import register_secret
+from rollout_actors.kernel.renamed import renamed_fields
 from rollout_actors.lora import VLLM_LORA_RANKS, AdapterLimits
 
 try:  # openai >= 3 ships its own fork of httpx
@@ -112,15 +113,26 @@ class ServerSpec(BaseModel):
     """Stand-in only: `StandinOptions` fields (latency_s, seed, fault_rate, ...)."""
     env: dict[str, str] = Field(default_factory=dict)
     """Extra environment for the subprocess (no secrets: name them in the server's own config)."""
-    startup_timeout_s: float = 900.0
+    ready_timeout_s: float = 900.0
     """Seconds from launch to ready: downloading and loading a large model takes minutes."""
-    health_interval_s: float = 10.0
+    probe_interval_s: float = 10.0
     """After startup, seconds between /health checks."""
-    health_timeout_s: float = 10.0
+    probe_timeout_s: float = 10.0
+    """Seconds one /health check may take before it counts as failed."""
     unhealthy_after: int = 3
     """Consecutive failed /health checks before the server counts as wedged and is killed."""
     num_cpus: float = 1.0
     """CPUs Ray reserves for the actor (the server's own CPU work happens in the subprocess)."""
+
+    _renamed = model_validator(mode="before")(
+        renamed_fields(
+            {
+                "startup_timeout_s": "ready_timeout_s",
+                "health_interval_s": "probe_interval_s",
+                "health_timeout_s": "probe_timeout_s",
+            }
+        )
+    )
 
     @field_validator("max_lora_rank")
     @classmethod
@@ -199,7 +211,7 @@ class ServerStatus(BaseModel):
     """Why the server is not ready: startup failure, death, wedge."""
     log_tail: str = ""
     log_path: str | None = None
-    """The full log on the server's node; removed by `stop()` (the tail stays here)."""
+    """The full log on the server's node; removed by `close()` (the tail stays here)."""
     node_ip: str | None = None
     started_at: float | None = None
     ready_at: float | None = None
@@ -353,7 +365,7 @@ class InferenceServer:
         self._watcher: asyncio.Task[None] | None = None
 
     async def start(self) -> ServerStatus:
-        """Launch and wait until ready or `startup_timeout_s`; a failure stops the process and is reported."""
+        """Launch and wait until ready or `ready_timeout_s`; a failure stops the process and is reported."""
         if self._status.state != "created":
             return self._status
         spec = self.spec
@@ -382,7 +394,7 @@ class InferenceServer:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 env=env,
-                start_new_session=True,  # its own process group: stop() takes vLLM's workers with it
+                start_new_session=True,  # its own process group: close() takes vLLM's workers with it
             )
         self._url_host = node_ip if host in ("0.0.0.0", "::") else host
         self._status = ServerStatus(
@@ -408,7 +420,7 @@ class InferenceServer:
             await asyncio.wait_for(self._exited.wait(), timeout)
         return self.status()
 
-    async def stop(self) -> ServerStatus:
+    async def close(self) -> ServerStatus:
         """Stop the server (SIGTERM to its process group, SIGKILL after a grace period)."""
         if self._process is not None and self._process.poll() is None:
             if self._status.state != "dead":
@@ -433,12 +445,12 @@ class InferenceServer:
     # ------------------------------------------------------------------------------------ internal
 
     async def _wait_ready(self) -> None:
-        deadline = time.monotonic() + self.spec.startup_timeout_s
+        deadline = time.monotonic() + self.spec.ready_timeout_s
         headers = auth_headers(self.spec.api_key_var)  # /v1/models is guarded when the server has a key
         async with httpx.AsyncClient(timeout=httpx.Timeout(2.0), trust_env=False, headers=headers) as client:
             while not self._exited.is_set():
                 if time.monotonic() > deadline:
-                    self._fail(f"not ready within startup_timeout_s={self.spec.startup_timeout_s:g}s")
+                    self._fail(f"not ready within ready_timeout_s={self.spec.ready_timeout_s:g}s")
                     self._signal_group(signal.SIGKILL)
                     with contextlib.suppress(TimeoutError):  # let the watcher record the exit code
                         await asyncio.wait_for(self._exited.wait(), STOP_GRACE)
@@ -461,9 +473,9 @@ class InferenceServer:
     async def _watch_process(self) -> None:
         """Owned by the actor: sees the exit within POLL_INTERVAL, and kills a wedged server."""
         assert self._process is not None
-        failures, next_check = 0, time.monotonic() + self.spec.health_interval_s
+        failures, next_check = 0, time.monotonic() + self.spec.probe_interval_s
         async with httpx.AsyncClient(
-            timeout=httpx.Timeout(self.spec.health_timeout_s),
+            timeout=httpx.Timeout(self.spec.probe_timeout_s),
             trust_env=False,
             headers=auth_headers(self.spec.api_key_var),  # /health is unguarded on vLLM; a proxy may not be
         ) as client:
@@ -473,7 +485,7 @@ class InferenceServer:
                     continue
                 root = (self._status.url or "").removesuffix("/v1")
                 failures = 0 if await _answers(client, f"{root}/health") else failures + 1
-                next_check = time.monotonic() + self.spec.health_interval_s
+                next_check = time.monotonic() + self.spec.probe_interval_s
                 if failures >= self.spec.unhealthy_after:
                     self._fail(f"wedged: /health failed {failures} times in a row; killed")
                     self._signal_group(signal.SIGKILL)

@@ -32,13 +32,14 @@ from rollout_actors.inference.server_actor import (
     raise_for_startup,
     server_actor_options,
 )
+from rollout_actors.kernel.renamed import warn_renamed
 from rollout_actors.kernel.supervision import Health, RestartIntensity, Supervision
 from rollout_actors.kernel.supervisor import Child, ChildKind, RetireCause, Supervisor
 
 logger = logging.getLogger(__name__)
 
-WATCH_GRACE = 30.0  # beyond the watch period: an actor that cannot answer this late is itself wedged
-STOP_TIMEOUT = 30.0  # stop() grants the server STOP_GRACE (10 s) twice; then the actor is killed anyway
+WATCH_GRACE = 30.0  # beyond the probe interval: an actor that cannot answer this late is itself wedged
+STOP_TIMEOUT = 30.0  # close() grants the server STOP_GRACE (10 s) twice; then the actor is killed anyway
 
 
 SERVER_RESTARTS = RestartIntensity(max_restarts=3, window_s=600.0)
@@ -60,22 +61,27 @@ class InferenceServerSet(Supervisor[_Server], ChildKind[_Server]):
         spec: ServerSpec,
         replicas: int = 1,
         restart: RestartIntensity = SERVER_RESTARTS,
-        watch_period: float = 30.0,
+        probe_interval_s: float = 30.0,
         before_routing: Callable[[str], Awaitable[None]] | None = None,
+        *,
+        watch_period: float | None = None,  # the old name of probe_interval_s (DESIGN.md, "Words")
     ):
+        if watch_period is not None:
+            warn_renamed("InferenceServerSet(watch_period=)", "probe_interval_s=")
+            probe_interval_s = watch_period  # the old name's value
         self.spec = spec
         self.replicas = replicas
-        self.watch_period = watch_period
+        self.probe_interval_s = probe_interval_s
         self.before_routing = before_routing
         """Awaited with a replacement's URL before it takes traffic; raising rejects the replacement."""
         self._status = [ServerStatus(state="created") for _ in range(replicas)]
         self._stops: set[asyncio.Task[None]] = set()
         settings = Supervision(
             restart=restart,
-            ready_timeout_s=spec.startup_timeout_s + 2 * WATCH_GRACE,
-            probe_interval_s=watch_period,
-            probe_timeout_s=watch_period + WATCH_GRACE,
-            hang_timeout_s=watch_period + WATCH_GRACE,
+            ready_timeout_s=spec.ready_timeout_s + 2 * WATCH_GRACE,
+            probe_interval_s=probe_interval_s,
+            probe_timeout_s=probe_interval_s + WATCH_GRACE,
+            hang_timeout_s=probe_interval_s + WATCH_GRACE,
         )
         super().__init__("inference servers", self, settings)
 
@@ -141,7 +147,7 @@ class InferenceServerSet(Supervisor[_Server], ChildKind[_Server]):
     async def signs(self, server: _Server) -> AsyncIterator[Health]:
         while True:
             status = await asyncio.wait_for(
-                server.handle.watch.remote(self.watch_period), self.watch_period + WATCH_GRACE
+                server.handle.watch.remote(self.probe_interval_s), self.probe_interval_s + WATCH_GRACE
             )
             if status.state != "ready":  # it exited, or was killed as wedged
                 self._status[server.index] = server.status = status
@@ -167,7 +173,7 @@ class InferenceServerSet(Supervisor[_Server], ChildKind[_Server]):
 
 async def _stop(actor: ray.actor.ActorHandle) -> None:
     try:
-        await asyncio.wait_for(actor.stop.remote(), STOP_TIMEOUT)
+        await asyncio.wait_for(actor.close.remote(), STOP_TIMEOUT)
     except Exception:
         pass  # dead or wedged: ray.kill below ends it either way (and the server with it)
     ray.kill(actor)

@@ -51,7 +51,7 @@ _owner: str | None = None
 
 def process_owner() -> str | None:
     """The id of the Ray actor this code runs in, or None outside one (a driver, a test). Pools tag what
-    they hand out (env sessions, renderer leases) with it, so when the plane loses that actor (a rollout
+    they hand out (env sessions, renderer slots) with it, so when the plane loses that actor (a rollout
     worker) it can have everything the actor held released at once (`release_owned`, `close_owned`)."""
     global _owner
     if _owner is None:

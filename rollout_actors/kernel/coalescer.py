@@ -18,7 +18,7 @@ class TickBatch:
     items: list[Any] = field(default_factory=list)
     waiters: list[asyncio.Future[Any]] = field(default_factory=list)
     deadline: float = 0.0
-    """The largest deadline any caller gave (its meaning is the flush's: seconds or a loop time)."""
+    """The latest deadline any caller gave, a time on the loop's clock (`loop.time()`); 0: none given."""
 
 
 class TickCoalescer:

@@ -15,10 +15,13 @@ One loop for all (Erlang/OTP's supervisor, with our liveness rule): each child's
 task (spawn -> ready -> signs of life, each a `Health`, dated back by the loop stall it reports); one tick
 judges silence against `hang_timeout_s` (`Liveness`), excusing the time the supervisor itself was deaf;
 a ready child Ray says died, or that wedged, is retired at once (out of service, `gone` resolved, killed)
-and replaced on the same budget growth draws on. Load is never a wedge: a busy child keeps sending signs, and
-the supervisor's own stall is not held against it. A spent budget refuses the spawn (counted, logged once
-per episode); the kind decides what a refusal means (overfill, fail fast with `RestartBudgetSpent`).
-More spawn failures in a row than the budget allows restarts is a crash loop: a kind may stop there.
+and replaced on the same budget growth draws on, unless the kind blames the loss on something bounded
+elsewhere (`budgets_replacement`). A kind may ask for one last probe before a wedged child is retired
+(`wants_last_probe`): its answer may say what wedged it, or that it lives after all. Load is never a
+wedge: a busy child keeps sending signs, and the supervisor's own stall is not held against it. A spent
+budget refuses the spawn (counted, logged once per episode); the kind decides what a refusal means
+(overfill, fail fast with `RestartBudgetSpent`). More spawn failures in a row than the budget allows
+restarts is a crash loop: a kind may stop there (a failed spawn is retried on the budget, always).
 """
 
 from __future__ import annotations
@@ -42,9 +45,12 @@ CLOSE_GRACE_S = 2.0  # for cancelled tasks to unwind
 RETIRED_HISTORY = 32
 RESTART_PAUSE_S = 0.5  # before a kept loop that died is started again: a bug must not spin the loop
 
-SpawnWhy = Literal["initial", "restart", "grow"]
-"""Why a child is spawned: `initial` (the set the owner started with) is free; every other spawn spends
-one restart from the budget (DESIGN.md contract 9: scale-up draws on the same budget)."""
+SpawnWhy = Literal["initial", "restart", "grow", "blamed"]
+"""Why a child is spawned: `initial` (the set the owner started with) is free; so is `blamed`, the
+replacement of a ready child whose loss the kind blamed on something with a bound of its own
+(`ChildKind.budgets_replacement`). `restart` and `grow` spend one restart from the budget (DESIGN.md
+contract 9: scale-up draws on the same budget)."""
+FREE_SPAWNS: frozenset[SpawnWhy] = frozenset({"initial", "blamed"})
 RetireCause = Literal["died", "wedged", "spawn_failed", "shrunk", "shutdown"]
 
 
@@ -92,13 +98,32 @@ class ChildKind(Generic[C]):
     async def handshake(self, child: C) -> None:
         await child.handle.health.remote()
 
+    async def probe(self, child: C) -> Health:
+        """One sign of life (the supervisor bounds the wait)."""
+        return await child.handle.health.remote()
+
     async def signs(self, child: C) -> AsyncIterator[Health]:
         """Its signs of life, until it stops answering (then the supervisor asks again)."""
         settings = self.supervisor.settings
         while True:
             sent = time.monotonic()
-            yield await asyncio.wait_for(child.handle.health.remote(), settings.probe_timeout_s)
+            yield await asyncio.wait_for(self.probe(child), settings.probe_timeout_s)
             await asyncio.sleep(max(0.0, settings.probe_interval_s - (time.monotonic() - sent)))
+
+    def on_health(self, child: C, health: Health) -> None:
+        """It answered a probe (a sign of life or the last probe), after `child.health` was set."""
+
+    def wants_last_probe(self, child: C) -> bool:
+        """Whether a child judged wedged is probed once more (within `probe_timeout_s`) before it is
+        retired: for a kind whose answers can say what wedged it, when its last answers did not."""
+        return False
+
+    def budgets_replacement(self, child: C, cause: RetireCause) -> bool:
+        """Whether replacing this ready child, lost this way, spends the restart budget. Yes, unless the
+        kind can name what lost it and that has a bound of its own (an env server wedged by one known
+        request's call: that request's poison bound limits what it costs). A loss nobody can be blamed
+        for (a death, a wedge of unknown cause) spends it, and spawn failures (crash loops) always do."""
+        return True
 
     async def diagnose(self, child: C) -> str:
         """Why it missed its readiness deadline, as far as can be told."""
@@ -195,6 +220,8 @@ class Supervisor(Generic[C]):
         self.retired_log: deque[str] = deque(maxlen=RETIRED_HISTORY)
         self.spawned_for: Counter[SpawnWhy] = Counter()
         self._lives: dict[str, asyncio.Task[None]] = {}
+        self._last_probes: dict[str, asyncio.Task[None]] = {}
+        """Children judged wedged, awaiting the last probe their kind asked for before retirement."""
         self._failures_in_a_row = 0
         self._changed = asyncio.Event()
         self._judging = False
@@ -235,7 +262,7 @@ class Supervisor(Generic[C]):
         if not self._judging:
             self._judging = True
             self.tasks.keep(self._judge, "judge")
-        if why != "initial":
+        if why not in FREE_SPAWNS:
             if not self.budget.try_spend():
                 self.budget_denials += 1
                 if self.refused is None:
@@ -295,14 +322,18 @@ class Supervisor(Generic[C]):
         while child.state == "ready":
             try:
                 async for health in self.kind.signs(child):
-                    child.health = health
-                    child.life.heard(health.loop_stall_s)
+                    self._heard(child, health)
             except Exception as exc:
                 if ray_loss(exc) == "died":
                     self.retire(child, f"died: {exit_detail(exc)}", "died")
                     return
                 # No answer in time, or unreachable for now: silence, judged against hang_timeout_s.
             await asyncio.sleep(self.settings.probe_interval_s)
+
+    def _heard(self, child: C, health: Health) -> None:
+        child.health = health
+        child.life.heard(health.loop_stall_s)
+        self.kind.on_health(child, health)
 
     def _count_spawn_failure(self, name: str, reason: str) -> None:
         self.spawn_failures += 1
@@ -326,14 +357,41 @@ class Supervisor(Generic[C]):
                     child.life.excuse(deaf_s, now)
                 continue
             for child in self.ready():
-                if child.life.wedged(now):
+                if not child.life.wedged(now) or child.name in self._last_probes:
+                    continue
+                if self.kind.wants_last_probe(child):
+                    task = self.tasks.own(self._last_probe(child), f"{child.name}: last probe")
+                    self._last_probes[child.name] = task
+                else:
                     self.retire(child, f"wedged: {child.life.verdict(now)}", "wedged")
             self.kind.tick(now)
 
+    async def _last_probe(self, child: C) -> None:
+        """One more probe of a child judged wedged, on the probe's own timeout, then the verdict again:
+        an answer may say what wedged it (the kind reads it in `on_health`) or show it alive after all
+        (a late sign of life under load: then it is not retired)."""
+        try:
+            health = await asyncio.wait_for(self.kind.probe(child), self.settings.probe_timeout_s)
+        except Exception as exc:
+            if ray_loss(exc) == "died":
+                self.retire(child, f"died: {exit_detail(exc)}", "died")
+                return
+            health = None  # no answer: the verdict stands
+        finally:
+            self._last_probes.pop(child.name, None)
+        if child.state != "ready":
+            return
+        if health is not None:
+            self._heard(child, health)
+        now = time.monotonic()
+        if child.life.wedged(now):
+            self.retire(child, f"wedged: {child.life.verdict(now)}", "wedged")
+
     def retire(self, child: C, reason: str, cause: RetireCause) -> None:
         """Take a child out of service at once: `gone` resolved, the kind told, the actor killed; a ready
-        one that died or wedged is replaced now, on the budget (a spawn that failed is the kind's to
-        retry, in its `tick`). Idempotent."""
+        one that died or wedged is replaced now, on the budget unless the kind blames the loss on
+        something bounded elsewhere (`budgets_replacement`; a spawn that failed is the kind's to retry,
+        in its `tick`, on the budget). Idempotent."""
         if child.state == "retired":
             return
         lost = cause in ("died", "wedged") and child.state == "ready"
@@ -347,9 +405,9 @@ class Supervisor(Generic[C]):
         if not child.gone.done():
             child.gone.set_result((reason, cause))
         self.retired_log.append(f"{child.name}: {reason}")
-        life = self._lives.pop(child.name, None)
-        if life is not None and life is not asyncio.current_task():
-            life.cancel()
+        for task in (self._lives.pop(child.name, None), self._last_probes.pop(child.name, None)):
+            if task is not None and task is not asyncio.current_task():
+                task.cancel()
         try:
             self.kind.on_retired(child, reason, cause)
         finally:
@@ -357,7 +415,7 @@ class Supervisor(Generic[C]):
             if lost and not self.closed:
                 # Its replacement starts now, not at the next tick: a request re-dispatched meanwhile
                 # waits for it instead of finding nothing starting.
-                self.spawn("restart")
+                self.spawn("restart" if self.kind.budgets_replacement(child, cause) else "blamed")
             self._pulse()
 
     async def close(self) -> None:

@@ -1,4 +1,4 @@
-"""Start the bundled stand-in inference server as a subprocess and own it until `stop()`.
+"""Start the bundled stand-in inference server as a subprocess and own it until `close()`.
 
     with StandinServer(StandinOptions(latency_s=0.05, correct_rate=1.0)) as server:
         client = openai.AsyncOpenAI(base_url=server.base_url, api_key="x")
@@ -27,10 +27,11 @@ from pathlib import Path
 
 import rollout_actors
 from rollout_actors.inference.standin.server import StandinOptions
+from rollout_actors.kernel.renamed import warn_renamed
 
 __all__ = ["StandinOptions", "StandinServer", "StandinStartupError"]
 
-STARTUP_TIMEOUT_S = 120.0  # the first run on a machine builds the tokenizer cache (10-20 s, slower when busy)
+READY_TIMEOUT_S = 120.0  # the first run on a machine builds the tokenizer cache (10-20 s, slower when busy)
 STOP_GRACE_S = 5.0  # SIGTERM first: uvicorn drains for 2 s; then SIGKILL
 POLL_S = 0.05
 LOG_TAIL_CHARS = 4000
@@ -46,21 +47,21 @@ class StandinStartupError(RuntimeError):
 
 
 class StandinServer:
-    """One stand-in server process. Owns the process and its log directory; `stop()` releases both."""
+    """One stand-in server process. Owns the process and its log directory; `close()` releases both."""
 
     def __init__(
         self,
         options: StandinOptions = StandinOptions(),
         *,
         host: str = "127.0.0.1",
-        startup_timeout_s: float = STARTUP_TIMEOUT_S,
+        ready_timeout_s: float = READY_TIMEOUT_S,
         env: dict[str, str] | None = None,
     ) -> None:
         """`env`: added to the server's environment (e.g. `VLLM_API_KEY`, which it reads as vLLM does)."""
         self.options = options
         self.env = dict(env or {})
         self.host = host
-        self.startup_timeout_s = startup_timeout_s
+        self.ready_timeout_s = ready_timeout_s
         self.port: int | None = None
         self._process: subprocess.Popen[bytes] | None = None
         self._workdir: Path | None = None
@@ -109,7 +110,7 @@ class StandinServer:
                 stdin=subprocess.DEVNULL,
                 env=_child_env() | self.env,
             )
-        self._deadline = time.monotonic() + self.startup_timeout_s
+        self._deadline = time.monotonic() + self.ready_timeout_s
         return self.wait_ready() if wait else self
 
     def wait_ready(self) -> StandinServer:
@@ -121,10 +122,10 @@ class StandinServer:
             self._wait_ready(self._port_file, self._deadline)
         except Exception as exc:
             tail, code = self.log_tail(), self._process.poll()  # code None: alive but not ready in time
-            self.stop()
+            self.close()
             raise StandinStartupError(f"stand-in server did not become ready: {exc}", code, tail) from None
         except BaseException:
-            self.stop()
+            self.close()
             raise
         return self
 
@@ -138,7 +139,7 @@ class StandinServer:
             if self.port is not None and _health_ok(self.url, max(0.1, deadline - time.monotonic())):
                 return
             time.sleep(POLL_S)
-        raise TimeoutError(f"not ready within {self.startup_timeout_s:g} s")
+        raise TimeoutError(f"not ready within {self.ready_timeout_s:g} s")
 
     def session_counts(self) -> dict[str, int]:
         """Requests per `X-Session-ID` this server has seen (which rollouts it served)."""
@@ -153,7 +154,7 @@ class StandinServer:
             f.seek(max(0, path.stat().st_size - chars))
             return f.read().decode(errors="replace")
 
-    def stop(self) -> int | None:
+    def close(self) -> int | None:
         """SIGTERM, then SIGKILL after a grace period. Idempotent; returns the exit code (None if it was
         not running)."""
         process, self._process = self._process, None
@@ -173,11 +174,16 @@ class StandinServer:
         self.port = None
         return code
 
+    def stop(self) -> int | None:
+        """The old name of `close` (DESIGN.md, "Words": close is the one stop verb)."""
+        warn_renamed("StandinServer.stop()", "close()")
+        return self.close()
+
     def __enter__(self) -> StandinServer:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
-        self.stop()
+        self.close()
 
 
 def _child_env() -> dict[str, str]:
