@@ -24,6 +24,7 @@ until the last of them was answered.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import os
 import signal
@@ -322,18 +323,21 @@ def print_table(rows: list[Row]) -> None:
 
 
 def main() -> int:
-    if {"-h", "--help"} & set(sys.argv[1:]):
-        print(__doc__)
-        return 0
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--requests", action="store_true", help="only the second table (failures that follow the request)"
+    )
+    args = parser.parse_args()
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False, configure_logging=False)
     else:  # a private Ray: a plain `ray.init()` joins whatever cluster someone's `ray start` left running
         ray.init(
             address="local", num_cpus=8, include_dashboard=False, log_to_driver=False, configure_logging=False
         )
-    only_requests = "--requests" in sys.argv  # the second table alone
     with StandinServer(StandinOptions()) as standin:
-        rows = [] if only_requests else asyncio.run(run_cases(standin.base_url))
+        rows = [] if args.requests else asyncio.run(run_cases(standin.base_url))
         request_rows = asyncio.run(run_request_cases(standin.base_url))
     if rows:
         print_table(rows)
