@@ -32,7 +32,7 @@ from env_actors.interface import EnvCall, EnvResponse, SessionMethod
 from env_actors.server import DEADLINE_FAILURE
 from env_actors.supervisor import resolve
 from rollout_actors.kernel import Failure, Loss, process_owner
-from rollout_actors.kernel.coalescer import TickBatch, TickCoalescer, actor_key, per_loop
+from rollout_actors.kernel.coalescer import TickBatch, TickCoalescer, actor_key, count_sent, per_loop
 from rollout_actors.kernel.faults import Fault, exit_detail, ray_loss
 from rollout_actors.kernel.renamed import warn_renamed
 
@@ -205,7 +205,13 @@ async def _send_calls(batch: TickBatch) -> None:
                 waiter.set_result(reply.response)
         if not by_ticket:
             break
-        replies = await asyncio.wait_for(server.collect.remote(list(by_ticket)), deadline - loop.time())
+        replies = await asyncio.wait_for(_collect(server, list(by_ticket)), deadline - loop.time())
+
+
+async def _collect(server: Any, tickets: list[int]) -> Any:
+    """The answers of a batch's calls that were still running when it answered (one Ray call)."""
+    count_sent(_collect, len(tickets))
+    return await server.collect.remote(tickets)
 
 
 async def _send_places(batch: TickBatch) -> None:

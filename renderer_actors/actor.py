@@ -22,6 +22,8 @@ import threading
 import time
 from typing import Any
 
+import ray
+
 from renderer_actors.calls import BridgeReply, BridgeRequest, CallOutcome, Rendered, RendererInfo, StartReply
 from renderer_actors.config import DEFAULT_RENDERER_PREFIXES
 from renderer_actors.key import RendererKey
@@ -106,6 +108,7 @@ class RendererActor:
         self._calls += 1
         return renderer.parse(completion_ids, tools, prompt_tail)
 
+    @ray.method(enable_task_events=False)  # per tick of every worker: see `RolloutWorker.run`
     async def call_many(self, calls: list[tuple[str, tuple[Any, ...]]]) -> list[CallOutcome]:
         """Run several render calls in order; each answers its value or its own failure. A `ValueError` is
         the request's fault (`rejected`); anything else is this renderer's, with its traceback."""

@@ -239,6 +239,7 @@ class RendererPool:
         notice: nobody waits for its answer)."""
         self._lost(renderer_id)
 
+    @ray.method(enable_task_events=False)  # per tick of every worker: see `RolloutWorker.run`
     async def acquire_many(
         self, key_json: str, multiplex: int, count: int, owner: str | None = None
     ) -> list[RendererSlot]:
@@ -267,6 +268,7 @@ class RendererPool:
         renderer's death)."""
         return self._release(slot_id)
 
+    @ray.method(enable_task_events=False)  # per tick of every worker: see `RolloutWorker.run`
     async def release_many(self, slot_ids: list[str]) -> int:
         """Release several slots; returns how many were held."""
         return sum(self._release(slot_id) for slot_id in slot_ids)

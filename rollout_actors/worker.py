@@ -59,6 +59,10 @@ class RolloutWorker:
         settle_actor()
 
     # Remote API ----------------------------------------------------------------------------------
+    # No Ray task events for the call made once per rollout (nor for the batched renderer calls): each
+    # is a few status events recorded here, buffered and sent to the GCS, thousands a second in a wave,
+    # for a task table the plane never reads; its own timings and metrics say what a rollout did.
+    @ray.method(enable_task_events=False)
     async def run(self, dispatch_json: bytes) -> str:
         """Run one dispatch of a rollout (`wire.Dispatch`: the caller's request and what the plane decided
         for it) against the pool incarnations it names, by actor name (the plane supervises the pools and

@@ -228,6 +228,7 @@ async def run_plane(args: argparse.Namespace, c: int, server: StandinServer) -> 
     finally:
         await plane.close()
     results.sort(key=lambda r: order[r.request_id])
+    batches = _batches_diff(before, after)
     return WayResult(
         way="a",
         wall_s=wall,
@@ -243,8 +244,14 @@ async def run_plane(args: argparse.Namespace, c: int, server: StandinServer) -> 
             "open_clients_after": sum(r["open_clients"] for r in after),
             "worker_conns_after": sum(r["connections"] for r in after),
             "redispatched": stats.redispatched,
-            "batches (calls, items/call)": _batches_diff(before, after),
-            "worker GC (collections, s)": [_collected(a, b) for a, b in zip(after, before, strict=True)],
+            "batches (calls, items/call)": batches,
+            # One `run` per rollout, plus the workers' batched renderer and env calls (their setup,
+            # turns and teardown), shared among the rollouts of a batch; not counted: a renderer's one
+            # `ready` per worker, and background calls (heartbeats, the pools' own supervision).
+            "Ray calls per rollout": round(1 + sum(calls for calls, _ in batches.values()) / c, 2),
+            "worker GC (collections, s, full, s)": [
+                _collected(a, b) for a, b in zip(after, before, strict=True)
+            ],
             # Where the wall goes beyond the rollouts themselves (worker clocks; one machine, one clock):
             "submitted_s": round(submitted_s, 2),
             "first_start_s": round(min(r.started_at or 0 for r in results) - started_wall, 2),
@@ -273,10 +280,16 @@ def _timings_bytes(results: list[Any]) -> float:
     return round(added / max(1, sum(len(r.turns) for r in results)), 1)
 
 
-def _collected(after: dict, before: dict) -> tuple[int, float]:
-    """Garbage collections a worker ran during the wave, and their seconds (`kernel.collector`)."""
+def _collected(after: dict, before: dict) -> tuple[int, float, int, float]:
+    """Garbage collections a worker ran during the wave and their seconds, then the full ones among them
+    and their seconds (`kernel.collector`)."""
     a, b = after["collector"], before["collector"]
-    return a["collections"] - b["collections"], round(a["seconds"] - b["seconds"], 2)
+    return (
+        a["collections"] - b["collections"],
+        round(a["seconds"] - b["seconds"], 2),
+        a.get("full", 0) - b.get("full", 0),
+        round(a.get("full_seconds", 0.0) - b.get("full_seconds", 0.0), 2),
+    )
 
 
 def _batches_diff(before: list[dict], after: list[dict]) -> dict[str, tuple[int, float]]:
@@ -305,7 +318,7 @@ async def run_way(args: argparse.Namespace, c: int, way: str) -> WayResult:
 
 def print_table(args: argparse.Namespace, c: int, results: dict[str, WayResult]) -> None:
     latency = args.latency
-    print(f"\n=== C={c}  env={args.env}  latency={latency:g}s/turn ===")
+    print(f"\n=== C={c}  env={args.env}  turns={args.turns}  latency={latency:g}s/turn ===")
     by = results.get
     base_b, base_c = by("b"), by("c")
     header = (

@@ -103,6 +103,12 @@ _SENT: dict[Any, list[int]] = {}
 """Batches this process sent, by flush function: [calls, items]. Read with `batch_counts`."""
 
 
+def count_sent(flush: Any, items: int) -> None:
+    """Count one remote call carrying `items` under `flush`'s name: for a call a flush sends beyond its
+    batch (a follow-up `collect`), so `batch_counts` holds every call the coalescers caused."""
+    _count(flush, items)
+
+
 def _count(flush: Any, items: int) -> None:
     fn = getattr(flush, "func", flush)  # a functools.partial counts as its function
     sent = _SENT.get(fn)
