@@ -272,6 +272,10 @@ async def run_request_cases(base_url: str) -> list[RequestRow]:
                 broken,
             )
         )
+        # Its last replacements are still starting: the rows below time renderer loads, not their spawns.
+        settled = time.monotonic() + CASE_DEADLINE_S
+        while (await env_pool_stats(plane, mixed)).starting and time.monotonic() < settled:
+            await asyncio.sleep(0.5)
         for case, tokenizer, target in (
             ("renderer key cannot load (no such path), 64 rollouts", "/nonexistent/tokenizer", 10.0),
             ("renderer key: a hub id not in local files, 64 rollouts", "Qwen/Qwen3-8B", 15.0),
