@@ -28,9 +28,9 @@ from env_actors.config import EnvPoolConfig, EnvPoolStats
 from env_actors.interface import EnvResponse
 from env_actors.server import DEADLINE_FAILURE
 from env_actors.sessions import OpenSessions
-from env_actors.supervisor import ServerSlot, Supervisor, exit_detail, resolve
+from env_actors.supervisor import ServerSlot, Supervisor, resolve
 from rollout_actors.kernel import Failure, Ref
-from rollout_actors.kernel.faults import ray_loss
+from rollout_actors.kernel.faults import exit_detail, ray_loss
 from rollout_actors.kernel.renamed import warn_renamed
 from rollout_actors.kernel.supervision import Health
 
@@ -104,7 +104,7 @@ class EnvPool:
         if session is None:
             return EnvResponse.ok()
         self._forget(session_id)
-        slot = self._supervisor.workers.get(session.worker)
+        slot = self._supervisor.children.get(session.worker)
         if slot is None or slot.state != "ready":
             return EnvResponse.ok()
         return await self._call(
@@ -163,7 +163,7 @@ class EnvPool:
         replacement starts at once), and say why and how it ended: (why, `wedged` where the supervisor
         judged it so and killed it, else `died`, whether `session_id`'s own call wedged it: None when the
         worker named no call)."""
-        slot = self._supervisor.workers.get(worker)
+        slot = self._supervisor.children.get(worker)
         if slot is not None:
             self._supervisor.retire(slot, f"died: {detail}", "died")
         reason, how, blocking = self._retired.get(worker, (f"died: {detail}", "died", None))
@@ -173,7 +173,7 @@ class EnvPool:
     async def worker_unreachable(self, worker: str) -> None:
         """A session's direct call could not reach `worker` (its node lost or cut off): place nothing more
         on it until it answers a probe again; the supervisor judges it wedged if it never does."""
-        slot = self._supervisor.workers.get(worker)
+        slot = self._supervisor.children.get(worker)
         if slot is not None:
             slot.unreachable_at = time.monotonic()
 
@@ -192,7 +192,7 @@ class EnvPool:
         sup = self._supervisor
         return EnvPoolStats(
             name=self._name,
-            servers=[w.info(self._sessions.on(w.name)) for w in sup.workers.values()],
+            servers=[w.info(self._sessions.on(w.name)) for w in sup.children.values()],
             ready=len(sup.ready()),
             starting=len(sup.starting()),
             sessions=len(self._sessions),
@@ -263,7 +263,7 @@ class EnvPool:
 
     def _forget(self, session_id: str) -> None:
         session = self._sessions.pop(session_id)
-        slot = self._supervisor.workers.get(session.worker) if session else None
+        slot = self._supervisor.children.get(session.worker) if session else None
         if slot is not None and not self._sessions.on(slot.name):
             slot.idle_since = time.monotonic()
 
@@ -279,7 +279,7 @@ class EnvPool:
                 if session.last_used < cutoff:
                     candidates.setdefault(session.worker, []).append(session_id)
             for worker, session_ids in candidates.items():
-                slot = self._supervisor.workers.get(worker)
+                slot = self._supervisor.children.get(worker)
                 if slot is None or slot.state != "ready":
                     continue
                 try:

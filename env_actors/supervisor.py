@@ -52,7 +52,7 @@ ENV_RESTARTS_USED = Metric(
 
 DIAGNOSE_TIMEOUT_S = 0.5  # one probe to say why a server missed its readiness deadline
 
-__all__ = ["ServerSlot", "Supervisor", "exit_detail", "resolve"]
+__all__ = ["ServerSlot", "Supervisor", "resolve"]
 
 
 def _read_blocker(slot: ServerSlot, sent: int, answer: asyncio.Future[EnvServerHealth]) -> None:
@@ -125,10 +125,6 @@ class Supervisor(KernelSupervisor[ServerSlot], ChildKind[ServerSlot]):
         self._on_retire = on_retire
         self._incarnation = uuid.uuid4().hex[:6]  # server names stay unique across pools of one name
         super().__init__(name, self, config.supervision)
-
-    @property
-    def workers(self) -> dict[str, ServerSlot]:
-        return self.children
 
     # ---------------------------------------------------------------------------------- placement
 

@@ -34,7 +34,6 @@ Renderers are created by the pool, so they fate-share with it.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 import os
@@ -142,9 +141,9 @@ class _KeyPool(Supervisor[_Renderer], ChildKind[_Renderer]):
 
     def kill(self, renderer: _Renderer) -> None:
         if renderer.linger and not self.closed:
-            asyncio.get_running_loop().call_later(FAILED_LOAD_LINGER_S, _kill, renderer.handle)
+            asyncio.get_running_loop().call_later(FAILED_LOAD_LINGER_S, super().kill, renderer)
         else:
-            _kill(renderer.handle)
+            super().kill(renderer)
 
     def place(self) -> _Renderer:
         """The least-loaded renderer with a free slot (ready ones first); one more only when every one is
@@ -374,11 +373,6 @@ class RendererPool:
                 self._counters["retired"] += 1
             RENDERERS.record(len(pool.children), {"key": pool.name})
             SLOTS.record(sum(len(r.slots) for r in pool.children.values()), {"key": pool.name})
-
-
-def _kill(handle: Any) -> None:
-    with contextlib.suppress(Exception):
-        ray.kill(handle, no_restart=True)
 
 
 def get_or_create_renderer_pool(

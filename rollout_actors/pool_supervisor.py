@@ -13,9 +13,8 @@ ends them with it. A `SupervisedPool` is the kernel's `Supervisor` with one chil
 driver's loop. When Ray says the pool actor died, or nothing showed it alive for `hang_timeout_s`, what is
 left of it is killed and a new incarnation, a named actor of its own (`<name>@<n>`, so a replacement never
 waits for Ray to free the old name), is started within the pool's restart budget. A start that fails
-spends a restart too; with the budget spent the pool
-is `failed` and every request that needs it is answered at once, until the window has room again (the
-next request that needs it then starts it anew).
+spends a restart too; with the budget spent the pool is `failed` and every request that needs it is
+answered at once, until the window has room again (the next request that needs it then starts it anew).
 
 Nothing of a dead incarnation is adopted: its sessions and leases ended with its subtree, and the rollouts
 that held them are re-dispatched under their lease (contract 5). The new incarnation is built from what
@@ -39,7 +38,7 @@ from rollout_actors.config import PoolSupervision
 from rollout_actors.kernel import Failure
 from rollout_actors.kernel.faults import exit_detail, ray_loss
 from rollout_actors.kernel.supervision import Supervision
-from rollout_actors.kernel.supervisor import Child, ChildKind, RetireCause, Supervisor
+from rollout_actors.kernel.supervisor import Child, ChildKind, RetireCause, Supervisor, retrieve_exception
 from rollout_actors.pool_lookup import PoolName
 
 log = logging.getLogger(__name__)
@@ -266,14 +265,8 @@ class SupervisedPool(Supervisor[_Incarnation], ChildKind[_Incarnation]):
 
 def _future() -> asyncio.Future[PoolName]:
     future = asyncio.get_running_loop().create_future()
-    future.add_done_callback(_retrieve)
+    future.add_done_callback(retrieve_exception)
     return future
-
-
-def _retrieve(future: asyncio.Future[Any]) -> None:
-    """A pool that failed with nobody waiting must not log 'exception was never retrieved'."""
-    if not future.cancelled():
-        future.exception()
 
 
 def holds_value(future: asyncio.Future[Any]) -> bool:

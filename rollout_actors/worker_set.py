@@ -80,7 +80,6 @@ class WorkerSet(Supervisor[WorkerSlot], ChildKind[WorkerSlot]):
         """Rollouts one worker is sized for. Beyond it, a dispatch waits for a replacement being started
         rather than pile a dead worker's rollouts onto one survivor; with none coming, it overfills."""
         self._on_lost = on_lost
-        self._serial = 0
         settings = Supervision(
             restart=restarts,
             ready_timeout_s=WORKER_READY_TIMEOUT_S,
@@ -154,8 +153,7 @@ class WorkerSet(Supervisor[WorkerSlot], ChildKind[WorkerSlot]):
     # ------------------------------------------------------------------------- the kind's hooks
 
     def create(self, name: str) -> WorkerSlot:
-        self._serial += 1
-        name = f"{self._names.prefix}/worker-{self._serial}"
+        name = f"{self._names.prefix}/worker-{self.spawns}"
         return WorkerSlot(name, self._cls.options(name=name).remote(self._limits, name))
 
     async def handshake(self, slot: WorkerSlot) -> None:

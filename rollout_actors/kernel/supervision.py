@@ -7,7 +7,6 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -69,11 +68,6 @@ class RestartBudget:
     def _expire(self, now: float) -> None:
         while self._spent and now - self._spent[0] >= self.intensity.window_s:
             self._spent.popleft()
-
-
-LossCause = Literal["died", "wedged"]
-"""Why a supervisor lost a child: Ray said it *died* (a call or probe raised `RayActorError`), or nothing
-showed it alive for its hang timeout: it is *wedged* (frozen, its event loop blocked, its node gone)."""
 
 
 @dataclass

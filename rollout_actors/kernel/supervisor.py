@@ -66,8 +66,6 @@ class Child:
     handle: Any
     state: Literal["starting", "ready", "retired"] = "starting"
     life: Liveness = field(default_factory=lambda: Liveness(hang_timeout_s=float("inf")))
-    health: Health | None = None
-    """Its last answer."""
     born: float = field(default_factory=time.monotonic)
     up: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     """Resolved once ready, or failed with its spawn's typed failure."""
@@ -77,7 +75,7 @@ class Child:
     """Resolved with `(reason, cause)` at retirement: in-flight calls wait on it beside their answer."""
 
     def __post_init__(self) -> None:
-        self.up.add_done_callback(_retrieve)
+        self.up.add_done_callback(retrieve_exception)
 
 
 C = TypeVar("C", bound=Child)
@@ -109,9 +107,6 @@ class ChildKind(Generic[C]):
             sent = time.monotonic()
             yield await asyncio.wait_for(self.probe(child), settings.probe_timeout_s)
             await asyncio.sleep(max(0.0, settings.probe_interval_s - (time.monotonic() - sent)))
-
-    def on_health(self, child: C, health: Health) -> None:
-        """It answered a probe (a sign of life or the last probe), after `child.health` was set."""
 
     def wants_last_probe(self, child: C) -> bool:
         """Whether a child judged wedged is probed once more (within `probe_timeout_s`) before it is
@@ -322,18 +317,13 @@ class Supervisor(Generic[C]):
         while child.state == "ready":
             try:
                 async for health in self.kind.signs(child):
-                    self._heard(child, health)
+                    child.life.heard(health.loop_stall_s)
             except Exception as exc:
                 if ray_loss(exc) == "died":
                     self.retire(child, f"died: {exit_detail(exc)}", "died")
                     return
                 # No answer in time, or unreachable for now: silence, judged against hang_timeout_s.
             await asyncio.sleep(self.settings.probe_interval_s)
-
-    def _heard(self, child: C, health: Health) -> None:
-        child.health = health
-        child.life.heard(health.loop_stall_s)
-        self.kind.on_health(child, health)
 
     def _count_spawn_failure(self, name: str, reason: str) -> None:
         self.spawn_failures += 1
@@ -368,7 +358,7 @@ class Supervisor(Generic[C]):
 
     async def _last_probe(self, child: C) -> None:
         """One more probe of a child judged wedged, on the probe's own timeout, then the verdict again:
-        an answer may say what wedged it (the kind reads it in `on_health`) or show it alive after all
+        an answer may say what wedged it (the kind reads it in its `probe`) or show it alive after all
         (a late sign of life under load: then it is not retired)."""
         try:
             health = await asyncio.wait_for(self.kind.probe(child), self.settings.probe_timeout_s)
@@ -382,7 +372,7 @@ class Supervisor(Generic[C]):
         if child.state != "ready":
             return
         if health is not None:
-            self._heard(child, health)
+            child.life.heard(health.loop_stall_s)
         now = time.monotonic()
         if child.life.wedged(now):
             self.retire(child, f"wedged: {child.life.verdict(now)}", "wedged")
@@ -426,7 +416,7 @@ class Supervisor(Generic[C]):
         self._pulse()
 
 
-def _retrieve(future: asyncio.Future[Any]) -> None:
-    """A spawn that failed with nobody waiting must not log 'exception was never retrieved'."""
+def retrieve_exception(future: asyncio.Future[Any]) -> None:
+    """A future that failed with nobody waiting must not log 'exception was never retrieved'."""
     if not future.cancelled():
         future.exception()
