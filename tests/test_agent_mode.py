@@ -190,7 +190,7 @@ def test_agent_failures_and_a_rewritten_history_give_their_documented_results(sh
         directory.mkdir()
     slow = {**RIGHT, "X-Standin-Latency": "5"}
     killed = request(standin, **program(pid_dir=killed_dir), headers=slow)
-    never = request(standin, **program("never_calls", pid_dir=waiting_dir), timeout_s=45)
+    never = request(standin, **program("never_calls", pid_dir=waiting_dir), timeout_s=20)
     rewrite = request(standin, **program("rewrite", pid_dir=rewrite_dir))
     silent = request(standin, **program("no_calls"))
 

@@ -59,6 +59,33 @@ def render(tokenizer, messages, tools=None, **kwargs) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
+def test_the_bundled_tokenizer_loads_as_the_generic_hugging_face_loader_gives_it(tokenizer):
+    """`load_tokenizer` builds the bundled tokenizer straight from its files (a faster start for every
+    stand-in): the same class, vocabulary, special tokens, template and settings as `AutoTokenizer`."""
+    from transformers import AutoTokenizer
+
+    from renderer_actors.tokenizer import bundled_tokenizer_dir
+
+    generic = AutoTokenizer.from_pretrained(str(bundled_tokenizer_dir()))
+    messages = [CALC_SYSTEM, CALC_USER, {"role": "assistant", "content": "<think>x</think>ok"}]
+    text = "Hello 123 <|im_start|> wörld </tool_call>\n"
+    for loaded in (tokenizer, generic):
+        assert type(loaded) is type(generic)
+    assert tokenizer.get_vocab() == generic.get_vocab() and len(tokenizer) == len(generic)
+    assert tokenizer.added_tokens_decoder == generic.added_tokens_decoder
+    assert tokenizer.all_special_ids == generic.all_special_ids
+    assert (tokenizer.eos_token_id, tokenizer.pad_token_id) == (generic.eos_token_id, generic.pad_token_id)
+    assert (tokenizer.model_max_length, tokenizer.clean_up_tokenization_spaces) == (
+        generic.model_max_length,
+        generic.clean_up_tokenization_spaces,
+    )
+    assert tokenizer.encode(text) == generic.encode(text)
+    ids = list(range(151640, 151669))
+    assert tokenizer.decode(ids) == generic.decode(ids)
+    assert tokenizer.decode(ids, skip_special_tokens=True) == generic.decode(ids, skip_special_tokens=True)
+    assert render(tokenizer, messages, [CALCULATOR_TOOL]) == render(generic, messages, [CALCULATOR_TOOL])
+
+
 def client(server: StandinServer, timeout: float = 10.0) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=server.base_url, api_key="x", max_retries=0, timeout=timeout)
 

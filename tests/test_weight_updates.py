@@ -60,6 +60,11 @@ def request(url: str, index: int) -> RolloutRequest:
     )
 
 
+def unhurried(item: RolloutRequest) -> RolloutRequest:
+    """`item` sampled at the stand-in's own pace (no per-token latency): for a rollout no update lands in."""
+    return item.model_copy(update={"client": item.client.model_copy(update={"headers": {}})})
+
+
 async def running(url: str) -> int:
     async with httpx.AsyncClient(timeout=5, trust_env=False) as http:
         text = (await http.get(f"{url}/metrics")).text
@@ -90,7 +95,7 @@ def test_rollouts_in_flight_continue_across_a_weight_update_and_record_where_it_
             await plane.init_weight_transfer(INIT_INFO)
             report = await plane.update_weights(nccl_info("model.embed_tokens.weight"), version=1)
             results = [await plane.next_result(timeout=120) for _ in ids]
-            late = await plane.submit(request(urls[0], 5))
+            late = await plane.submit(unhurried(request(urls[0], 5)))  # only its versions are read
             after = await plane.next_result(timeout=120)
             assert after.request_id == late
             return report, results, after, plane.policy_version
@@ -143,11 +148,7 @@ def test_calls_name_their_rollout_and_turn_and_carry_their_versions_cache_salt(r
             endpoints=[url],
         )
         async with RolloutPlane(config) as plane:
-            await plane.submit(
-                request(url, 1).model_copy(
-                    update={"client": request(url, 1).client.model_copy(update={"headers": {}})}
-                )
-            )
+            await plane.submit(unhurried(request(url, 1)))
             result = await plane.next_result(timeout=60)
             version = plane.policy_version
         async with httpx.AsyncClient(timeout=5, trust_env=False) as http:
