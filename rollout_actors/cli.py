@@ -20,8 +20,8 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, get_args
 
+from rollout_actors.job.run_config import ConfigError, RunConfig, load_run_config, to_toml
 from rollout_actors.kernel import DEFAULT_ALLOWED_PREFIXES
-from rollout_actors.run_config import ConfigError, RunConfig, load_run_config, to_toml
 from rollout_actors.wire import Ref, Result, ResultKind, RolloutRequest
 
 STATUS_EVERY_S = 5.0  # the plain status line of `--no-progress`
@@ -191,7 +191,7 @@ def _runtime_env_arg(text: str) -> dict:
 
 
 def report(path: str, png: str | None) -> int:
-    from rollout_actors.report import format_summary, read_results, summarize, write_png
+    from rollout_actors.job.report import format_summary, read_results, summarize, write_png
 
     results = read_results(path)
     print(format_summary(summarize(results)))
@@ -255,7 +255,7 @@ def run(config: RunConfig) -> int:
 
 
 async def _run_plane(config: RunConfig, endpoints: list[str], model: str, output: Path) -> int:
-    from rollout_actors.plane import RolloutPlane
+    from rollout_actors.plane.facade import RolloutPlane
 
     job = config.run
     total = job.tasks * job.group_size
@@ -302,12 +302,12 @@ async def _run_plane(config: RunConfig, endpoints: list[str], model: str, output
         await feeder
     elapsed = time.perf_counter() - started
     _print_summary(results, elapsed, output)
-    from rollout_actors.report import format_timings, read_results
-    from rollout_actors.timeline import timeline
+    from rollout_actors.job.report import format_timings, read_results
+    from rollout_actors.job.timeline import timeline
 
     print("\n".join(format_timings(timeline(read_results(output)))))  # where the time went
     if job.report_png:
-        from rollout_actors.report import write_png
+        from rollout_actors.job.report import write_png
 
         print(f"plots: {write_png(read_results(output), job.report_png)}")
     return 0 if any(r.kind == "ok" for r in results) else 1

@@ -2,11 +2,11 @@
 the bench installs it in every Ray worker process it starts (`worker_process_setup_hook`), and it wraps,
 in those processes only, the few functions a turn goes through:
 
-- `rollout_actors.turns.complete_tokens` (the model call): when each call starts and ends, the bytes of
+- `rollout_actors.rollout.turns.complete_tokens` (the model call): when each call starts and ends, the bytes of
   its HTTP request and answer (at httpx's `send`), and how many of the request's bytes are the prompt.
 - `BatchedCalls.call` (renderer calls) and the env session's batched call: the bytes of each call's
   arguments and answer, serialised as Ray would (cloudpickle), and how long the turn waited on it.
-- `rollout_actors.worker.run_rollout`: one record per rollout, appended as a JSON line to
+- `rollout_actors.rollout.worker.run_rollout`: one record per rollout, appended as a JSON line to
   `$BENCH_METER_DIR/<pid>.jsonl` when it ends.
 
 A call belongs to the turn whose model call started last in the same rollout (a context variable set by
@@ -43,9 +43,9 @@ def install() -> None:
 
     import env_actors.direct as direct
     import renderer_actors.batching as batching
-    import rollout_actors.turns as turns
-    import rollout_actors.worker as worker
-    from rollout_actors.client import httpx
+    import rollout_actors.rollout.turns as turns
+    import rollout_actors.rollout.worker as worker
+    from rollout_actors.rollout.client import httpx
 
     if getattr(turns, "_bench_metered", False):
         return

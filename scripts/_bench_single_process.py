@@ -2,8 +2,8 @@
 
 Same renderer code (`renderer_actors` `Renderer`, built once and called inline, as the renderer actor
 does), same environment class (instantiated here, called directly), same model call
-(`rollout_actors.model_call.complete_tokens`: `/v1/completions` with token ids and `return_token_ids`),
-same token-mode logic as `rollout_actors.rollout`: render the first prompt, then per turn sample, parse,
+(`rollout_actors.rollout.model_call.complete_tokens`: `/v1/completions` with token ids and `return_token_ids`),
+same token-mode logic as `rollout_actors.rollout.loop`: render the first prompt, then per turn sample, parse,
 step the env, and bridge the env's answer onto prompt + completion. Nothing is slowed down: no remote hop,
 no validation the loop does not need.
 
@@ -25,9 +25,9 @@ from typing import Any
 from renderer_actors.calls import BridgeRequest, History
 from renderer_actors.key import RendererKey
 from renderer_actors.renderer import Renderer
-from rollout_actors.client import build_client
 from rollout_actors.kernel import RefResolver
-from rollout_actors.model_call import PromptJson, complete_tokens
+from rollout_actors.rollout.client import build_client
+from rollout_actors.rollout.model_call import PromptJson, complete_tokens
 from rollout_actors.wire import ClientConfig, RendererConfig, SamplingConfig
 
 

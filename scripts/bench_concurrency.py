@@ -48,11 +48,11 @@ except ImportError:  # pragma: no cover - older openai releases use httpx
     import httpx
 
 from renderer_actors.tokenizer import BUNDLED_MODEL
-from rollout_actors.concurrency import ConcurrencyConfig, ConcurrencyController
-from rollout_actors.config import PlaneConfig
 from rollout_actors.inference.load import LoadReader
 from rollout_actors.inference.standin.launch import StandinOptions, StandinServer
 from rollout_actors.plane import RolloutPlane
+from rollout_actors.plane.concurrency import ConcurrencyConfig, ConcurrencyController
+from rollout_actors.plane.config import PlaneConfig
 from rollout_actors.wire import ClientConfig, Ref, RolloutRequest, SamplingConfig
 
 ENV = Ref("env_actors.examples.calculator_env:CalculatorEnv")

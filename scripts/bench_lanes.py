@@ -16,7 +16,7 @@ import asyncio
 import random
 import time
 
-from rollout_actors.lanes import Lane
+from rollout_actors.plane.lanes import Lane
 
 
 async def wave(limit: int, queued: int) -> float:

@@ -16,7 +16,7 @@ A warm-up group per phase (not counted) loads the plane's pools and renderers fi
 
 Phases, side by side in one run:
   least_loaded  each rollout to the server with the fewest in flight (the plane's placement before
-                `rollout_actors.placement`; a rollout keeps its server for all its turns)
+                `rollout_actors.plane.placement`; a rollout keeps its server for all its turns)
   hashed        the group's prefix key hashed to a server, whatever its load (session-sticky)
   prefix        the default: where the key was placed, unless that server is past the load bound
   reference     the same workload on one server whose cache never evicts (`--kv-tokens` x 64: it never fills in this run)
@@ -52,10 +52,10 @@ except ImportError:  # pragma: no cover - older openai releases use httpx
     import httpx
 
 from renderer_actors.tokenizer import BUNDLED_MODEL, load_tokenizer
-from rollout_actors.config import PlaneConfig
 from rollout_actors.inference.standin.launch import StandinOptions, StandinServer
-from rollout_actors.placement import PlacementConfig, Strategy
 from rollout_actors.plane import RolloutPlane
+from rollout_actors.plane.config import PlaneConfig
+from rollout_actors.plane.placement import PlacementConfig, Strategy
 from rollout_actors.wire import ClientConfig, Ref, RolloutRequest, SamplingConfig
 
 ENV = Ref("env_actors.examples.math_env:MathEnv")

@@ -63,8 +63,8 @@ from _bench_load import RESULT_TIMEOUT_S, Finished, SteadyLoad
 from renderer_actors.tokenizer import BUNDLED_MODEL
 from rollout_actors.inference.server_actor import ServerSpec, standin_options
 from rollout_actors.inference.standin import StandinServer
-from rollout_actors.lora import LoraAdapter, lora_config
 from rollout_actors.plane import PlaneConfig, RolloutPlane
+from rollout_actors.policy.lora import LoraAdapter, lora_config
 
 RANK = 64
 TENSORS = 32  # 8 layers x (q, v) x (A, B): enough tensors that per-tensor overhead shows, if any

@@ -50,7 +50,7 @@ from rollout_actors.inference.server_actor import ServerSpec
 from rollout_actors.inference.server_set import InferenceServerSet
 from rollout_actors.kernel.supervision import RestartIntensity
 from rollout_actors.plane import PlaneConfig, RolloutPlane
-from rollout_actors.plane_stats import PlaneStats
+from rollout_actors.plane.stats import PlaneStats
 from rollout_actors.wire import ClientConfig, Ref, Result, RolloutRequest, SamplingConfig
 
 CALC = Ref(target="env_actors.examples.calculator_env:CalculatorEnv")

@@ -41,13 +41,13 @@ import numpy as np
 import ray
 
 from renderer_actors.tokenizer import BUNDLED_MODEL
-from rollout_actors.config import PlaneConfig
-from rollout_actors.groups import Group, GroupHandle, Stragglers
 from rollout_actors.inference.server_actor import ServerSpec, standin_options
 from rollout_actors.inference.standin.launch import StandinServer
-from rollout_actors.lora import LoraAdapter, lora_config
 from rollout_actors.plane import RolloutPlane
-from rollout_actors.publish import PublishHandle
+from rollout_actors.plane.config import PlaneConfig
+from rollout_actors.plane.groups import Group, GroupHandle, Stragglers
+from rollout_actors.policy.lora import LoraAdapter, lora_config
+from rollout_actors.policy.publish import PublishHandle
 from rollout_actors.wire import ClientConfig, Ref, RolloutRequest, SamplingConfig
 
 ENV = Ref("env_actors.examples.calculator_env:CalculatorEnv", {"num_tasks": 300})

@@ -42,7 +42,7 @@ import ray
 from renderer_actors.tokenizer import BUNDLED_MODEL
 from rollout_actors.inference.standin import StandinOptions, StandinServer
 from rollout_actors.plane import PlaneConfig, RolloutPlane
-from rollout_actors.pool_supervisor import SupervisedPool
+from rollout_actors.plane.pool_supervisor import SupervisedPool
 from rollout_actors.wire import ClientConfig, Ref, RolloutRequest, SamplingConfig
 
 MATH = Ref(target="env_actors.examples.math_env:MathEnv")

@@ -20,8 +20,8 @@ from waiting import runner
 
 from env_actors.examples.calculator_env import CalculatorEnv
 from renderer_actors.tokenizer import BUNDLED_MODEL
-from rollout_actors.naming import PoolNames
 from rollout_actors.plane import RolloutPlane
+from rollout_actors.plane.naming import PoolNames
 from rollout_actors.samples import trainer_samples, turn_prompts
 from rollout_actors.wire import ClientConfig, Ref, Result, RolloutRequest, SamplingConfig
 

@@ -11,10 +11,10 @@ from env_pools import TEST_REF_PREFIXES
 from waiting import wait_until
 
 from renderer_actors.tokenizer import BUNDLED_MODEL
-from rollout_actors.concurrency import OVERLOAD, ConcurrencyConfig, ConcurrencyController
 from rollout_actors.inference.load import ServerLoad
-from rollout_actors.lanes import Lanes
 from rollout_actors.plane import PlaneConfig, RolloutPlane
+from rollout_actors.plane.concurrency import OVERLOAD, ConcurrencyConfig, ConcurrencyController
+from rollout_actors.plane.lanes import Lanes
 from rollout_actors.wire import ClientConfig, Ref, RolloutRequest, SamplingConfig
 
 A, B = "http://a:8000/v1", "http://b:8000/v1"

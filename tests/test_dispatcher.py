@@ -9,12 +9,12 @@ import sys
 from collections import Counter
 from dataclasses import dataclass, field
 
-from rollout_actors.dispatcher import Dispatcher
-from rollout_actors.inflight import AnsweredLeases, PolicyChoice
 from rollout_actors.kernel import Loss
 from rollout_actors.kernel.faults import PartLost
-from rollout_actors.lanes import Lane
-from rollout_actors.redispatch import RedispatchRule
+from rollout_actors.plane.dispatcher import Dispatcher
+from rollout_actors.plane.inflight import AnsweredLeases, PolicyChoice
+from rollout_actors.plane.lanes import Lane
+from rollout_actors.plane.redispatch import RedispatchRule
 from rollout_actors.wire import ClientConfig, Dispatch, Ref, Result, RolloutRequest
 
 ENV = Ref(target="env_actors.examples.math_env:MathEnv")
@@ -143,7 +143,7 @@ def ok_now(workers, slot, dispatch, answer):
 
 
 def test_the_dispatcher_runs_without_ray():
-    check = "import sys, rollout_actors.dispatcher; assert 'ray' not in sys.modules"
+    check = "import sys, rollout_actors.plane.dispatcher; assert 'ray' not in sys.modules"
     assert subprocess.run([sys.executable, "-c", check], timeout=60).returncode == 0
 
 

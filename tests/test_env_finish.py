@@ -21,7 +21,7 @@ from waiting import eventually, run
 from env_actors.pool import EnvPoolConfig
 from env_actors.session import EnvCallFailed, EnvSession
 from renderer_actors.tokenizer import BUNDLED_MODEL
-from rollout_actors.rollout import run_rollout
+from rollout_actors.rollout.loop import run_rollout
 from rollout_actors.wire import ClientConfig, Ref, RolloutRequest, SamplingConfig
 
 pytestmark = pytest.mark.usefixtures("ray_session")

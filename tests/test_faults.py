@@ -8,7 +8,6 @@ import pickle
 import pytest
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayTaskError
 
-from rollout_actors.failures import MalformedResponse, classify
 from rollout_actors.kernel import Failure, Loss
 from rollout_actors.kernel.faults import (
     CallerError,
@@ -20,7 +19,8 @@ from rollout_actors.kernel.faults import (
     ray_errors,
     ray_loss,
 )
-from rollout_actors.redispatch import RedispatchRule
+from rollout_actors.plane.redispatch import RedispatchRule
+from rollout_actors.rollout.failures import MalformedResponse, classify
 from rollout_actors.wire import Result
 
 

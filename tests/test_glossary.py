@@ -16,7 +16,7 @@ from env_actors.config import EnvPoolConfig, EnvPoolStats, EnvServerInfo
 from renderer_actors.config import RendererPoolConfig, RendererPoolStats
 from rollout_actors.cli import _parser, overrides_from_flags
 from rollout_actors.inference.server_actor import ServerSpec
-from rollout_actors.run_config import RunConfig
+from rollout_actors.job.run_config import RunConfig
 from rollout_actors.wire import ClientConfig, Ref, RolloutRequest
 
 ROOT = Path(__file__).resolve().parent.parent

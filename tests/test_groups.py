@@ -16,8 +16,8 @@ from planes import plane_factory
 from waiting import runner, wait_until
 
 from renderer_actors.tokenizer import BUNDLED_MODEL
-from rollout_actors.groups import Stragglers
 from rollout_actors.plane import PlaneConfig, RolloutPlane
+from rollout_actors.plane.groups import Stragglers
 from rollout_actors.wire import ClientConfig, Ref, RolloutRequest, SamplingConfig
 
 # every test here starts real actors or servers (a plane, a pool, a server process): seconds each
@@ -157,7 +157,7 @@ def test_a_request_without_base_url_takes_the_planes_endpoint_or_is_refused(ray_
 
 
 def adapter(seed: int):
-    from rollout_actors.lora import LoraAdapter, lora_config
+    from rollout_actors.policy.lora import LoraAdapter, lora_config
 
     rng = np.random.default_rng(seed)
     tensors = {
@@ -205,7 +205,7 @@ def test_rollouts_too_far_off_policy_are_cancelled_when_a_new_policy_is_active(
 
 
 def test_a_script_without_asyncio_runs_rollouts_and_groups_through_the_sync_wrapper(ray_session, standin):
-    from rollout_actors.sync import SyncRolloutPlane
+    from rollout_actors.plane.sync import SyncRolloutPlane
 
     config = PlaneConfig(
         lanes={"train": 4, "eval": 1},

@@ -8,7 +8,7 @@ import asyncio
 import pytest
 from waiting import runner
 
-from rollout_actors.lanes import Lane
+from rollout_actors.plane.lanes import Lane
 
 run = runner(10)
 

@@ -7,7 +7,7 @@ import asyncio
 import threading
 import time
 
-from rollout_actors.loop_watch import HEARTBEAT_S, LoopWatch
+from rollout_actors.kernel.loop_watch import HEARTBEAT_S, LoopWatch
 
 WATCHED_S = 2.0
 

@@ -16,10 +16,10 @@ from env_pools import TEST_REF_PREFIXES
 from waiting import runner
 
 from renderer_actors.tokenizer import BUNDLED_MODEL, load_tokenizer
-from rollout_actors.client import build_client
-from rollout_actors.failures import classify
-from rollout_actors.model_call import complete_chat, complete_tokens
 from rollout_actors.plane import PlaneConfig, RolloutPlane
+from rollout_actors.rollout.client import build_client
+from rollout_actors.rollout.failures import classify
+from rollout_actors.rollout.model_call import complete_chat, complete_tokens
 from rollout_actors.wire import ClientConfig, Ref, RolloutRequest, SamplingConfig
 
 SECRET_VAR = "RAY_ROLLOUTS_TEST_SECRET"

@@ -1,4 +1,4 @@
-"""Placement policy (`rollout_actors.placement`), without Ray: groups land together, within a load bound,
+"""Placement policy (`rollout_actors.plane.placement`), without Ray: groups land together, within a load bound,
 and a saturated server is never locked in by what it has cached."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ from collections import Counter
 
 import pytest
 
-from rollout_actors.placement import Placement, PlacementConfig, prefix_key
-from rollout_actors.submission import _member
+from rollout_actors.plane.placement import Placement, PlacementConfig, prefix_key
+from rollout_actors.plane.submission import _member
 from rollout_actors.wire import ClientConfig, Ref, RolloutRequest
 
 SERVERS = ["http://a/v1", "http://b/v1", "http://c/v1", "http://d/v1"]

@@ -195,7 +195,7 @@ def test_published_policy_reaches_new_rollouts_while_in_flight_ones_keep_theirs(
 ):
     import numpy as np
 
-    from rollout_actors.lora import LoraAdapter, lora_config
+    from rollout_actors.policy.lora import LoraAdapter, lora_config
 
     rng = np.random.default_rng(0)
     tensors = {
@@ -232,7 +232,7 @@ def test_an_adapter_in_use_is_not_unloaded_however_many_versions_follow(ray_sess
     """Retention (4 adapters) must not unload the one a rollout in flight still samples from."""
     import numpy as np
 
-    from rollout_actors.lora import LoraAdapter, lora_config
+    from rollout_actors.policy.lora import LoraAdapter, lora_config
 
     def adapter(seed: int) -> LoraAdapter:
         rng = np.random.default_rng(seed)

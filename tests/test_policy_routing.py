@@ -17,8 +17,8 @@ from renderer_actors.tokenizer import BUNDLED_MODEL
 from rollout_actors.inference.server_actor import ServerSpec
 from rollout_actors.inference.server_set import InferenceServerSet
 from rollout_actors.kernel.supervision import RestartIntensity
-from rollout_actors.lora import LoraAdapter, lora_config
 from rollout_actors.plane import PlaneConfig, RolloutPlane
+from rollout_actors.policy.lora import LoraAdapter, lora_config
 from rollout_actors.wire import ClientConfig, Ref, RolloutRequest, SamplingConfig
 
 # every test here starts real actors or servers (a plane, a pool, a server process): seconds each

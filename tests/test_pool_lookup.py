@@ -11,8 +11,8 @@ import pytest
 import ray
 from waiting import runner
 
-from rollout_actors import pool_lookup
-from rollout_actors.pool_lookup import PoolLookup, PoolLookupFailed, PoolName, PoolRoute
+from rollout_actors.rollout import pool_lookup
+from rollout_actors.rollout.pool_lookup import PoolLookup, PoolLookupFailed, PoolName, PoolRoute
 
 
 @ray.remote(num_cpus=0)

@@ -21,8 +21,8 @@ from waiting import runner, wait_until
 
 from renderer_actors.tokenizer import BUNDLED_MODEL
 from rollout_actors.plane import RolloutPlane
-from rollout_actors.plane_stats import PlaneStats
-from rollout_actors.pool_supervisor import PoolStatus, SupervisedPool
+from rollout_actors.plane.pool_supervisor import PoolStatus, SupervisedPool
+from rollout_actors.plane.stats import PlaneStats
 from rollout_actors.wire import ClientConfig, Ref, Result, RolloutRequest, SamplingConfig
 
 pytestmark = pytest.mark.slow

@@ -13,8 +13,8 @@ from safetensors.numpy import load_file
 from waiting import runner
 
 from renderer_actors.tokenizer import BUNDLED_MODEL
-from rollout_actors.lora import CONFIG_FILE, WEIGHTS_FILE, LoraAdapter, lora_config
-from rollout_actors.publish import ActivePolicy, PolicyPublisher, PublishFailure
+from rollout_actors.policy.lora import CONFIG_FILE, WEIGHTS_FILE, LoraAdapter, lora_config
+from rollout_actors.policy.publish import ActivePolicy, PolicyPublisher, PublishFailure
 
 try:
     import httpx2 as httpx

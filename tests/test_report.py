@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from rollout_actors.report import format_summary, percentile, read_results, summarize, write_png
+from rollout_actors.job.report import format_summary, percentile, read_results, summarize, write_png
 
 
 def _results(path):
@@ -100,7 +100,7 @@ def _timed_run(fail: bool, lag: bool) -> list[dict]:
 
 
 def test_the_timeline_starts_at_the_first_submission_and_marks_the_cold_start_apart():
-    from rollout_actors.timeline import timeline
+    from rollout_actors.job.timeline import timeline
 
     run = timeline(_timed_run(fail=False, lag=False))
     # The first wave's first turn began after 3 s of env pool and 2.05 s of env reset and renderer slot.
@@ -123,7 +123,7 @@ def test_the_timeline_starts_at_the_first_submission_and_marks_the_cold_start_ap
 
 
 def test_png_shows_no_failures_plainly_and_the_in_flight_curve_down_to_zero_at_the_last_result():
-    from rollout_actors.report_png import figure
+    from rollout_actors.job.report_png import figure
 
     fig = figure(_timed_run(fail=False, lag=False))
     failures, lag, in_flight = fig.axes[5], fig.axes[6], fig.axes[4]
@@ -139,7 +139,7 @@ def test_png_shows_no_failures_plainly_and_the_in_flight_curve_down_to_zero_at_t
 
 
 def test_png_shows_failures_by_kind_and_the_off_policy_lag_when_there_are_some():
-    from rollout_actors.report_png import figure
+    from rollout_actors.job.report_png import figure
 
     fig = figure(_timed_run(fail=True, lag=True))
     failures, lag = fig.axes[5], fig.axes[6]

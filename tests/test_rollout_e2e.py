@@ -270,7 +270,7 @@ def test_no_client_or_connection_left_open_after_ok_failed_and_cancelled(ray_ses
 def test_env_worker_killed_mid_rollout_is_redispatched_and_others_finish(ray_session, standin):
     import ray
 
-    from rollout_actors.naming import PoolNames
+    from rollout_actors.plane.naming import PoolNames
 
     slow = ClientConfig(base_url=standin.base_url, model=BUNDLED_MODEL, headers={"X-Standin-Latency": "5.0"})
 

@@ -10,8 +10,8 @@ import pytest
 from pydantic import ValidationError
 
 from rollout_actors.cli import _parser, overrides_from_flags
-from rollout_actors.config import PlaneConfig
-from rollout_actors.run_config import ConfigError, RunConfig, load_run_config, to_toml
+from rollout_actors.job.run_config import ConfigError, RunConfig, load_run_config, to_toml
+from rollout_actors.plane.config import PlaneConfig
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "scripts" / "run.example.toml"
 

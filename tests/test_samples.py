@@ -136,7 +136,7 @@ def test_a_trainer_trains_masks_or_drops_each_result_kind_as_it_says():
 
 
 def test_a_group_gives_ok_samples_by_default_and_any_kind_on_request():
-    from rollout_actors.groups import Group
+    from rollout_actors.plane.groups import Group
 
     turn = _turn([1], [10])
     group = Group("g", "train", [_result(turn), _result(turn, kind="env", reward=None)], 0.0, 1.0)

@@ -369,7 +369,7 @@ def write_adapter_dir(path, rank: int = 8, modules=("q_proj",), **config) -> str
     import numpy as np
     from safetensors.numpy import save_file
 
-    from rollout_actors.lora import lora_config
+    from rollout_actors.policy.lora import lora_config
 
     path.mkdir(parents=True, exist_ok=True)
     tensors = {

@@ -227,8 +227,8 @@ def test_a_task_that_dies_tells_its_owner():
 
 
 def test_a_pool_is_restarted_as_a_new_incarnation_then_past_its_budget_answers_at_once():
-    from rollout_actors.config import PoolSupervision
-    from rollout_actors.pool_supervisor import PoolUnavailable, SupervisedPool
+    from rollout_actors.plane.config import PoolSupervision
+    from rollout_actors.plane.pool_supervisor import PoolUnavailable, SupervisedPool
 
     async def body():
         started: list[str] = []

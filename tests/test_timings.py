@@ -12,9 +12,9 @@ import pytest
 from env_pools import TEST_REF_PREFIXES
 
 from renderer_actors.tokenizer import BUNDLED_MODEL
+from rollout_actors.job.report import format_summary, read_results, summarize
+from rollout_actors.job.timeline import timeline
 from rollout_actors.plane import PlaneConfig, RolloutPlane
-from rollout_actors.report import format_summary, read_results, summarize
-from rollout_actors.timeline import timeline
 from rollout_actors.wire import ClientConfig, Ref, RolloutRequest, SamplingConfig
 
 pytestmark = pytest.mark.slow  # a plane, its pools and a stand-in: seconds
@@ -122,7 +122,7 @@ def test_the_servers_own_queue_time_is_recorded_where_it_reports_it():
     from conftest import served_like_vllm
 
     from rollout_actors.inference.standin import StandinServer
-    from rollout_actors.model_call import complete_tokens
+    from rollout_actors.rollout.model_call import complete_tokens
 
     async def scenario(server):
         headers = {"X-Standin-Latency": str(LATENCY_S)}

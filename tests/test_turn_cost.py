@@ -10,8 +10,8 @@ import openai
 import orjson
 
 from renderer_actors.tokenizer import BUNDLED_MODEL
-from rollout_actors.client import httpx
-from rollout_actors.model_call import PromptJson, complete_tokens
+from rollout_actors.rollout.client import httpx
+from rollout_actors.rollout.model_call import PromptJson, complete_tokens
 from rollout_actors.wire import SamplingConfig
 
 LONG = 20_000  # tokens: far past any answer, inside the stand-in's context window

@@ -42,8 +42,8 @@ from renderer_actors.tokenizer import BUNDLED_MODEL, bundled_tokenizer_dir
 from rollout_actors.inference.server_actor import MODEL_FAMILIES, ServerSpec, vllm_command
 from rollout_actors.inference.standin import StandinServer
 from rollout_actors.inference.standin.answers import parse_turn
-from rollout_actors.lora import VLLM_LORA_RANKS, AdapterLimits, adapter_problems
 from rollout_actors.plane import PlaneConfig, RolloutPlane
+from rollout_actors.policy.lora import VLLM_LORA_RANKS, AdapterLimits, adapter_problems
 from rollout_actors.wire import ClientConfig, Ref, RolloutRequest, SamplingConfig
 
 try:
@@ -624,7 +624,7 @@ def _accepts(factory: Any, payload: dict) -> bool:
 def test_nccl_payloads_are_checked_exactly_as_vllms_transfer_engine_checks_them(vllm):
     """Row 2: what `update_info_problems` / `init_info_problems` (the plane before pausing, the stand-in at
     its routes) accept is what vLLM 0.33's NCCL dataclasses accept."""
-    from rollout_actors.inference.weights import init_info_problems, update_info_problems
+    from rollout_actors.policy.weights import init_info_problems, update_info_problems
 
     for info in NCCL_INFOS:
         assert (update_info_problems("nccl", info) == []) == _accepts(vllm.NCCLUpdate, info), info

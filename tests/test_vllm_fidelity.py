@@ -20,8 +20,6 @@ from safetensors.numpy import save_file
 from waiting import runner
 
 from renderer_actors.tokenizer import BUNDLED_MODEL
-from rollout_actors.client import build_client
-from rollout_actors.failures import classify
 from rollout_actors.inference.server_actor import (
     InferenceServer,
     ServerSpec,
@@ -30,10 +28,12 @@ from rollout_actors.inference.server_actor import (
     vllm_env,
 )
 from rollout_actors.inference.standin import StandinOptions, StandinServer, StandinStartupError
-from rollout_actors.lora import CONFIG_FILE, WEIGHTS_FILE, LoraAdapter, lora_config
-from rollout_actors.model_call import complete_tokens
 from rollout_actors.plane import PlaneConfig, RolloutPlane
-from rollout_actors.publish import PolicyPublisher, PublishFailure
+from rollout_actors.policy.lora import CONFIG_FILE, WEIGHTS_FILE, LoraAdapter, lora_config
+from rollout_actors.policy.publish import PolicyPublisher, PublishFailure
+from rollout_actors.rollout.client import build_client
+from rollout_actors.rollout.failures import classify
+from rollout_actors.rollout.model_call import complete_tokens
 from rollout_actors.wire import ClientConfig, Ref, RolloutRequest, SamplingConfig
 
 try:
@@ -528,7 +528,7 @@ def test_the_stand_in_takes_weight_updates_only_as_vllms_nccl_engine_does():
 def test_a_failed_weight_update_leaves_the_servers_paused_until_a_retry_succeeds():
     """Row 3: once the update started, a failure must not resume servers that may hold half the new
     weights under the old label. The session is closed, so a retry can start one and resumes on success."""
-    from rollout_actors.inference.weights import WeightUpdateFailure, WeightUpdater
+    from rollout_actors.policy.weights import WeightUpdateFailure, WeightUpdater
 
     async def broken_transfer() -> None:
         raise ConnectionError("trainer's NCCL broadcast died")
@@ -573,8 +573,8 @@ def test_a_replacement_server_joins_the_weight_transfer_before_it_takes_a_full_u
     from waiting import wait_until
 
     from rollout_actors.inference.server_set import InferenceServerSet
-    from rollout_actors.inference.weights import TransferJoin
     from rollout_actors.kernel.supervision import RestartIntensity
+    from rollout_actors.policy.weights import TransferJoin
 
     spec = ServerSpec(kind="standin", model=BUNDLED_MODEL, host="127.0.0.1", ready_timeout_s=180, num_cpus=0)
     refused_before_join: dict[str, str] = {}
@@ -624,7 +624,7 @@ def test_a_replacement_server_joins_the_weight_transfer_before_it_takes_a_full_u
 def test_without_join_a_server_that_joins_after_init_is_kept_out_and_a_reused_address_is_not_trusted():
     """Weight updater alone, on one stand-in: after `init_transfer`, a joining server (here the same address,
     as a replacement may reuse it) is refused without `join`, and is not counted as initialised."""
-    from rollout_actors.inference.weights import WeightUpdateFailure, WeightUpdater
+    from rollout_actors.policy.weights import WeightUpdateFailure, WeightUpdater
 
     async def scenario(server: StandinServer):
         updater = WeightUpdater(timeout_s=10)
@@ -647,7 +647,7 @@ def test_a_500_from_load_lora_adapter_is_not_retried(standin, tmp_path):
     """vLLM 0.33.0 answers 500 when its loader raised on the files (`openai/models/serving.py`): the same
     files fail the same way, so the publisher gives up after one attempt (here an adapter past the server's
     max rank, which a publisher told looser limits lets through)."""
-    from rollout_actors.lora import AdapterLimits
+    from rollout_actors.policy.lora import AdapterLimits
 
     path = adapter_dir(tmp_path / "too-wide", rank=128)
 

@@ -22,7 +22,7 @@ from env_actors.session import EnvSession
 from rollout_actors.agent.calls import AgentCalls
 from rollout_actors.agent.endpoint import endpoint_for_loop
 from rollout_actors.kernel import Failure
-from rollout_actors.turns import TokenTurns
+from rollout_actors.rollout.turns import TokenTurns
 from rollout_actors.wire import RolloutRequest, Turn
 
 AGENT_MARGIN_S = 3.0

@@ -19,7 +19,7 @@ import re
 
 from pydantic import BaseModel
 
-from rollout_actors.client import auth_headers
+from rollout_actors.rollout.client import auth_headers
 
 try:  # openai >= 3 ships its own fork of httpx
     import httpx2 as httpx

@@ -30,11 +30,11 @@ from typing import Any, Literal, NamedTuple
 import ray
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from rollout_actors.client import auth_headers
 from rollout_actors.inference.standin.launch import StandinOptions, _child_env
 from rollout_actors.kernel import register_secret
 from rollout_actors.kernel.renamed import renamed_fields
-from rollout_actors.lora import VLLM_LORA_RANKS, AdapterLimits
+from rollout_actors.policy.lora import VLLM_LORA_RANKS, AdapterLimits
+from rollout_actors.rollout.client import auth_headers
 
 try:  # openai >= 3 ships its own fork of httpx
     import httpx2 as httpx

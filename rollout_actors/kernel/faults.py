@@ -12,7 +12,7 @@
 A fault is classified where it happens and crosses Ray as data: `fault.failure` is a `Failure` whose
 `fault`, `lost` and `losses` fields say which class and which part; `Fault.from_failure` rebuilds the
 exception on the far side. The plane decides re-dispatch and poison from those fields
-(`rollout_actors.redispatch`), never from `type` or `message`.
+(`rollout_actors.plane.redispatch`), never from `type` or `message`.
 
 Ray's own exceptions are read here and nowhere else (`ray_loss`, `ray_errors`), as httpx maps its
 transport's errors in one place: an actor Ray says is dead is `died`, one it cannot reach is

@@ -15,6 +15,11 @@ of the kernel it imports nothing else of the project.
 
 from __future__ import annotations
 
+import importlib
+import importlib.abc
+import importlib.util
+import sys
+import types
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -46,3 +51,32 @@ def renamed_fields(renames: Mapping[str, str]) -> Callable[[type, Any], Any]:
 def warn_renamed(old: str, new: str, stacklevel: int = 3) -> None:
     """The one deprecation message for a renamed public name."""
     warnings.warn(f"{old} is now {new} (the old name will go)", DeprecationWarning, stacklevel=stacklevel)
+
+
+class MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Old import paths of modules that moved inside a package, kept working for a while: importing one
+    gives a module that forwards every name to the new one (the same objects), with a `DeprecationWarning`
+    naming the new path. Installed last on `sys.meta_path`, so a module that exists is always found first.
+    """
+
+    def __init__(self, package: str, moves: Mapping[str, str]):
+        self._moves = {f"{package}.{old}": f"{package}.{new}" for old, new in moves.items()}
+
+    def install(self) -> None:
+        if not any(finder is self for finder in sys.meta_path):
+            sys.meta_path.append(self)
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        if fullname not in self._moves:
+            return None
+        return importlib.util.spec_from_loader(fullname, self)
+
+    def create_module(self, spec: Any) -> None:
+        return None  # the default module, filled in by `exec_module`
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        new = self._moves[module.__name__]
+        warn_renamed(module.__name__, new, stacklevel=3)
+        moved = importlib.import_module(new)
+        module.__dict__["__getattr__"] = lambda name: getattr(moved, name)
+        module.__dict__["__doc__"] = f"Moved to `{new}`."

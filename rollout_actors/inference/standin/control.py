@@ -5,7 +5,7 @@ Read from vLLM 0.33.0 (commit 4ba787ec9): `vllm/entrypoints/serve/lora/api_route
 `vllm/entrypoints/openai/models/serving.py` (load/unload and their errors: a refused adapter is a 500
 `InternalServerError` carrying the loader's message), `vllm/lora/peft_helper.py` and
 `vllm/lora/lora_model.py` (what the loader refuses; shared with the publisher's own check in
-`rollout_actors.lora.adapter_problems`), `vllm/entrypoints/rl/online/api_router.py` (`/pause`,
+`rollout_actors.policy.lora.adapter_problems`), `vllm/entrypoints/rl/online/api_router.py` (`/pause`,
 `/resume`, `/is_paused`, `/init_weight_transfer_engine`, `/start_weight_update`, `/update_weights`,
 `/finish_weight_update`, `/weight_info`).
 """
@@ -29,8 +29,14 @@ from rollout_actors.inference.standin.wire import (
     LoadWeightsRequest,
     UnloadLoRAAdapterRequest,
 )
-from rollout_actors.inference.weights import init_info_problems, update_info_problems
-from rollout_actors.lora import CONFIG_FILE, WEIGHTS_FILE, AdapterLimits, adapter_problems, safetensors_names
+from rollout_actors.policy.lora import (
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    AdapterLimits,
+    adapter_problems,
+    safetensors_names,
+)
+from rollout_actors.policy.weights import init_info_problems, update_info_problems
 
 log = logging.getLogger("rollout_actors.standin")
 PAUSE_MODES = ("abort", "wait", "keep")

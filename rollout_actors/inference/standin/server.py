@@ -53,7 +53,7 @@ from rollout_actors.inference.standin.wire import (
     ModelList,
     PerRequestMetrics,
 )
-from rollout_actors.lora import VLLM_LORA_RANKS, AdapterLimits
+from rollout_actors.policy.lora import VLLM_LORA_RANKS, AdapterLimits
 
 log = logging.getLogger("rollout_actors.standin")
 

@@ -18,10 +18,10 @@ import threading
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
-from rollout_actors.config import PlaneConfig
-from rollout_actors.groups import Group, Stragglers
-from rollout_actors.plane import RolloutPlane
-from rollout_actors.plane_stats import PlaneStats
+from rollout_actors.plane.config import PlaneConfig
+from rollout_actors.plane.facade import RolloutPlane
+from rollout_actors.plane.groups import Group, Stragglers
+from rollout_actors.plane.stats import PlaneStats
 from rollout_actors.wire import Result, RolloutRequest
 
 T = TypeVar("T")

@@ -27,8 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Literal, NamedTuple
 
-from rollout_actors.client import auth_headers
-from rollout_actors.lora import (
+from rollout_actors.policy.lora import (
     AdapterCapture,
     AdapterLimits,
     CaptureBuffers,
@@ -38,6 +37,7 @@ from rollout_actors.lora import (
     remove_adapter,
     write_adapter,
 )
+from rollout_actors.rollout.client import auth_headers
 from rollout_actors.wire import Failure
 
 try:  # openai >= 3 ships its own fork of httpx

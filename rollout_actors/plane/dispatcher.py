@@ -33,8 +33,9 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from rollout_actors.failures import log_failure
-from rollout_actors.inflight import (
+from rollout_actors.kernel import Loss
+from rollout_actors.kernel.faults import Fault, PartLost, Unavailable
+from rollout_actors.plane.inflight import (
     ANSWERED_LEASES_KEPT,
     AnsweredLeases,
     DispatchHost,
@@ -45,11 +46,10 @@ from rollout_actors.inflight import (
     WorkerCalls,
     Workers,
 )
-from rollout_actors.kernel import Loss
-from rollout_actors.kernel.faults import Fault, PartLost, Unavailable
-from rollout_actors.lanes import Lane
-from rollout_actors.redispatch import RedispatchRule
-from rollout_actors.staleness import STALE, OffPolicyGuard
+from rollout_actors.plane.lanes import Lane
+from rollout_actors.plane.redispatch import RedispatchRule
+from rollout_actors.policy.staleness import STALE, OffPolicyGuard
+from rollout_actors.rollout.failures import log_failure
 from rollout_actors.timings import clock, since
 from rollout_actors.wire import CallerError, Dispatch, Failure, Result, ResultKind, RolloutRequest
 

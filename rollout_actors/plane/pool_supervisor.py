@@ -34,12 +34,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel
 
-from rollout_actors.config import PoolSupervision
 from rollout_actors.kernel import Failure
 from rollout_actors.kernel.faults import exit_detail, ray_loss
 from rollout_actors.kernel.supervision import Supervision
 from rollout_actors.kernel.supervisor import Child, ChildKind, RetireCause, Supervisor, retrieve_exception
-from rollout_actors.pool_lookup import PoolName
+from rollout_actors.plane.config import PoolSupervision
+from rollout_actors.rollout.pool_lookup import PoolName
 
 log = logging.getLogger(__name__)
 

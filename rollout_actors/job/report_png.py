@@ -21,8 +21,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from rollout_actors.report import FAILURE_KINDS, summarize
-from rollout_actors.timeline import Timeline
+from rollout_actors.job.report import FAILURE_KINDS, summarize
+from rollout_actors.job.timeline import Timeline
 from rollout_actors.timings import TURN_PHASES, WAIT_PHASES, phase_name
 
 MAX_TIME_BINS = 60  # bars over time: enough to see a trend, few enough to read one bar

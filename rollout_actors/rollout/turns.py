@@ -23,8 +23,8 @@ import openai
 from env_actors.interface import RAW_TEXT_KEY
 from renderer_actors.session import RendererSession
 from renderer_actors.tokenizer import known_vocab_size, load_vocab_size
-from rollout_actors.failures import TurnAborted
-from rollout_actors.model_call import (
+from rollout_actors.rollout.failures import TurnAborted
+from rollout_actors.rollout.model_call import (
     CallTags,
     PromptJson,
     Sampled,

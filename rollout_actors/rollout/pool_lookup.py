@@ -23,7 +23,7 @@ import ray
 
 from rollout_actors.kernel import Loss, Part
 from rollout_actors.kernel.faults import PartLost
-from rollout_actors.rollout import PoolHandles
+from rollout_actors.rollout.loop import PoolHandles
 
 LOOKUP_TIMEOUT_S = 10.0  # one GCS name lookup; a GCS that cannot answer this fast is itself in trouble
 

@@ -15,11 +15,11 @@ from typing import Any, Protocol
 from env_actors.interface import RAW_TEXT_KEY, ScoreOut
 from env_actors.session import EnvSession
 from rollout_actors.agent.episode import run_agent_episode
-from rollout_actors.client import build_client
-from rollout_actors.failures import classify
 from rollout_actors.kernel.coalescer import DEFAULT_BATCH_WINDOW_S
+from rollout_actors.rollout.client import build_client
+from rollout_actors.rollout.failures import classify
+from rollout_actors.rollout.turns import TokenTurns, TurnStrategy, strategy_for
 from rollout_actors.timings import RolloutTimings, clock, since
-from rollout_actors.turns import TokenTurns, TurnStrategy, strategy_for
 from rollout_actors.wire import CallerError, Failure, Result, RolloutRequest, Turn
 
 CLEANUP_TIMEOUT_S = (

@@ -18,13 +18,13 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollout_actors.config import WORKER_RESTARTS
 from rollout_actors.kernel import How
 from rollout_actors.kernel.supervision import Health, RestartIntensity, Supervision
 from rollout_actors.kernel.supervisor import Child, ChildKind, RetireCause, Supervisor
-from rollout_actors.naming import PoolNames
-from rollout_actors.rollout import LoopLimits
-from rollout_actors.worker import remote_worker_class
+from rollout_actors.plane.config import WORKER_RESTARTS
+from rollout_actors.plane.naming import PoolNames
+from rollout_actors.rollout.loop import LoopLimits
+from rollout_actors.rollout.worker import remote_worker_class
 
 log = logging.getLogger(__name__)
 

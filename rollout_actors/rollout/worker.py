@@ -23,14 +23,14 @@ from typing import Any
 import ray
 
 from rollout_actors.agent.endpoint import endpoint_stats
-from rollout_actors.client import open_client_count
-from rollout_actors.failures import log_failure
 from rollout_actors.kernel.coalescer import batch_counts, batch_window, set_batch_window
 from rollout_actors.kernel.collector import collector_stats, settle_actor
-from rollout_actors.loop_watch import HEARTBEAT_S, LoopWatch
-from rollout_actors.metrics import LOOP_STALL
-from rollout_actors.pool_lookup import PoolLookup, PoolLookupFailed, PoolRoute
-from rollout_actors.rollout import LoopLimits, run_rollout
+from rollout_actors.kernel.loop_watch import HEARTBEAT_S, LoopWatch
+from rollout_actors.rollout.client import open_client_count
+from rollout_actors.rollout.failures import log_failure
+from rollout_actors.rollout.loop import LoopLimits, run_rollout
+from rollout_actors.rollout.metrics import LOOP_STALL
+from rollout_actors.rollout.pool_lookup import PoolLookup, PoolLookupFailed, PoolRoute
 from rollout_actors.wire import Dispatch, Failure, Result
 
 MAX_ROLLOUTS_PER_WORKER = 100_000  # Ray's async-actor concurrency cap; the plane's lanes bound it for real

@@ -27,29 +27,29 @@ from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import ray
 
-from rollout_actors.concurrency import ConcurrencyController
-from rollout_actors.config import PlaneConfig
-from rollout_actors.dispatcher import Dispatcher
-from rollout_actors.groups import Group, GroupHandle, Stragglers
 from rollout_actors.inference.load import LoadReader
-from rollout_actors.inference.weights import Joiner, WeightUpdater, WeightUpdateReport
-from rollout_actors.inflight import PolicyChoice
 from rollout_actors.kernel import RefResolver
-from rollout_actors.lanes import Lanes
-from rollout_actors.lora import AdapterLimits
-from rollout_actors.metrics import PlaneMetrics
-from rollout_actors.naming import PoolNames
-from rollout_actors.placement import Placement, prefix_key
-from rollout_actors.plane_stats import PlaneStats, WorkerStats
-from rollout_actors.publish import PolicyPublisher, PublishHandle
-from rollout_actors.redispatch import RedispatchRule
-from rollout_actors.rollout import LoopLimits
-from rollout_actors.shared_pools import SharedPools
-from rollout_actors.staleness import OffPolicyGuard
-from rollout_actors.streams import ResultStreams
-from rollout_actors.submission import Intake
+from rollout_actors.plane.concurrency import ConcurrencyController
+from rollout_actors.plane.config import PlaneConfig
+from rollout_actors.plane.dispatcher import Dispatcher
+from rollout_actors.plane.groups import Group, GroupHandle, Stragglers
+from rollout_actors.plane.inflight import PolicyChoice
+from rollout_actors.plane.lanes import Lanes
+from rollout_actors.plane.naming import PoolNames
+from rollout_actors.plane.placement import Placement, prefix_key
+from rollout_actors.plane.redispatch import RedispatchRule
+from rollout_actors.plane.shared_pools import SharedPools
+from rollout_actors.plane.stats import PlaneStats, WorkerStats
+from rollout_actors.plane.streams import ResultStreams
+from rollout_actors.plane.submission import Intake
+from rollout_actors.plane.worker_set import WorkerSet
+from rollout_actors.policy.lora import AdapterLimits
+from rollout_actors.policy.publish import PolicyPublisher, PublishHandle
+from rollout_actors.policy.staleness import OffPolicyGuard
+from rollout_actors.policy.weights import Joiner, WeightUpdater, WeightUpdateReport
+from rollout_actors.rollout.loop import LoopLimits
+from rollout_actors.rollout.metrics import PlaneMetrics
 from rollout_actors.wire import CallerError, Result, ResultKind, RolloutRequest
-from rollout_actors.worker_set import WorkerSet
 
 if TYPE_CHECKING:
     from rollout_actors.inference.server_set import InferenceServerSet
@@ -257,7 +257,7 @@ class RolloutPlane:
         rollouts start under `version`. `mode="abort"` (vLLM frees the KV of requests in flight): token
         turns the pause aborted resume from the tokens they had, token-exact, once the servers resumed.
         Needs `init_weight_transfer` first. A failure once the update started leaves the servers paused
-        (`WeightUpdateFailure.paused`) until a retry succeeds. See `rollout_actors.inference.weights`."""
+        (`WeightUpdateFailure.paused`) until a retry succeeds. See `rollout_actors.policy.weights`."""
         if version <= self.policy_version:
             raise ValueError(f"policy version {version} is not newer than {self.policy_version}")
         servers = list(self._endpoints())

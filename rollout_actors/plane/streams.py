@@ -17,7 +17,7 @@ from collections import Counter, defaultdict, deque
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
-from rollout_actors.groups import Group, GroupHandle
+from rollout_actors.plane.groups import Group, GroupHandle
 from rollout_actors.wire import Result
 
 T = TypeVar("T")

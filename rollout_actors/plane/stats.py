@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict
 
-from rollout_actors.concurrency import ConcurrencyStats
-from rollout_actors.lanes import LaneStats
-from rollout_actors.pool_supervisor import PoolStatus
-from rollout_actors.staleness import OffPolicyStats
+from rollout_actors.plane.concurrency import ConcurrencyStats
+from rollout_actors.plane.lanes import LaneStats
+from rollout_actors.plane.pool_supervisor import PoolStatus
+from rollout_actors.policy.staleness import OffPolicyStats
 
 
 class WorkerStats(BaseModel):

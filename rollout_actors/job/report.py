@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rollout_actors.timeline import Timeline, timeline
+from rollout_actors.job.timeline import Timeline, timeline
 from rollout_actors.timings import SERVER_PHASES, WAIT_PHASES, phase_name
 
 TABLED_TURN_PHASES = ("render_s", "model_s", "queue_s", "parse_s", "env_s")
@@ -185,6 +185,6 @@ def format_timings(run: Timeline) -> list[str]:
 
 def write_png(results: list[dict[str, Any]], path: str | Path) -> Path:
     """The run's report as one PNG (`report_png.draw`)."""
-    from rollout_actors.report_png import draw
+    from rollout_actors.job.report_png import draw
 
     return draw(results, path)

@@ -20,9 +20,9 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from renderer_actors.config import RendererConfig
-from rollout_actors.config import PlaneConfig
 from rollout_actors.kernel import JSON
 from rollout_actors.kernel.renamed import renamed_fields
+from rollout_actors.plane.config import PlaneConfig
 from rollout_actors.wire import ClientConfig, RolloutMode, SamplingConfig
 
 DEFAULT_ENV = "env_actors.examples.calculator_env:CalculatorEnv"

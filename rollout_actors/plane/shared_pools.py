@@ -28,11 +28,11 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from env_actors.pool import EnvPoolConfig, EnvStartupError, close_env_pool, start_env_pool
 from renderer_actors.pool import get_or_create_renderer_pool
-from rollout_actors.config import PlaneConfig
 from rollout_actors.kernel.faults import Fault, Unavailable
-from rollout_actors.naming import PoolNames, env_key
-from rollout_actors.pool_lookup import PoolRoute
-from rollout_actors.pool_supervisor import PoolStatus, PoolUnavailable, SupervisedPool, holds_value
+from rollout_actors.plane.config import PlaneConfig
+from rollout_actors.plane.naming import PoolNames, env_key
+from rollout_actors.plane.pool_supervisor import PoolStatus, PoolUnavailable, SupervisedPool, holds_value
+from rollout_actors.rollout.pool_lookup import PoolRoute
 from rollout_actors.wire import Failure, Ref, RolloutRequest
 
 log = logging.getLogger(__name__)

@@ -20,14 +20,14 @@ from typing import Any, Protocol
 
 from pydantic import BaseModel, ValidationError
 
-from rollout_actors.dispatcher import Dispatcher
-from rollout_actors.failures import log_failure
-from rollout_actors.groups import GroupHandle, GroupOwner, Stragglers
-from rollout_actors.inflight import InFlight
 from rollout_actors.kernel import RefResolver
-from rollout_actors.lanes import Lane, Lanes
-from rollout_actors.metrics import PlaneMetrics
-from rollout_actors.streams import ResultStreams
+from rollout_actors.plane.dispatcher import Dispatcher
+from rollout_actors.plane.groups import GroupHandle, GroupOwner, Stragglers
+from rollout_actors.plane.inflight import InFlight
+from rollout_actors.plane.lanes import Lane, Lanes
+from rollout_actors.plane.streams import ResultStreams
+from rollout_actors.rollout.failures import log_failure
+from rollout_actors.rollout.metrics import PlaneMetrics
 from rollout_actors.wire import CallerError, Result, RolloutRequest, new_id, valid_id
 
 log = logging.getLogger(__name__)

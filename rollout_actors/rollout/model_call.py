@@ -18,9 +18,9 @@ from typing import Any
 import openai
 import orjson
 
-from rollout_actors.client import httpx
-from rollout_actors.failures import CallDeadlineExceeded, MalformedResponse, TurnAborted
-from rollout_actors.metrics import MODEL_CALL_LATENCY
+from rollout_actors.rollout.client import httpx
+from rollout_actors.rollout.failures import CallDeadlineExceeded, MalformedResponse, TurnAborted
+from rollout_actors.rollout.metrics import MODEL_CALL_LATENCY
 from rollout_actors.wire import SamplingConfig
 
 

@@ -6,11 +6,11 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from env_actors.config import EnvPoolConfig
 from renderer_actors.config import RendererPoolConfig
-from rollout_actors.concurrency import ConcurrencyConfig
 from rollout_actors.kernel import DEFAULT_ALLOWED_PREFIXES
 from rollout_actors.kernel.coalescer import DEFAULT_BATCH_WINDOW_S
 from rollout_actors.kernel.supervision import RestartIntensity
-from rollout_actors.placement import PlacementConfig
+from rollout_actors.plane.concurrency import ConcurrencyConfig
+from rollout_actors.plane.placement import PlacementConfig
 
 WORKER_RESTARTS = RestartIntensity(max_restarts=10, window_s=60.0)
 """Rides out a node's worth of rollout workers lost at once; a worker that dies on every start fails loudly."""
@@ -84,9 +84,9 @@ class PlaneConfig(BaseModel):
     allowed_ref_prefixes: tuple[str, ...] = DEFAULT_ALLOWED_PREFIXES
     """Module prefixes a request's Refs may name. Widening it is explicit."""
     concurrency: ConcurrencyConfig | None = None
-    """Load-aware lane limits (`rollout_actors.concurrency`): None keeps the limits fixed."""
+    """Load-aware lane limits (`rollout_actors.plane.concurrency`): None keeps the limits fixed."""
     placement: PlacementConfig = Field(default_factory=PlacementConfig)
-    """Which inference server a rollout runs on (`rollout_actors.placement`): by default where its prefix
+    """Which inference server a rollout runs on (`rollout_actors.plane.placement`): by default where its prefix
     is cached, within a load bound."""
     max_off_policy_steps: int | None = Field(default=None, ge=0)
     """When a new policy becomes active, cancel rollouts in flight that started more than this many
