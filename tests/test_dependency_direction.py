@@ -55,3 +55,36 @@ def test_the_kernel_imports_nothing_else_of_the_project():
         if not in_kernel(module)
     }
     assert sources(KERNEL) and not broken, sorted(broken)
+
+
+# Inside rollout_actors, folders by part (README, "What it is"). What runs on a rollout worker (`rollout`,
+# `agent`) never loads the plane; the data models at the top import only the kernel and each other; the
+# plane sits above everything but the CLI's job.
+DATA = ("wire", "timings", "samples")
+NEVER = {
+    "rollout": ("plane", "policy", "inference", "job", "cli"),
+    "agent": ("plane", "policy", "inference", "job", "cli"),
+    "policy": ("plane", "job", "cli"),
+    "inference": ("plane", "job", "cli"),
+    "plane": ("job", "cli"),
+    "job": ("cli",),
+    **{data: ("plane", "rollout", "agent", "policy", "inference", "job", "cli") for data in DATA},
+}
+
+
+def part(module: str) -> str:
+    """`rollout_actors.plane.dispatcher` -> `plane`; `rollout_actors.wire` -> `wire`."""
+    return module.split(".")[1] if module.count(".") else ""
+
+
+@pytest.mark.parametrize("folder", sorted(NEVER))
+def test_each_part_of_rollout_actors_imports_only_the_parts_below_it(folder):
+    base = ROOT / "rollout_actors"
+    paths = sorted((base / folder).rglob("*.py")) if (base / folder).is_dir() else [base / f"{folder}.py"]
+    broken = {
+        f"{path.relative_to(ROOT)}: {module}"
+        for path in paths
+        for module in imports(path)
+        if module.startswith("rollout_actors.") and part(module) in NEVER[folder]
+    }
+    assert paths and not broken, sorted(broken)

@@ -6,7 +6,9 @@ rollout holds of a renderer, a *lease* only a request's; liveness settings are s
 
 from __future__ import annotations
 
+import importlib
 import re
+import sys
 import warnings
 from pathlib import Path
 
@@ -196,3 +198,28 @@ def test_the_docs_configs_and_code_use_the_new_names():
         if OLD.search(block) and not SAYS_OLD.search(block):
             stale.append(f"README.md: {OLD.search(block).group(0)} in {block.strip()[:100]!r}")
     assert not stale, "\n".join(stale)
+
+
+def test_modules_that_moved_into_folders_import_from_their_old_paths_with_a_warning():
+    from rollout_actors.kernel.renamed import MovedModules
+
+    finders = [finder for finder in sys.meta_path if isinstance(finder, MovedModules)]
+    assert len(finders) == 1
+    moves = finders[0]._moves
+    assert "rollout_actors.dispatcher" in moves and "rollout_actors.inference.weights" in moves
+    for old, new in moves.items():
+        sys.modules.pop(old, None)
+        with pytest.warns(DeprecationWarning, match=f"{old} is now {new}"):
+            module = importlib.import_module(old)
+        moved = importlib.import_module(new)
+        public = [name for name in vars(moved) if not name.startswith("_")]
+        assert public and all(getattr(module, name) is getattr(moved, name) for name in public), old
+        sys.modules.pop(old, None)
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("rollout_actors.no_such_module")
+    # the old `rollout_actors.rollout` module is now the folder of that name: its names still resolve
+    from rollout_actors.rollout import loop
+
+    with pytest.warns(DeprecationWarning, match="rollout_actors.rollout.run_rollout is now"):
+        from rollout_actors.rollout import run_rollout
+    assert run_rollout is loop.run_rollout
