@@ -50,6 +50,7 @@ ECHO = Ref(target="env_actors.faults.envs:EchoEnv")
 IN_FLIGHT = 8  # rollouts holding sessions and leases when the singleton is lost
 LATENCY_S = 1.5  # per model call: long enough that the loss lands mid-rollout
 HANG_TIMEOUT_S = 3.0  # the pools' hang timeout here (production: 30 s), so a frozen pool is found fast
+STATS_TIMEOUT_S = 30.0  # a pool that cannot say its stats in this long is hung: the script fails, never waits
 CASE_DEADLINE_S = 120.0  # a case that takes longer has a stalled future somewhere: the bug we hunt
 
 
@@ -205,7 +206,7 @@ def ended(results: list[Any]) -> str:
 
 
 async def env_pool_stats(plane: RolloutPlane, env: Ref) -> Any:
-    return await plane._pools.supervisor(env).current().stats.remote()
+    return await asyncio.wait_for(plane._pools.supervisor(env).current().stats.remote(), STATS_TIMEOUT_S)
 
 
 async def run_request_cases(base_url: str) -> list[RequestRow]:

@@ -23,6 +23,7 @@ import ray
 
 from rollout_actors.kernel import Loss, Part
 from rollout_actors.kernel.faults import PartLost
+from rollout_actors.kernel.supervisor import retrieve_exception
 from rollout_actors.rollout.loop import PoolHandles
 
 LOOKUP_TIMEOUT_S = 10.0  # one GCS name lookup; a GCS that cannot answer this fast is itself in trouble
@@ -91,7 +92,7 @@ class PoolLookup:
         known = self._known.get(name.base)
         if known is None or known[0] < name.incarnation:  # first ask, or a replacement: look it up
             lookup = asyncio.ensure_future(self._lookup(name.actor_name))
-            lookup.add_done_callback(_retrieve)
+            lookup.add_done_callback(retrieve_exception)  # its askers may all have given up
             self._known[name.base] = known = (name.incarnation, lookup)
         elif known[0] > name.incarnation:
             # An older incarnation than one already seen here: it was lost after this dispatch was sent.
@@ -110,12 +111,6 @@ class PoolLookup:
         return await asyncio.wait_for(
             asyncio.to_thread(ray.get_actor, actor_name, namespace=self._namespace), LOOKUP_TIMEOUT_S
         )
-
-
-def _retrieve(future: asyncio.Future[Any]) -> None:
-    """A lookup whose askers all gave up must not log 'exception was never retrieved'."""
-    if not future.cancelled():
-        future.exception()
 
 
 def _lost(failure_type: str, part: Part, name: PoolName, why: str) -> PoolLookupFailed:
