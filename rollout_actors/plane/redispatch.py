@@ -100,7 +100,7 @@ class RedispatchRule(BaseModel):
         latest = losses[-1]
         chain = "; ".join(loss.describe() for loss in losses)
         fault = PoisonRequest(
-            f"poison request: it lost a {latest.part} {latest.how} at the same point "
+            f"poison request: it lost {_article(latest.part)} {latest.part} {latest.how} at the same point "
             f"{self.poison_repeats} times ({chain}); not dispatched again",
             traceback=last.traceback if last is not None else None,
             losses=losses,
@@ -111,3 +111,7 @@ class RedispatchRule(BaseModel):
 
 REDISPATCH = RedispatchRule()
 """The production rule: three dispatches, poison after two identical losses of an env server or renderer."""
+
+
+def _article(noun: str) -> str:
+    return "an" if noun[:1] in "aeiou" else "a"
