@@ -9,7 +9,6 @@ import json
 import os
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -328,49 +327,28 @@ def as_tested(args: list[str]) -> list[str]:
 
 
 README_COMMANDS = [c for c in commands(block(README_SECTION, "bash")) if c.startswith("rollouts run")]
-README_COMMANDS_AT_ONCE = 2  # each command's plane asks about 3 of the session Ray's 8 CPUs
-
-
-@pytest.fixture(scope="module")
-def readme_runs(request, ray_session, tmp_path_factory):
-    """command -> future of (its args as tested, its folder, its finished process), for the README commands
-    this session selected, run two at a time: one run is mostly waits on process starts (its stand-in,
-    plane and framework pool), which two side by side share."""
-    test = "test_the_readme_environment_commands_run_end_to_end"
-    selected = [
-        i.callspec.params["command"] for i in request.session.items if getattr(i, "originalname", "") == test
-    ]
-    # On the suite's Ray, joined as the CLI joins any cluster (`$RAY_ADDRESS`): an embedded Ray per command
-    # cost each ~6 s more here, and test_readme.py's quick start runs the CLI on its embedded Ray.
-    env = {**os.environ, "RAY_ADDRESS": ray_session.get_runtime_context().gcs_address}
-    rollouts = os.path.join(os.path.dirname(sys.executable), "rollouts")
-
-    def run_command(command: str) -> tuple[list[str], Path, subprocess.CompletedProcess[str]]:
-        folder = tmp_path_factory.mktemp("readme-command")
-        readme_packages(folder)
-        args = as_tested(argv(command))
-        done = subprocess.run(
-            [rollouts, *args[1:], "--no-progress"],
-            cwd=folder,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=README_RUN_DEADLINE_S,
-        )
-        return args, folder, done
-
-    with ThreadPoolExecutor(README_COMMANDS_AT_ONCE) as runs:
-        yield {command: runs.submit(run_command, command) for command in dict.fromkeys(selected)}
 
 
 @pytest.mark.timeout(README_RUN_DEADLINE_S + 60)
 @pytest.mark.parametrize("command", README_COMMANDS, ids=lambda c: argv(c)[argv(c).index("--env") + 1])
-def test_the_readme_environment_commands_run_end_to_end(command, readme_runs):
-    # Started when one before it finished at the latest: it has at most its own deadline left.
-    args, folder, done = readme_runs[command].result(timeout=README_RUN_DEADLINE_S + 30)
+def test_the_readme_environment_commands_run_end_to_end(command, tmp_path, ray_session):
+    readme_packages(tmp_path)
+    args = as_tested(argv(command))
+    # On the suite's Ray, joined as the CLI joins any cluster (`$RAY_ADDRESS`): an embedded Ray per command
+    # cost each ~6 s more here, and test_readme.py's quick start runs the CLI on its embedded Ray.
+    env = {**os.environ, "RAY_ADDRESS": ray_session.get_runtime_context().gcs_address}
+    rollouts = os.path.join(os.path.dirname(sys.executable), "rollouts")
+    done = subprocess.run(
+        [rollouts, *args[1:], "--no-progress"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=README_RUN_DEADLINE_S,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     tasks = int(args[args.index("--tasks") + 1])
-    (results,) = list(folder.glob("rollouts-*.jsonl"))
+    (results,) = list(tmp_path.glob("rollouts-*.jsonl"))
     kinds = [json.loads(line).get("kind", "ok") for line in results.read_text().splitlines()]
     assert len(kinds) == tasks * 4 and set(kinds) == {"ok"}, (kinds, done.stdout[-2000:])
 
