@@ -227,26 +227,29 @@ def run(config: RunConfig) -> int:
     output = Path(job.output or f"rollouts-{time.strftime('%Y%m%d-%H%M%S')}.jsonl")
     with ExitStack() as stack:
         endpoints, model = list(servers.endpoints), servers.model
+        server = None
         if not endpoints:
             settings = servers.standin
-            server = stack.enter_context(
-                StandinServer(
-                    standin_options(  # the flags a production vLLM gets: parsers, LoRA, weight updates
-                        ServerSpec(kind="standin", model=BUNDLED_MODEL),
-                        latency_s=settings.latency_s,
-                        per_token_latency_s=settings.per_token_latency_s,
-                        correct_rate=settings.correct_rate,
-                        seed=job.seed,
-                    )
+            # Launched now, waited for once Ray is up: its tokenizer loads while Ray starts (seconds each).
+            server = StandinServer(
+                standin_options(  # the flags a production vLLM gets: parsers, LoRA, weight updates
+                    ServerSpec(kind="standin", model=BUNDLED_MODEL),
+                    latency_s=settings.latency_s,
+                    per_token_latency_s=settings.per_token_latency_s,
+                    correct_rate=settings.correct_rate,
+                    seed=job.seed,
                 )
-            )
-            endpoints, model = [server.base_url], model or BUNDLED_MODEL
-            print(f"stand-in inference server at {server.base_url}", file=sys.stderr)
+            ).start(wait=False)
+            stack.callback(server.close)
+            model = model or BUNDLED_MODEL
         if model is None:
             print("servers.model (--model) is required with an endpoint", file=sys.stderr)
             return 2
         _init_ray(job.ray_address)
         try:
+            if server is not None:
+                endpoints = [server.wait_ready().base_url]
+                print(f"stand-in inference server at {server.base_url}", file=sys.stderr)
             return asyncio.run(_run_plane(config, endpoints, model, output))
         finally:
             import ray

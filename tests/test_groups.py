@@ -139,17 +139,15 @@ def test_a_straggler_rule_cancels_the_slowest_member_once_enough_finished(ray_se
 
 
 def test_a_request_without_base_url_takes_the_planes_endpoint_or_is_refused(ray_session, standin):
-    async def scenario():
-        bare = request(standin).model_copy(
-            update={"client": ClientConfig(model=BUNDLED_MODEL)}  # no base_url
-        )
-        async with plane(endpoints=[standin.base_url]) as routed:
-            await routed.submit(bare)
-            ok = await routed.next_result(timeout=60)
-        async with plane() as unrouted:
-            await unrouted.submit(bare)
-            refused = await unrouted.next_result(timeout=60)
-        return ok, refused
+    bare = request(standin).model_copy(update={"client": ClientConfig(model=BUNDLED_MODEL)})  # no base_url
+
+    async def one(rollouts: RolloutPlane):
+        async with rollouts as p:
+            await p.submit(bare)
+            return await p.next_result(timeout=60)
+
+    async def scenario():  # two independent planes, started side by side
+        return await asyncio.gather(one(plane(endpoints=[standin.base_url])), one(plane()))
 
     ok, refused = run(scenario())
     assert ok.kind == "ok", ok.error

@@ -44,7 +44,7 @@ BIN_DIR = Path(sys.executable).parent
 TEST_BUDGET_S = 150.0  # head start + job + teardown; the job takes ~20 s and the head ~7 s on 2 idle cores
 HEAD_START_TIMEOUT_S = 45.0  # one `ray start --head`; a port lost to a race is retried once
 TEARDOWN_RESERVE_S = 15.0  # SIGTERM grace + SIGKILL + sweep, kept out of the job's share of the budget
-TERM_GRACE_S = 5.0  # gcs_server and raylet ignore SIGTERM for 10 s+ here; the agents outlive the raylet
+TERM_GRACE_S = 1.0  # the driver and stand-in exit on SIGTERM; gcs_server and raylet ignore it for 10 s+
 MARKER_VAR = "RAY_ROLLOUTS_JOB_TEST_HEAD"
 CLIENT_ONLY_VARS = ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS", "RAY_AUTH_TOKEN", "RAY_AUTH_MODE")
 """Dropped from the head's environment: a caller's cluster address or token must not leak into it."""

@@ -13,6 +13,7 @@ import time
 
 import pytest
 from env_pools import TEST_REF_PREFIXES
+from planes import plane_on_own_loop
 from waiting import runner
 
 from renderer_actors.tokenizer import BUNDLED_MODEL, load_tokenizer
@@ -29,6 +30,15 @@ DEADLINE_S = 60
 
 
 run = runner(DEADLINE_S)
+PLANE_DEADLINE_S = 120
+
+
+@pytest.fixture(scope="module")
+def shared(ray_session):
+    """(run, plane): one small plane for the tests that send one rollout through it and read only its result
+    (a plane's start, its env pool's and its renderer's are seconds each here)."""
+    with plane_on_own_loop({"train": 4, "eval": 1}, PLANE_DEADLINE_S) as started:
+        yield started
 
 
 def client_config(standin, fault: str, **headers: str) -> ClientConfig:
@@ -136,7 +146,7 @@ def test_an_echoed_key_reaches_no_result_log_line_or_file_through_the_plane(ray_
         env=Ref(target="env_actors.examples.math_env:MathEnv"), task_index=0, client=client
     )
 
-    async def scenario():
+    async def scenario():  # a plane of its own, closed (its processes' logs written) before they are read
         config = PlaneConfig(
             lanes={"train": 4, "eval": 1},
             workers=1,
@@ -180,7 +190,7 @@ def _holds(path: str, secret: str) -> bool:
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["token", "chat"])
 def test_a_rollout_whose_server_samples_an_id_past_the_vocabulary_ends_model_without_recording_it(
-    ray_session, standin, mode
+    shared, standin, mode
 ):
     """Both modes: the bound is the model's vocabulary (ids 0..vocab_size-1: the renderer's in token mode,
     the tokenizer's local files in chat mode); the server sent exactly `vocab_size`, which no tokenizer of
@@ -191,19 +201,13 @@ def test_a_rollout_whose_server_samples_an_id_past_the_vocabulary_ends_model_wit
     )
     vocab_size = len(load_tokenizer(BUNDLED_MODEL))
 
-    async def scenario():
-        config = PlaneConfig(
-            lanes={"train": 4, "eval": 1},
-            workers=1,
-            worker_num_cpus=0.25,
-            env_pool={"num_cpus": 0.25},
-            allowed_ref_prefixes=TEST_REF_PREFIXES,
-        )
-        async with RolloutPlane(config) as plane:
-            await plane.submit(request)
-            return await plane.next_result(timeout=DEADLINE_S)
+    on_plane, plane = shared
 
-    result = run(scenario(), deadline=120)
+    async def scenario():
+        await plane.submit(request)
+        return await plane.next_result(timeout=DEADLINE_S)
+
+    result = on_plane(scenario())
     assert result.kind == "model" and result.error.type == "MalformedResponse", result.error
     assert str(vocab_size) in result.error.message
     assert all(vocab_size not in turn.completion_ids for turn in result.turns)

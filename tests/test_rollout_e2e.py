@@ -272,7 +272,7 @@ def test_env_worker_killed_mid_rollout_is_redispatched_and_others_finish(ray_ses
 
     from rollout_actors.plane.naming import PoolNames
 
-    slow = ClientConfig(base_url=standin.base_url, model=BUNDLED_MODEL, headers={"X-Standin-Latency": "5.0"})
+    slow = ClientConfig(base_url=standin.base_url, model=BUNDLED_MODEL, headers={"X-Standin-Latency": "3.0"})
 
     async def scenario():
         async with small_plane(env_pool={"num_cpus": 0.25, "min_servers": 2}) as plane:
@@ -281,7 +281,9 @@ def test_env_worker_killed_mid_rollout_is_redispatched_and_others_finish(ray_ses
             await plane._pools.ensure_env_pool(CALC)  # started by the first dispatch; wait for it
             pool = ray.get_actor(PoolNames(plane.names.prefix).env_pool(CALC))
             deadline = asyncio.get_running_loop().time() + 60
-            while True:  # every session open at once (a model call takes 5 s); placement may pick one worker
+            # Every session open at once (all wait on the pool, then a model call takes 3 s); placement may
+            # pick one server.
+            while True:
                 stats = await pool.stats.remote()
                 busy = [w for w in stats.servers if w.sessions > 0]
                 if stats.sessions == 4 and busy:

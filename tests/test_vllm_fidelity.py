@@ -67,6 +67,31 @@ def bare():
         yield server
 
 
+FRESH_SERVERS = 4  # the tests below that take `fresh()`: one each
+
+
+@pytest.fixture(scope="module")
+def fresh():
+    """`fresh()`: a ready stand-in started as `ServerSpec` starts vLLM that no other test has touched (a
+    pause or the weight-transfer state stays with its server). The first call launches all of them, so they
+    load side by side rather than one per test; each is closed at the module's end."""
+    launched: list[StandinServer] = []
+    untouched: list[StandinServer] = []
+
+    def take() -> StandinServer:
+        if not launched:
+            launched.extend(StandinServer(served_like_vllm()).start(wait=False) for _ in range(FRESH_SERVERS))
+            untouched.extend(server.wait_ready() for server in launched)
+        assert untouched, f"no fresh stand-in left: one failed to start, or over {FRESH_SERVERS} were taken"
+        return untouched.pop(0)
+
+    try:
+        yield take
+    finally:
+        for server in launched:
+            server.close()
+
+
 def keyed(server: StandinServer, **kwargs) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=server.base_url, api_key=os.environ[KEY_VAR], max_retries=0, **kwargs)
 
@@ -467,7 +492,7 @@ def test_unseeded_requests_sample_at_random_as_vllm_does(standin):
     assert seeded[0] == seeded[1]  # a seed still reproduces
 
 
-def test_a_pause_queues_new_requests_in_keep_mode_and_refuses_them_in_abort_mode_with_vllms_503():
+def test_a_pause_queues_new_requests_in_keep_mode_and_refuses_them_in_abort_mode_with_vllms_503(fresh):
     """Row 10, read against 0.33.0 (`EngineCoreProc.pause_generation`: `reject_new_requests = mode !=
     "keep"`): keep queues a new request until resume; abort and wait answer it 503 with vLLM's message."""
 
@@ -485,8 +510,7 @@ def test_a_pause_queues_new_requests_in_keep_mode_and_refuses_them_in_abort_mode
             await http.post("/resume")
             return waiting, answered, refused
 
-    with StandinServer(served_like_vllm()) as server:
-        waiting, answered, refused = run(scenario(server))
+    waiting, answered, refused = run(scenario(fresh()))
     assert waiting["waiting"] == 1 and answered.status_code == 200
     assert refused.status_code == 503
     assert refused.json()["error"] == {
@@ -497,13 +521,11 @@ def test_a_pause_queues_new_requests_in_keep_mode_and_refuses_them_in_abort_mode
     }
 
 
-def test_the_stand_in_takes_weight_updates_only_as_vllms_nccl_engine_does():
+def test_the_stand_in_takes_weight_updates_only_as_vllms_nccl_engine_does(fresh):
     """Row 2 and 3 on the server side: no update before `/init_weight_transfer_engine`, `update_info`
     checked per backend, a second start refused while one is open, a refused update ends the session."""
-    with (
-        StandinServer(served_like_vllm()) as server,
-        httpx.Client(base_url=server.url, timeout=10, trust_env=False) as http,
-    ):
+    server = fresh()
+    with httpx.Client(base_url=server.url, timeout=10, trust_env=False) as http:
         assert http.post("/start_weight_update").status_code == 200
         uninitialised = http.post("/update_weights", json={"update_info": NCCL_UPDATE})
         assert (
@@ -525,7 +547,7 @@ def test_the_stand_in_takes_weight_updates_only_as_vllms_nccl_engine_does():
         assert http.get("/weight_info").json() == {"weight_version": "1"}
 
 
-def test_a_failed_weight_update_leaves_the_servers_paused_until_a_retry_succeeds():
+def test_a_failed_weight_update_leaves_the_servers_paused_until_a_retry_succeeds(fresh):
     """Row 3: once the update started, a failure must not resume servers that may hold half the new
     weights under the old label. The session is closed, so a retry can start one and resumes on success."""
     from rollout_actors.policy.weights import WeightUpdateFailure, WeightUpdater
@@ -556,10 +578,7 @@ def test_a_failed_weight_update_leaves_the_servers_paused_until_a_retry_succeeds
             await updater.aclose()
         return uninitialised.value, untouched, after_failure, label, report, after_retry, relabelled
 
-    with StandinServer(served_like_vllm()) as server:
-        uninitialised, untouched, after_failure, label, report, after_retry, relabelled = run(
-            scenario(server)
-        )
+    uninitialised, untouched, after_failure, label, report, after_retry, relabelled = run(scenario(fresh()))
     assert uninitialised.stage == "init_weight_transfer_engine" and untouched is False
     assert after_failure is True and label == "default"
     assert report.version == 1 and after_retry is False and relabelled == "1"
@@ -621,7 +640,7 @@ def test_a_replacement_server_joins_the_weight_transfer_before_it_takes_a_full_u
     assert report.servers == [replacement.removesuffix("/v1")] and label == {"weight_version": "1"}
 
 
-def test_without_join_a_server_that_joins_after_init_is_kept_out_and_a_reused_address_is_not_trusted():
+def test_without_join_a_server_that_joins_after_init_is_kept_out_and_a_reused_address_is_not_trusted(fresh):
     """Weight updater alone, on one stand-in: after `init_transfer`, a joining server (here the same address,
     as a replacement may reuse it) is refused without `join`, and is not counted as initialised."""
     from rollout_actors.policy.weights import WeightUpdateFailure, WeightUpdater
@@ -638,8 +657,7 @@ def test_without_join_a_server_that_joins_after_init_is_kept_out_and_a_reused_ad
             await updater.aclose()
         return refused.value
 
-    with StandinServer(served_like_vllm()) as server:
-        refused = run(scenario(server))
+    refused = run(scenario(fresh()))
     assert refused.stage == "init_weight_transfer_engine" and not refused.paused
 
 
