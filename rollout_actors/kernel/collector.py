@@ -27,9 +27,18 @@ OLDER_THRESHOLDS = (10, 10)
 """CPython's own: a middle collection every 10 young ones, a full one every 10 middle ones (and only
 when the survivors since the last one are a quarter of the long-lived objects)."""
 
-_spent: dict[str, Any] = {"collections": 0, "seconds": 0.0, "full": 0, "full_seconds": 0.0}
-"""Every collection since the first `settle`, and of them the full ones (generation 2), which walk every
-live object that is not frozen: a worker's thousands of rollouts in flight."""
+_spent: dict[str, Any] = {
+    "collections": 0,
+    "seconds": 0.0,
+    "full": 0,
+    "full_seconds": 0.0,
+    "middle": 0,
+    "middle_seconds": 0.0,
+    "collected": 0,
+}
+"""Every collection since the first `settle`; of them the full ones (generation 2), which walk every
+live object that is not frozen (a worker's thousands of rollouts in flight), and the middle ones
+(generation 1); and the objects they freed (cyclic garbage: few, so the time goes on walking survivors)."""
 _started = 0.0
 
 
@@ -67,6 +76,10 @@ def _measure(phase: str, info: dict[str, Any]) -> None:
         seconds = time.thread_time() - _started
         _spent["collections"] += 1
         _spent["seconds"] += seconds
-        if info["generation"] == 2:
+        _spent["collected"] += info.get("collected", 0)
+        if info["generation"] == 1:
+            _spent["middle"] += 1
+            _spent["middle_seconds"] += seconds
+        elif info["generation"] == 2:
             _spent["full"] += 1
             _spent["full_seconds"] += seconds
