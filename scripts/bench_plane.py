@@ -249,7 +249,7 @@ async def run_plane(args: argparse.Namespace, c: int, server: StandinServer) -> 
             # turns and teardown), shared among the rollouts of a batch; not counted: a renderer's one
             # `ready` per worker, and background calls (heartbeats, the pools' own supervision).
             "Ray calls per rollout": round(1 + sum(calls for calls, _ in batches.values()) / c, 2),
-            "worker GC (collections, s, full, s)": [
+            "worker GC (collections, s, full, s, middle, s, freed)": [
                 _collected(a, b) for a, b in zip(after, before, strict=True)
             ],
             # Where the wall goes beyond the rollouts themselves (worker clocks; one machine, one clock):
@@ -280,15 +280,18 @@ def _timings_bytes(results: list[Any]) -> float:
     return round(added / max(1, sum(len(r.turns) for r in results)), 1)
 
 
-def _collected(after: dict, before: dict) -> tuple[int, float, int, float]:
+def _collected(after: dict, before: dict) -> tuple[int, float, int, float, int, float, int]:
     """Garbage collections a worker ran during the wave and their seconds, then the full ones among them
-    and their seconds (`kernel.collector`)."""
+    and their seconds, the middle ones and theirs, and the objects they freed (`kernel.collector`)."""
     a, b = after["collector"], before["collector"]
     return (
         a["collections"] - b["collections"],
         round(a["seconds"] - b["seconds"], 2),
         a.get("full", 0) - b.get("full", 0),
         round(a.get("full_seconds", 0.0) - b.get("full_seconds", 0.0), 2),
+        a.get("middle", 0) - b.get("middle", 0),
+        round(a.get("middle_seconds", 0.0) - b.get("middle_seconds", 0.0), 2),
+        a.get("collected", 0) - b.get("collected", 0),
     )
 
 
