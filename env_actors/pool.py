@@ -85,7 +85,7 @@ class EnvPool:
     async def start(self, ready_timeout: float) -> EnvResponse:
         """Bring up the first worker (readiness handshake) and start supervising. Idempotent."""
         if not self._started and not self._closed:
-            failure = await self._supervisor.start(ready_timeout)
+            failure = await self._supervisor.start_first(ready_timeout)
             if failure is not None:
                 self._closed = True
                 return EnvResponse.failed(failure)
@@ -132,7 +132,7 @@ class EnvPool:
             if session_id in self._sessions:
                 answers.append(_caller_failure("DuplicateEnvSession", f"session id {session_id!r} is in use"))
                 continue
-            slot = self._supervisor.least_busy() or await self._supervisor.ready_worker(wait_s)
+            slot = await self._supervisor.wait_for(self._supervisor.least_busy, wait_s)
             if slot is None:
                 answers.append(self._no_live_worker())
                 continue

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import ray
@@ -75,7 +75,6 @@ class InferenceServerSet(Supervisor[_Server], ChildKind[_Server]):
         self.before_routing = before_routing
         """Awaited with a replacement's URL before it takes traffic; raising rejects the replacement."""
         self._status = [ServerStatus(state="created") for _ in range(replicas)]
-        self._stops: set[asyncio.Task[None]] = set()
         settings = Supervision(
             restart=restart,
             ready_timeout_s=spec.ready_timeout_s + 2 * WATCH_GRACE,
@@ -84,17 +83,16 @@ class InferenceServerSet(Supervisor[_Server], ChildKind[_Server]):
             hang_timeout_s=probe_interval_s + WATCH_GRACE,
         )
         super().__init__("inference servers", self, settings)
+        self.floor = replicas
 
-    async def start(self) -> list[str]:
+    async def start(self) -> list[str]:  # type: ignore[override]
         """Start every replica; raises `ServerStartupError` (and stops the others) if one fails."""
-        servers = [self.spawn("initial") for _ in range(self.replicas)]
-        results = await asyncio.gather(*(s.up for s in servers if s is not None), return_exceptions=True)
-        errors = [r for r in results if isinstance(r, BaseException)]
-        if errors:
-            await self.aclose()
-            if isinstance(errors[0], ServerStartupError):
-                raise errors[0]
-            raise ServerStartupError(ServerStatus(state="dead", reason=f"not ready: {errors[0]!r}"))
+        try:
+            await super().start()
+        except ServerStartupError:
+            raise
+        except Exception as exc:
+            raise ServerStartupError(ServerStatus(state="dead", reason=f"not ready: {exc!r}")) from exc
         return self.endpoints()
 
     def endpoints(self) -> list[str]:
@@ -121,7 +119,6 @@ class InferenceServerSet(Supervisor[_Server], ChildKind[_Server]):
     async def aclose(self) -> None:
         """Stop supervising, then stop every server."""
         await self.close()
-        await asyncio.gather(*self._stops)
 
     # ------------------------------------------------------------------------- the kind's hooks
 
@@ -144,16 +141,12 @@ class InferenceServerSet(Supervisor[_Server], ChildKind[_Server]):
         self._status[server.index] = server.status = status  # only a ready server enters endpoints()
         raise_for_startup(status)
 
-    async def signs(self, server: _Server) -> AsyncIterator[Health]:
-        while True:
-            status = await asyncio.wait_for(
-                server.handle.watch.remote(self.probe_interval_s), self.probe_interval_s + WATCH_GRACE
-            )
-            if status.state != "ready":  # it exited, or was killed as wedged
-                self._status[server.index] = server.status = status
-                self.retire(server, f"died: {status.reason}", "died")
-                return
-            yield Health(pid=status.pid)
+    async def probe(self, server: _Server) -> Health:
+        status = await server.handle.watch.remote(self.probe_interval_s)  # returns at once if it exits
+        if status.state != "ready":  # it exited, or was killed as wedged
+            self._status[server.index] = server.status = status
+            self.retire(server, f"died: {status.reason}", "died")
+        return Health(pid=status.pid)
 
     def on_retired(self, server: _Server, reason: str, cause: RetireCause) -> None:
         if self._status[server.index].state in ("ready", "starting"):
@@ -161,19 +154,6 @@ class InferenceServerSet(Supervisor[_Server], ChildKind[_Server]):
         if cause in ("died", "wedged"):
             logger.warning("inference server %s retired: %s", server.status.url, reason)
 
-    def kill(self, server: _Server) -> None:
-        task = asyncio.get_running_loop().create_task(_stop(server.handle))
-        self._stops.add(task)
-        task.add_done_callback(self._stops.discard)
-
-    def tick(self, now: float) -> None:
-        if len(self.children) < self.replicas:  # a replacement that failed to start: again, on the budget
-            self.spawn("restart")
-
-
-async def _stop(actor: ray.actor.ActorHandle) -> None:
-    try:
-        await asyncio.wait_for(actor.close.remote(), STOP_TIMEOUT)
-    except Exception:
-        pass  # dead or wedged: ray.kill below ends it either way (and the server with it)
-    ray.kill(actor)
+    def stop(self, server: _Server) -> Awaitable[ServerStatus]:
+        # Lost or not: `close` takes vLLM's worker processes (its process group) down with the server.
+        return asyncio.wait_for(server.handle.close.remote(), STOP_TIMEOUT)

@@ -6,10 +6,10 @@
         def tick(self, now): ...                     # growth / shrink, on the supervisor's own tick
 
     servers = Supervisor("env pool math", EnvServers(...), settings)   # settings: one `Supervision`
-    first = servers.spawn("initial")                 # free; "restart" and "grow" spend the budget
-    await first.up                                   # ready, or the typed failure of its spawn
+    await servers.start()                            # the initial `floor` children, ready (free), then kept
+    server = await servers.wait_for(pick, 5.0)       # a ready child `pick` chooses, waiting for a starting one
     ...
-    await servers.close()
+    await servers.close()                            # every child stopped (`ChildKind.stop`) and killed
 
 One loop for all (Erlang/OTP's supervisor, with our liveness rule): each child's life runs in one owned
 task (spawn -> ready -> signs of life, each a `Health`, dated back by the loop stall it reports); one tick
@@ -30,7 +30,7 @@ import asyncio
 import logging
 import time
 from collections import Counter, deque
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, Generic, Literal, TypeVar
 
@@ -103,7 +103,7 @@ class ChildKind(Generic[C]):
     async def signs(self, child: C) -> AsyncIterator[Health]:
         """Its signs of life, until it stops answering (then the supervisor asks again)."""
         settings = self.supervisor.settings
-        while True:
+        while child.state == "ready":
             sent = time.monotonic()
             yield await asyncio.wait_for(self.probe(child), settings.probe_timeout_s)
             await asyncio.sleep(max(0.0, settings.probe_interval_s - (time.monotonic() - sent)))
@@ -132,6 +132,11 @@ class ChildKind(Generic[C]):
 
     def on_retired(self, child: C, reason: str, cause: RetireCause) -> None:
         """It left service (before it is killed): release what it held."""
+
+    def stop(self, child: C) -> Awaitable[Any] | None:
+        """How to stop it gracefully before it is killed (bounded by the kind: `close` waits for it), or
+        None: killed at once."""
+        return None
 
     def kill(self, child: C) -> None:
         import ray  # Ray is the engine, not the kernel's dependency
@@ -215,8 +220,13 @@ class Supervisor(Generic[C]):
         self.retired_log: deque[str] = deque(maxlen=RETIRED_HISTORY)
         self.spawned_for: Counter[SpawnWhy] = Counter()
         self._lives: dict[str, asyncio.Task[None]] = {}
+        self._stopping: set[asyncio.Task[None]] = set()
+        """Graceful stops under way: `close` waits for them (each bounded by its kind)."""
         self._last_probes: dict[str, asyncio.Task[None]] = {}
         """Children judged wedged, awaiting the last probe their kind asked for before retirement."""
+        self.floor = 0
+        """Children kept: below this many (a spawn failed, a loss was not replaced), one more is spawned
+        on every tick, on the budget."""
         self._failures_in_a_row = 0
         self._changed = asyncio.Event()
         self._judging = False
@@ -242,11 +252,31 @@ class Supervisor(Generic[C]):
         except TimeoutError:
             return False
 
+    async def wait_for(self, pick: Callable[[], C | None], timeout_s: float) -> C | None:
+        """`pick()`'s child; while it finds none and a child is starting (a replacement, a growth), wait for
+        it up to `timeout_s`. With none coming, None at once: no live child fails fast, never queues."""
+        deadline = time.monotonic() + timeout_s
+        while (child := pick()) is None and self.starting() and not self.closed:
+            if not await self.changed(deadline - time.monotonic()):
+                break
+        return child
+
     def _pulse(self) -> None:
         self._changed.set()
         self._changed = asyncio.Event()
 
     # ------------------------------------------------------------------------------------ spawning
+
+    async def start(self, n: int | None = None, ready_timeout_s: float | None = None) -> list[C]:
+        """Spawn the initial `n` children (free; `floor` by default) and wait until every one is ready.
+        The first failure is raised after every child is retired: a failed start leaves nothing running."""
+        children = [self.spawn("initial", ready_timeout_s) for _ in range(self.floor if n is None else n)]
+        try:
+            await asyncio.gather(*(child.up for child in children if child is not None))
+        except BaseException:
+            await self.close()
+            raise
+        return [child for child in children if child is not None]
 
     def spawn(self, why: SpawnWhy, ready_timeout_s: float | None = None) -> C | None:
         """Start one child (its readiness runs in the background: await `child.up`). None when the budget
@@ -354,6 +384,8 @@ class Supervisor(Generic[C]):
                     self._last_probes[child.name] = task
                 else:
                     self.retire(child, f"wedged: {child.life.verdict(now)}", "wedged")
+            if len(self.children) < self.floor:
+                self.spawn("restart")
             self.kind.tick(now)
 
     async def _last_probe(self, child: C) -> None:
@@ -361,21 +393,23 @@ class Supervisor(Generic[C]):
         an answer may say what wedged it (the kind reads it in its `probe`) or show it alive after all
         (a late sign of life under load: then it is not retired)."""
         try:
-            health = await asyncio.wait_for(self.kind.probe(child), self.settings.probe_timeout_s)
+            await self.check(child, self.settings.probe_timeout_s)  # no answer: the verdict stands
+        finally:
+            self._last_probes.pop(child.name, None)
+        if child.state == "ready" and child.life.wedged(now := time.monotonic()):
+            self.retire(child, f"wedged: {child.life.verdict(now)}", "wedged")
+
+    async def check(self, child: C, timeout_s: float) -> bool:
+        """Probe it once now: True when it answered (a sign of life); a death Ray reports retires it."""
+        try:
+            health = await asyncio.wait_for(self.kind.probe(child), timeout_s)
         except Exception as exc:
             if ray_loss(exc) == "died":
                 self.retire(child, f"died: {exit_detail(exc)}", "died")
-                return
-            health = None  # no answer: the verdict stands
-        finally:
-            self._last_probes.pop(child.name, None)
-        if child.state != "ready":
-            return
-        if health is not None:
+            return False
+        if child.state == "ready":
             child.life.heard(health.loop_stall_s)
-        now = time.monotonic()
-        if child.life.wedged(now):
-            self.retire(child, f"wedged: {child.life.verdict(now)}", "wedged")
+        return True
 
     def retire(self, child: C, reason: str, cause: RetireCause) -> None:
         """Take a child out of service at once: `gone` resolved, the kind told, the actor killed; a ready
@@ -401,7 +435,7 @@ class Supervisor(Generic[C]):
         try:
             self.kind.on_retired(child, reason, cause)
         finally:
-            self.kind.kill(child)
+            self._end(child)
             if lost and not self.closed:
                 # Its replacement starts now, not at the next tick: a request re-dispatched meanwhile
                 # waits for it instead of finding nothing starting.
@@ -409,11 +443,28 @@ class Supervisor(Generic[C]):
             self._pulse()
 
     async def close(self) -> None:
-        """Stop supervising and retire every child."""
+        """Stop supervising, retire every child and wait for their graceful stops (`ChildKind.stop`)."""
         await self.tasks.close()
         for child in list(self.children.values()):
             self.retire(child, "shut down", "shutdown")
+        if self._stopping:
+            await asyncio.wait(self._stopping)
         self._pulse()
+
+    def _end(self, child: C) -> None:
+        if (graceful := self.kind.stop(child)) is None:
+            return self.kind.kill(child)
+
+        async def stop() -> None:
+            try:
+                await graceful
+            except Exception as exc:  # dead or wedged: killed all the same
+                log.warning("%s: stopping %s: %r", self.name, child.name, exc)
+            self.kind.kill(child)
+
+        task = asyncio.get_running_loop().create_task(stop())
+        self._stopping.add(task)
+        task.add_done_callback(self._stopping.discard)
 
 
 def retrieve_exception(future: asyncio.Future[Any]) -> None:

@@ -35,7 +35,6 @@ from typing import Any, Literal
 from pydantic import BaseModel
 
 from rollout_actors.kernel import Failure
-from rollout_actors.kernel.faults import exit_detail, ray_loss
 from rollout_actors.kernel.supervision import Supervision
 from rollout_actors.kernel.supervisor import Child, ChildKind, RetireCause, Supervisor, retrieve_exception
 from rollout_actors.plane.config import PoolSupervision
@@ -105,7 +104,6 @@ class SupervisedPool(Supervisor[_Incarnation], ChildKind[_Incarnation]):
         self.recovered_in_s: float | None = None
         self.serving_since: float | None = None
         """`time.monotonic()` when the serving incarnation began serving."""
-        self._stopping: list[Any] = []
         supervision = Supervision(
             restart=settings.restart,
             ready_timeout_s=START_TIMEOUT_S,
@@ -120,12 +118,10 @@ class SupervisedPool(Supervisor[_Incarnation], ChildKind[_Incarnation]):
     async def start(self) -> Any:
         """Start the first incarnation. A failure here is the environment's or the config's, not a loss:
         it is raised as it is (with its traceback) and nothing is restarted."""
-        child = self.spawn("initial")
         try:
-            assert child is not None
-            await child.up
-        except BaseException as exc:
-            self.state = "failed"
+            (child,) = await super().start(1)
+        except BaseException as exc:  # the kernel closed the supervisor: nothing is left running
+            self.state, self._current = "failed", _future()
             if isinstance(exc, Exception):
                 self._current.set_exception(exc)
             else:
@@ -182,8 +178,6 @@ class SupervisedPool(Supervisor[_Incarnation], ChildKind[_Incarnation]):
             self._current.set_exception(PoolUnavailable(closed))
         await super().close()
         self._serving = None
-        for handle in self._stopping:
-            await self._stop(handle)
 
     # ------------------------------------------------------------------------- the kind's hooks
 
@@ -222,15 +216,11 @@ class SupervisedPool(Supervisor[_Incarnation], ChildKind[_Incarnation]):
             self.last_loss = f"restart {child.number} failed: {reason}"
             log.error("%s: %s", self.what, self.last_loss)
 
-    def kill(self, child: _Incarnation) -> None:
-        # Dead or wedged, what is left of it is killed: its renderers / env servers are owned by it and
-        # Ray ends them with it, so nothing of the lost subtree keeps serving (or holding CPUs). At close,
-        # the serving one is stopped (gracefully) instead.
-        if child.handle is not None:
-            if self.closed:
-                self._stopping.append(child.handle)
-            else:
-                super().kill(child)
+    def stop(self, child: _Incarnation) -> Awaitable[Any] | None:
+        # Dead or wedged, what is left of it is killed at once: its renderers / env servers are owned by
+        # it and Ray ends them with it, so nothing of the lost subtree keeps serving (or holding CPUs).
+        # At close, the serving one is stopped gracefully first.
+        return self._stop(child.handle) if self.closed and child.handle is not None else None
 
     def tick(self, now: float) -> None:
         """New incarnations until one serves or the budget is spent; every attempt spends a restart."""
@@ -252,15 +242,10 @@ class SupervisedPool(Supervisor[_Incarnation], ChildKind[_Incarnation]):
         unreachable or slow, holds re-dispatches back rather than have them spent on it)."""
         while child is self._serving:
             sent = time.monotonic()
-            try:
-                await asyncio.wait_for(child.handle.health.remote(), VERIFY_TIMEOUT_S)
+            if await self.check(child, VERIFY_TIMEOUT_S) or child is not self._serving:
                 return
-            except Exception as exc:
-                if ray_loss(exc) == "died":
-                    self.retire(child, f"died: {exit_detail(exc)}", "died")
-                    return
-                # Unreachable or slow: not dead yet; ask again while the probe judges.
-                await asyncio.sleep(max(0.0, self.settings.probe_interval_s - (time.monotonic() - sent)))
+            # Unreachable or slow: not dead yet; ask again while the probe judges.
+            await asyncio.sleep(max(0.0, self.settings.probe_interval_s - (time.monotonic() - sent)))
 
 
 def _future() -> asyncio.Future[PoolName]:
