@@ -33,6 +33,7 @@ from rollout_actors.kernel import Failure, Ref
 from rollout_actors.kernel.faults import exit_detail, ray_loss
 from rollout_actors.kernel.renamed import warn_renamed
 from rollout_actors.kernel.supervision import Health
+from rollout_actors.kernel.tasks import kill_actor
 
 __all__ = [
     "EnvPool",
@@ -354,14 +355,14 @@ async def start_env_pool(
             resolve(handle.start.remote(ready_timeout)), ready_timeout + POOL_STARTUP_SLACK_S
         )
     except asyncio.CancelledError:
-        _kill(handle)
+        kill_actor(handle)
         raise
     except Exception as exc:
-        _kill(handle)
+        kill_actor(handle)
         message = f"env pool {name!r} ({env.target}) did not start: {exc!r}"
         raise EnvStartupError(message, Failure.from_exception(exc)) from exc
     if not response.success:
-        _kill(handle)
+        kill_actor(handle)
         failure = response.error or Failure(type="EnvStartupError", message="unknown")
         message = f"env pool {name!r} could not start {env.target}: {failure.type}: {failure.message}"
         if failure.traceback:
@@ -382,7 +383,7 @@ async def close_env_pool(handle: Any, timeout: float = 10.0) -> EnvPoolStats | N
         stats = await asyncio.wait_for(resolve(handle.close.remote()), timeout)
     except Exception:  # a dead or wedged pool is killed below all the same
         pass
-    _kill(handle)
+    kill_actor(handle)
     return stats
 
 
@@ -390,10 +391,3 @@ async def stop_env_pool(handle: Any, timeout: float = 10.0) -> EnvPoolStats | No
     """The old name of `close_env_pool` (DESIGN.md, "Words": close is the one stop verb)."""
     warn_renamed("stop_env_pool", "close_env_pool")
     return await close_env_pool(handle, timeout)
-
-
-def _kill(handle: Any) -> None:
-    try:
-        ray.kill(handle, no_restart=True)
-    except Exception:  # already dead
-        pass

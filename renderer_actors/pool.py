@@ -37,7 +37,7 @@ from renderer_actors.renderer_set import RendererBudgetSpent, RendererChild, Ren
 from rollout_actors.kernel import new_id
 from rollout_actors.kernel.metric import Metric
 from rollout_actors.kernel.supervision import Health
-from rollout_actors.kernel.supervisor import TaskOwner
+from rollout_actors.kernel.tasks import TaskOwner
 
 __all__ = ["RendererBudgetSpent", "RendererPool", "RendererStartupError", "get_or_create_renderer_pool"]
 

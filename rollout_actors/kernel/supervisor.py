@@ -30,20 +30,21 @@ import asyncio
 import logging
 import time
 from collections import Counter, deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Generic, Literal, TypeVar
 
 from rollout_actors.kernel.faults import Unavailable, exit_detail, ray_loss
 from rollout_actors.kernel.supervision import Health, Liveness, RestartBudget, Supervision
+from rollout_actors.kernel.tasks import TaskOwner, kill_actor, retrieve_exception
+
+__all__ = ["Child", "ChildKind", "RestartBudgetSpent", "Supervisor", "TaskOwner", "retrieve_exception"]
 
 log = logging.getLogger(__name__)
 
 TICK_S = 0.1  # judging resolution: a wedge is declared within hang_timeout_s + TICK_S
 DEAF_S = 1.0  # a tick this late means the supervisor's own loop stalled: that time is nobody's silence
-CLOSE_GRACE_S = 2.0  # for cancelled tasks to unwind
 RETIRED_HISTORY = 32
-RESTART_PAUSE_S = 0.5  # before a kept loop that died is started again: a bug must not spin the loop
 
 SpawnWhy = Literal["initial", "restart", "grow", "blamed"]
 """Why a child is spawned: `initial` (the set the owner started with) is free; so is `blamed`, the
@@ -139,68 +140,10 @@ class ChildKind(Generic[C]):
         return None
 
     def kill(self, child: C) -> None:
-        import ray  # Ray is the engine, not the kernel's dependency
-
-        if not ray.is_initialized():  # no actor without Ray; and `ray.kill` would start a cluster
-            return
-        try:
-            ray.kill(child.handle, no_restart=True)
-        except Exception:  # already gone; killing is best effort by nature
-            pass
+        kill_actor(child.handle)
 
     def tick(self, now: float) -> None:
         """Growth and shrink policy, on every judging tick."""
-
-
-class TaskOwner:
-    """Owns background tasks (Trio's rule): each is waited for or cancelled by `close`. A task that dies
-    of an exception is never silent: it is logged with its traceback and `on_death` is told (an owner
-    that cannot go on without it goes down); a `keep` loop is restarted instead."""
-
-    def __init__(self, name: str, on_death: Callable[[str, BaseException], None] | None = None) -> None:
-        self.name = name
-        self.closed = False
-        self._tasks: set[asyncio.Task[Any]] = set()
-        self._on_death = on_death
-
-    def own(self, coro: Coroutine[Any, Any, Any], name: str = "task") -> asyncio.Task[Any]:
-        task = asyncio.get_running_loop().create_task(coro, name=f"{self.name}: {name}")
-        self._tasks.add(task)
-        task.add_done_callback(self._ended)
-        return task
-
-    def keep(self, loop: Callable[[], Coroutine[Any, Any, Any]], name: str) -> None:
-        """Run `loop()` until it returns or `close`; started again (loudly) whenever it dies."""
-
-        async def kept() -> None:
-            while not self.closed:
-                try:
-                    return await loop()
-                except asyncio.CancelledError:
-                    raise
-                except Exception:
-                    log.exception("%s: background loop %r died; restarting it", self.name, name)
-                    await asyncio.sleep(RESTART_PAUSE_S)
-
-        self.own(kept(), name)
-
-    def _ended(self, task: asyncio.Task[Any]) -> None:
-        self._tasks.discard(task)
-        if task.cancelled() or (exc := task.exception()) is None:
-            return
-        log.error("%s: task %s died", self.name, task.get_name(), exc_info=exc)
-        if self._on_death is not None and not self.closed:
-            self._on_death(task.get_name(), exc)
-
-    async def close(self, grace_s: float = CLOSE_GRACE_S) -> None:
-        """Cancel every task (but the caller's own) and wait up to `grace_s` for them to unwind."""
-        self.closed = True
-        current = asyncio.current_task()
-        tasks = [t for t in self._tasks if t is not current]
-        for task in tasks:
-            task.cancel()
-        if tasks:
-            await asyncio.wait(tasks, timeout=grace_s)
 
 
 class Supervisor(Generic[C]):
@@ -465,9 +408,3 @@ class Supervisor(Generic[C]):
         task = asyncio.get_running_loop().create_task(stop())
         self._stopping.add(task)
         task.add_done_callback(self._stopping.discard)
-
-
-def retrieve_exception(future: asyncio.Future[Any]) -> None:
-    """A future that failed with nobody waiting must not log 'exception was never retrieved'."""
-    if not future.cancelled():
-        future.exception()

@@ -36,7 +36,8 @@ from pydantic import BaseModel
 
 from rollout_actors.kernel import Failure
 from rollout_actors.kernel.supervision import Supervision
-from rollout_actors.kernel.supervisor import Child, ChildKind, RetireCause, Supervisor, retrieve_exception
+from rollout_actors.kernel.supervisor import Child, ChildKind, RetireCause, Supervisor
+from rollout_actors.kernel.tasks import holds_value, retrieve_exception
 from rollout_actors.plane.config import PoolSupervision
 from rollout_actors.rollout.pool_lookup import PoolName
 
@@ -252,8 +253,3 @@ def _future() -> asyncio.Future[PoolName]:
     future = asyncio.get_running_loop().create_future()
     future.add_done_callback(retrieve_exception)
     return future
-
-
-def holds_value(future: asyncio.Future[Any]) -> bool:
-    """`future` already holds a value (not pending, cancelled or failed)."""
-    return future.done() and not future.cancelled() and future.exception() is None
