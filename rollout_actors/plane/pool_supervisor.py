@@ -37,7 +37,6 @@ from pydantic import BaseModel
 from rollout_actors.kernel import Failure
 from rollout_actors.kernel.supervision import Supervision
 from rollout_actors.kernel.supervisor import Child, ChildKind, RetireCause, Supervisor
-from rollout_actors.kernel.tasks import holds_value, retrieve_exception
 from rollout_actors.plane.config import PoolSupervision
 from rollout_actors.rollout.pool_lookup import PoolName
 
@@ -96,9 +95,7 @@ class SupervisedPool(Supervisor[_Incarnation], ChildKind[_Incarnation]):
         self.state: PoolState = "starting"
         self.incarnation = 0
         self._serving: _Incarnation | None = None
-        self._current: asyncio.Future[PoolName] = _future()
-        """Resolved with the serving incarnation's name; replaced while a restart is in progress;
-        failed with `PoolUnavailable` when the pool is given up."""
+        self._start_failure: BaseException | None = None
         self._verifying: asyncio.Task[None] | None = None
         self._lost_at = 0.0
         self.last_loss: str | None = None
@@ -122,11 +119,7 @@ class SupervisedPool(Supervisor[_Incarnation], ChildKind[_Incarnation]):
         try:
             (child,) = await super().start(1)
         except BaseException as exc:  # the kernel closed the supervisor: nothing is left running
-            self.state, self._current = "failed", _future()
-            if isinstance(exc, Exception):
-                self._current.set_exception(exc)
-            else:
-                self._current.cancel()
+            self.state, self._start_failure = "failed", exc
             raise
         return child.handle
 
@@ -137,24 +130,23 @@ class SupervisedPool(Supervisor[_Incarnation], ChildKind[_Incarnation]):
         already gone (one check shared by every caller)."""
         deadline = time.monotonic() + timeout
         if self.state == "failed" and self.serving_since is not None and self.budget.remaining() > 0:
-            self._restarting()  # the restart window has room again
-        if not verify and holds_value(self._current):  # the common case: no task, no shield per dispatch
-            return self._current.result()
-        try:
-            if verify and self._serving is not None:
-                if self._verifying is None or self._verifying.done():
-                    self._verifying = self.tasks.own(self._verify(self._serving), "verify")
+            self._restart()  # the restart window has room again
+        elif self.state == "restarting" and not self.children:
+            self._restart()  # a restart failed to start: its successor starts now, not at the next tick
+        serving = self._serving
+        if verify and serving is not None:
+            if self._verifying is None or self._verifying.done():
+                self._verifying = self.tasks.own(self._verify(serving), "verify")
+            try:
                 await asyncio.wait_for(asyncio.shield(self._verifying), timeout)
-            return await asyncio.wait_for(
-                asyncio.shield(self._current), max(0.0, deadline - time.monotonic())
-            )
-        except TimeoutError:
-            failure = Failure(
-                type="PoolUnavailable",
-                message=f"{self.what} was not serving within {timeout:g} s ({self.state}; last loss: "
-                f"{self.last_loss})",
-            )
-            raise PoolUnavailable(failure) from None
+            except TimeoutError:
+                raise self._unavailable(timeout) from None
+            serving = self._serving
+        if serving is None:  # the common case never waits: no task, no timer per dispatch
+            serving = await self.wait_for(lambda: self._serving, deadline - time.monotonic())
+        if serving is None:
+            raise self._unavailable(timeout)
+        return PoolName(self.pool, serving.number)
 
     def current(self) -> Any:
         """The serving incarnation's handle, or None while there is none."""
@@ -174,11 +166,7 @@ class SupervisedPool(Supervisor[_Incarnation], ChildKind[_Incarnation]):
     async def close(self) -> None:
         """Stop supervising, then stop the serving incarnation. Whoever waits for it is answered at once."""
         self.state = "closed"
-        if not self._current.done():
-            closed = Failure(type="PoolUnavailable", message=f"{self.what} is shut down (the plane closed)")
-            self._current.set_exception(PoolUnavailable(closed))
         await super().close()
-        self._serving = None
 
     # ------------------------------------------------------------------------- the kind's hooks
 
@@ -192,9 +180,6 @@ class SupervisedPool(Supervisor[_Incarnation], ChildKind[_Incarnation]):
     def on_ready(self, child: _Incarnation) -> None:
         self._serving, self.state = child, "serving"
         self.serving_since = time.monotonic()
-        if self._current.done():
-            self._current = _future()
-        self._current.set_result(PoolName(self.pool, child.number))
         if self._lost_at:
             self.recovered_in_s = time.monotonic() - self._lost_at
             log.warning(
@@ -205,14 +190,14 @@ class SupervisedPool(Supervisor[_Incarnation], ChildKind[_Incarnation]):
             )
 
     def on_retired(self, child: _Incarnation, reason: str, cause: RetireCause) -> None:
-        if cause == "shutdown":
-            return
         if child is self._serving:
             self._serving = None
+            if cause == "shutdown":
+                return
             self._lost_at = time.monotonic()
             self.last_loss = reason
             log.error("%s (incarnation %d) lost: %s", self.what, child.number, reason)
-            self._restarting()
+            self.state = "restarting"  # its replacement is spawned by the kernel, on the budget
         elif self.state == "restarting":
             self.last_loss = f"restart {child.number} failed: {reason}"
             log.error("%s: %s", self.what, self.last_loss)
@@ -224,19 +209,27 @@ class SupervisedPool(Supervisor[_Incarnation], ChildKind[_Incarnation]):
         return self._stop(child.handle) if self.closed and child.handle is not None else None
 
     def tick(self, now: float) -> None:
-        """New incarnations until one serves or the budget is spent; every attempt spends a restart."""
-        if self.state == "restarting" and not self.children and self.spawn("restart") is None:
-            self.state = "failed"
-            message = (
-                f"{self.what} is not restarted: {self.refused or self.stopped}; last loss: {self.last_loss}"
-            )
-            log.error("%s", message)
-            self._current.set_exception(PoolUnavailable(Failure(type="PoolUnavailable", message=message)))
+        if self.state == "restarting" and not self.children:
+            self._restart()
 
-    def _restarting(self) -> None:
+    def _restart(self) -> None:
+        """New incarnations until one serves or the budget is spent; every attempt spends a restart.
+        Refused: the pool is failed, and requests that need it are answered at once."""
         self.state = "restarting"
-        if self._current.done():
-            self._current = _future()
+        if not self.children and self.spawn("restart") is None:
+            self.state = "failed"
+            log.error("%s", self._unavailable(0.0))
+
+    def _unavailable(self, timeout: float) -> BaseException:
+        if self._start_failure is not None:  # its first start failed: that failure, as it was raised
+            return self._start_failure
+        if self.state == "closed":
+            why = "is shut down (the plane closed)"
+        elif not self.children and (self.refused or self.stopped):
+            why = f"is not restarted: {self.refused or self.stopped}; last loss: {self.last_loss}"
+        else:
+            why = f"was not serving within {timeout:g} s ({self.state}; last loss: {self.last_loss})"
+        return PoolUnavailable(Failure(type="PoolUnavailable", message=f"{self.what} {why}"))
 
     async def _verify(self, child: _Incarnation) -> None:
         """Until `child` answers (alive) or is lost: dead now, or judged by the probe (a pool in doubt,
@@ -247,9 +240,3 @@ class SupervisedPool(Supervisor[_Incarnation], ChildKind[_Incarnation]):
                 return
             # Unreachable or slow: not dead yet; ask again while the probe judges.
             await asyncio.sleep(max(0.0, self.settings.probe_interval_s - (time.monotonic() - sent)))
-
-
-def _future() -> asyncio.Future[PoolName]:
-    future = asyncio.get_running_loop().create_future()
-    future.add_done_callback(retrieve_exception)
-    return future
