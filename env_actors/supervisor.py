@@ -182,7 +182,8 @@ class Supervisor(KernelSupervisor[ServerSlot], ChildKind[ServerSlot]):
                     failure = Failure(type="EnvReadinessTimeout", message=str(exc))
                 elif exc is not None and ray_loss(exc) == "died":
                     died.append(exc)
-                    if time.monotonic() < deadline:
+                    # Replaced within the deadline, unless the floor's tick did already: one restart per death.
+                    if time.monotonic() < deadline and len(self.children) < self.floor:
                         self.spawn("restart", deadline - time.monotonic())
                 elif exc is not None:
                     failure = Failure.from_exception(exc)

@@ -93,10 +93,6 @@ class WorkerSet(Supervisor[WorkerSlot], ChildKind[WorkerSlot]):
     def slots(self) -> list[WorkerSlot]:
         return self.ready()
 
-    @property
-    def lost_count(self) -> int:
-        return self.deaths
-
     # ------------------------------------------------------------------------------------ dispatch
 
     def live(self) -> list[WorkerSlot]:
