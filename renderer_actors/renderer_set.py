@@ -81,10 +81,7 @@ class RendererSet(Supervisor[RendererChild], ChildKind[RendererChild]):
         if renderer is None and len(live) < self.config.max_renderers_per_key:
             renderer = self.spawn("initial" if not self.spawns else "grow" if live else "restart")
             if renderer is None and not live:
-                raise RendererBudgetSpent(
-                    f"renderer for {self.key_json} is not restarted: {self.stopped or self.refused}; "
-                    f"last: {self.last_death}"
-                )
+                raise self.budget_spent(f"renderer for {self.key_json}", self.last_death, RendererBudgetSpent)
         return renderer or min(live, key=_preference)
 
     def stats(self, now: float) -> RendererKeyStats:

@@ -254,9 +254,13 @@ class Supervisor(Generic[C]):
         self._lives[child.name] = self.tasks.own(life, child.name)
         return child
 
-    def budget_spent(self, what: str) -> RestartBudgetSpent:
-        """The typed failure for a request that needed a child the budget refused."""
-        return RestartBudgetSpent(f"{what} is not restarted: {self.refused or self.budget.spent_message()}")
+    def budget_spent(
+        self, what: str, last_loss: str | None = None, cls: type[RestartBudgetSpent] = RestartBudgetSpent
+    ) -> RestartBudgetSpent:
+        """The typed failure for a request that needed a child the budget refused (or a crash loop
+        stopped): one message for every kind, with the last loss where the kind knows it."""
+        why = self.stopped or self.refused or self.budget.spent_message()
+        return cls(f"{what} is not restarted: {why}" + (f"; last loss: {last_loss}" if last_loss else ""))
 
     async def _live(self, child: C, ready_timeout_s: float) -> None:
         try:

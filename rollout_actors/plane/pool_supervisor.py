@@ -224,12 +224,12 @@ class SupervisedPool(Supervisor[_Incarnation], ChildKind[_Incarnation]):
         if self._start_failure is not None:  # its first start failed: that failure, as it was raised
             return self._start_failure
         if self.state == "closed":
-            why = "is shut down (the plane closed)"
+            message = f"{self.what} is shut down (the plane closed)"
         elif not self.children and (self.refused or self.stopped):
-            why = f"is not restarted: {self.refused or self.stopped}; last loss: {self.last_loss}"
+            message = str(self.budget_spent(self.what, self.last_loss))
         else:
-            why = f"was not serving within {timeout:g} s ({self.state}; last loss: {self.last_loss})"
-        return PoolUnavailable(Failure(type="PoolUnavailable", message=f"{self.what} {why}"))
+            message = f"{self.what} was not serving within {timeout:g} s ({self.state}; last loss: {self.last_loss})"
+        return PoolUnavailable(Failure(type="PoolUnavailable", message=message))
 
     async def _verify(self, child: _Incarnation) -> None:
         """Until `child` answers (alive) or is lost: dead now, or judged by the probe (a pool in doubt,
