@@ -361,8 +361,8 @@ class Supervisor(Generic[C]):
     def retire(self, child: C, reason: str, cause: RetireCause) -> None:
         """Take a child out of service at once: `gone` resolved, the kind told, the actor killed; a ready
         one that died or wedged is replaced now, on the budget unless the kind blames the loss on
-        something bounded elsewhere (`budgets_replacement`; a spawn that failed is the kind's to retry,
-        in its `tick`, on the budget). Idempotent."""
+        something bounded elsewhere (`budgets_replacement`; a spawn that failed is retried on the budget
+        by the `floor`, or by the kind's `tick`). Idempotent."""
         if child.state == "retired":
             return
         lost = cause in ("died", "wedged") and child.state == "ready"
