@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import ray
 
@@ -50,7 +50,7 @@ minutes, because a model server's load alone takes minutes."""
 @dataclass(eq=False)
 class _Server(Child):
     index: int = 0
-    status: ServerStatus = field(default_factory=lambda: ServerStatus(state="starting"))
+    """Its slot: `status()[index]` is its status."""
 
 
 class InferenceServerSet(Supervisor[_Server], ChildKind[_Server]):
@@ -97,8 +97,8 @@ class InferenceServerSet(Supervisor[_Server], ChildKind[_Server]):
 
     def endpoints(self) -> list[str]:
         """OpenAI base URLs of the servers that are ready now (a dead one drops out at once)."""
-        ready = sorted(self.ready(), key=lambda s: s.index)
-        return [s.status.url for s in ready if s.status.state == "ready" and s.status.url]
+        status = [self._status[s.index] for s in sorted(self.ready(), key=lambda s: s.index)]
+        return [s.url for s in status if s.state == "ready" and s.url]
 
     def status(self) -> list[ServerStatus]:
         return list(self._status)
@@ -138,21 +138,22 @@ class InferenceServerSet(Supervisor[_Server], ChildKind[_Server]):
                 await self.before_routing(status.url)
             except Exception as exc:
                 status = status.model_copy(update={"state": "dead", "reason": f"before_routing: {exc!r}"})
-        self._status[server.index] = server.status = status  # only a ready server enters endpoints()
+        self._status[server.index] = status  # only a ready server enters endpoints()
         raise_for_startup(status)
 
     async def probe(self, server: _Server) -> Health:
         status = await server.handle.watch.remote(self.probe_interval_s)  # returns at once if it exits
         if status.state != "ready":  # it exited, or was killed as wedged
-            self._status[server.index] = server.status = status
+            self._status[server.index] = status
             self.retire(server, f"died: {status.reason}", "died")
         return Health(pid=status.pid)
 
     def on_retired(self, server: _Server, reason: str, cause: RetireCause) -> None:
-        if self._status[server.index].state in ("ready", "starting"):
-            self._status[server.index] = server.status.model_copy(update={"state": "dead", "reason": reason})
+        status = self._status[server.index]
+        if status.state in ("ready", "starting"):
+            self._status[server.index] = status.model_copy(update={"state": "dead", "reason": reason})
         if cause in ("died", "wedged"):
-            logger.warning("inference server %s retired: %s", server.status.url, reason)
+            logger.warning("inference server %s retired: %s", status.url, reason)
 
     def stop(self, server: _Server) -> Awaitable[ServerStatus]:
         # Lost or not: `close` takes vLLM's worker processes (its process group) down with the server.
