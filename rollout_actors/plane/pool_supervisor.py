@@ -16,11 +16,8 @@ waits for Ray to free the old name), is started within the pool's restart budget
 spends a restart too; with the budget spent the pool is `failed` and every request that needs it is
 answered at once, until the window has room again (the next request that needs it then starts it anew).
 
-Nothing of a dead incarnation is adopted: its sessions and leases ended with its subtree, and the rollouts
-that held them are re-dispatched under their lease (contract 5). The new incarnation is built from what
-the plane declared (the environment `Ref`, the pool configs), which is all that survives a pool. Each
-dispatch names the serving incarnation (`PoolName`), so a worker looks a replacement up on its first
-dispatch and never uses a lost one (`pool_lookup.py`).
+Nothing of a dead incarnation is adopted (README, "Supervision": what survives a pool's loss); each
+dispatch names the serving incarnation (`PoolName`), so a worker never uses a lost one (`pool_lookup.py`).
 """
 
 from __future__ import annotations
