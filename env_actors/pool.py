@@ -33,6 +33,7 @@ from rollout_actors.kernel import Failure, Ref
 from rollout_actors.kernel.faults import exit_detail, ray_loss
 from rollout_actors.kernel.renamed import warn_renamed
 from rollout_actors.kernel.supervision import Health
+from rollout_actors.kernel.tasks import kill_actor
 
 __all__ = [
     "EnvPool",
@@ -85,7 +86,7 @@ class EnvPool:
     async def start(self, ready_timeout: float) -> EnvResponse:
         """Bring up the first worker (readiness handshake) and start supervising. Idempotent."""
         if not self._started and not self._closed:
-            failure = await self._supervisor.start(ready_timeout)
+            failure = await self._supervisor.start_first(ready_timeout)
             if failure is not None:
                 self._closed = True
                 return EnvResponse.failed(failure)
@@ -132,7 +133,7 @@ class EnvPool:
             if session_id in self._sessions:
                 answers.append(_caller_failure("DuplicateEnvSession", f"session id {session_id!r} is in use"))
                 continue
-            slot = self._supervisor.least_busy() or await self._supervisor.ready_worker(wait_s)
+            slot = await self._supervisor.wait_for(self._supervisor.least_busy, wait_s)
             if slot is None:
                 answers.append(self._no_live_worker())
                 continue
@@ -354,14 +355,14 @@ async def start_env_pool(
             resolve(handle.start.remote(ready_timeout)), ready_timeout + POOL_STARTUP_SLACK_S
         )
     except asyncio.CancelledError:
-        _kill(handle)
+        kill_actor(handle)
         raise
     except Exception as exc:
-        _kill(handle)
+        kill_actor(handle)
         message = f"env pool {name!r} ({env.target}) did not start: {exc!r}"
         raise EnvStartupError(message, Failure.from_exception(exc)) from exc
     if not response.success:
-        _kill(handle)
+        kill_actor(handle)
         failure = response.error or Failure(type="EnvStartupError", message="unknown")
         message = f"env pool {name!r} could not start {env.target}: {failure.type}: {failure.message}"
         if failure.traceback:
@@ -382,7 +383,7 @@ async def close_env_pool(handle: Any, timeout: float = 10.0) -> EnvPoolStats | N
         stats = await asyncio.wait_for(resolve(handle.close.remote()), timeout)
     except Exception:  # a dead or wedged pool is killed below all the same
         pass
-    _kill(handle)
+    kill_actor(handle)
     return stats
 
 
@@ -390,10 +391,3 @@ async def stop_env_pool(handle: Any, timeout: float = 10.0) -> EnvPoolStats | No
     """The old name of `close_env_pool` (DESIGN.md, "Words": close is the one stop verb)."""
     warn_renamed("stop_env_pool", "close_env_pool")
     return await close_env_pool(handle, timeout)
-
-
-def _kill(handle: Any) -> None:
-    try:
-        ray.kill(handle, no_restart=True)
-    except Exception:  # already dead
-        pass

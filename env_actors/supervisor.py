@@ -125,6 +125,7 @@ class Supervisor(KernelSupervisor[ServerSlot], ChildKind[ServerSlot]):
         self._on_retire = on_retire
         self._incarnation = uuid.uuid4().hex[:6]  # server names stay unique across pools of one name
         super().__init__(name, self, config.supervision)
+        self.floor = config.min_servers
 
     # ---------------------------------------------------------------------------------- placement
 
@@ -148,18 +149,9 @@ class Supervisor(KernelSupervisor[ServerSlot], ChildKind[ServerSlot]):
             return True
         return slot.life.silent_s(now) > quiet_s
 
-    async def ready_worker(self, wait_s: float) -> ServerSlot | None:
-        """The least-busy ready server. With none ready but one starting (the replacement of one that
-        died), wait for it up to `wait_s`; with none coming, None at once: no live server fails fast."""
-        deadline = time.monotonic() + wait_s
-        while (slot := self.least_busy()) is None and self.starting() and not self.closed:
-            if not await self.changed(deadline - time.monotonic()):
-                break
-        return slot
-
     # ------------------------------------------------------------------------------------ startup
 
-    async def start(self, ready_timeout: float) -> Failure | None:
+    async def start_first(self, ready_timeout: float) -> Failure | None:
         """Spawn `min_servers` and wait for the first to be ready. On failure everything is retired and
         the failure returned: a load error at once (with the environment's traceback), servers that died
         while loading past the restart budget, or the readiness deadline."""
@@ -190,7 +182,8 @@ class Supervisor(KernelSupervisor[ServerSlot], ChildKind[ServerSlot]):
                     failure = Failure(type="EnvReadinessTimeout", message=str(exc))
                 elif exc is not None and ray_loss(exc) == "died":
                     died.append(exc)
-                    if time.monotonic() < deadline:
+                    # Replaced within the deadline, unless the floor's tick did already: one restart per death.
+                    if time.monotonic() < deadline and len(self.children) < self.floor:
                         self.spawn("restart", deadline - time.monotonic())
                 elif exc is not None:
                     failure = Failure.from_exception(exc)
@@ -282,9 +275,9 @@ class Supervisor(KernelSupervisor[ServerSlot], ChildKind[ServerSlot]):
         ready, starting = self.ready(), self.starting()
         live = len(ready) + len(starting)
         sessions = sum(self.sessions.on(w.name) for w in ready)
-        if live < cfg.min_servers:
-            self.spawn("restart")
-        elif (
+        if live < self.floor:
+            return  # the kernel spawns one more, on the budget
+        if (
             not starting
             and live < cfg.max_servers
             and sessions >= cfg.grow_fraction * len(ready) * cfg.multiplex

@@ -1,4 +1,4 @@
-"""`RendererPool`: one named async actor that hands renderer slots to every rollout worker.
+"""`RendererPool`: one named async actor that leases renderer slots to every rollout worker.
 
 Usage (the session does this for a rollout; see `renderer_actors.session`)::
 
@@ -7,184 +7,48 @@ Usage (the session does this for a rollout; see `renderer_actors.session`)::
     ids = await slot.renderer.start.remote(messages, tools)
     await pool.release.remote(slot.slot_id)
 
-Policy, per `RendererKey` (model, library renderer config + template kwargs, history policy):
+The first slot for a `RendererKey` (model, library renderer config + template kwargs, history policy)
+returns at once and warms one renderer in the background; callers wait for its readiness themselves
+(`renderer.ready`), within their own deadlines. `multiplex` is not part of the key: configs that differ
+only in multiplex share one set of renderers, and the first slot for a key fixes its multiplex (later
+values are ignored; `stats` shows the one in force). A slot is held until released, until its holder is
+lost (`release_owned`), for at most `slot_timeout_s`, or until its renderer leaves service (then it is
+orphaned and its holder acquires a new one).
 
-- The first slot for a key returns at once and warms one renderer in the background; callers wait for
-  its readiness themselves (`renderer.ready`), within their own deadlines.
-- A slot is placed on the least-loaded renderer with a free slot (ready ones first). A renderer is
-  added only when every renderer of the key holds `multiplex` slots.
-- `multiplex` is not part of the key: configs that differ only in multiplex share one pool of renderers,
-  and the first slot for a key fixes its multiplex (later values are ignored, and `stats` shows the
-  one in force).
-- Idle renderers beyond one per key are retired after `idle_timeout_s`.
-- A dead renderer (reported by a session that saw it die, or missed health checks) is replaced; its
-  slots are orphaned and their holders acquire new ones. A startup failure fails every slot for that key
-  at once for `failure_hold_s`, with the renderer's traceback, instead of spawning a doomed renderer per
-  call.
-- Every spawn after the key's first (a renderer more under load, or one replacing a renderer that died,
-  wedged or failed to start) spends one restart from the key's budget (`RendererPoolConfig.restart`). With
-  none left the key does not grow (slots overfill its live renderers) and is not respawned: with none
-  live, slots fail at once saying so, until the window moves on.
-
-Each key's renderers are children of the kernel's `Supervisor` (readiness, probes, wedges, replacement);
-the pool keeps only slots, placement and its reaper. `close` stops them all and kills the renderers.
+This module is the leasing; each key's renderers are supervised by a `RendererSet` (`renderer_set.py`:
+placement, growth on the key's restart budget, startup failures, idle shrink). `close` stops them all.
 Renderers are created by the pool, so they fate-share with it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
-import logging
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import ray
 
 from renderer_actors.calls import RendererSlot
-from renderer_actors.config import RendererKeyStats, RendererPoolConfig, RendererPoolStats, RendererStats
+from renderer_actors.config import RendererPoolConfig, RendererPoolStats
 from renderer_actors.key import RendererKey
+from renderer_actors.renderer_set import RendererBudgetSpent, RendererChild, RendererSet, RendererStartupError
 from rollout_actors.kernel import new_id
-from rollout_actors.kernel.faults import CallerError, LoadFailed, ray_loss, remote_cause
 from rollout_actors.kernel.metric import Metric
 from rollout_actors.kernel.supervision import Health
-from rollout_actors.kernel.supervisor import (
-    Child,
-    ChildKind,
-    RestartBudgetSpent,
-    RetireCause,
-    Supervisor,
-    TaskOwner,
-)
+from rollout_actors.kernel.tasks import TaskOwner
 
-log = logging.getLogger(__name__)
+__all__ = ["RendererBudgetSpent", "RendererPool", "RendererStartupError", "get_or_create_renderer_pool"]
 
 LOST_OWNER_MEMORY = 1_000  # lost owners remembered, so a slot one asked for before dying is refused
 POOL_MAX_CONCURRENCY = 10_000  # slots are instant; this only bounds how many callers may queue at once
-FAILED_LOAD_LINGER_S = 5.0  # a renderer whose load failed answers its waiters with the failure this long
-RENDERER_MIN_CONCURRENCY = 64  # health checks and readiness waits on top of `multiplex` rollouts
 
 
 RENDERERS = Metric(kind="gauge", name="renderers", description="Renderer actors per key", tag_keys=("key",))
 SLOTS = Metric(  # the metric keeps its published name
     kind="gauge", name="renderer_leases", description="Renderer slots held per key", tag_keys=("key",)
 )
-
-
-class RendererStartupError(LoadFailed):
-    """A renderer for this key failed to load recently (the message carries its traceback): every slot
-    of the key fails at once with it for `failure_hold_s` (`caller` when the load refused the key itself)."""
-
-
-class RendererBudgetSpent(RestartBudgetSpent):
-    """The key's renderers died, wedged or failed to start more often than its restart budget allows."""
-
-
-@dataclass(eq=False)
-class _Renderer(Child):
-    slots: set[str] = field(default_factory=set)
-    idle_since: float = 0.0
-    linger: bool = False
-    """Its load failed: killed a moment later, so sessions waiting on `ready` get the load's own failure."""
-
-
-class _KeyPool(Supervisor[_Renderer], ChildKind[_Renderer]):
-    """The renderers of one key: the kernel's supervisor, with renderer start-up plugged in."""
-
-    def __init__(self, key_json: str, multiplex: int, config: RendererPoolConfig, orphan: Any) -> None:
-        self.key_json, self.multiplex, self.config = key_json, multiplex, config
-        self.startup_failure: str | None = None
-        self.startup_kind = "infrastructure"
-        """`caller` when the load refused what the key names (a `CallerError` on the renderer's side)."""
-        self.failed_at = 0.0
-        self.last_death = ""
-        self.startup_failures = 0
-        self._orphan = orphan
-        super().__init__(RendererKey.from_json(key_json).short(), self, config.supervision)
-
-    def create(self, name: str) -> _Renderer:
-        renderer_id = new_id("renderer")
-        renderer_class = _remote_renderer()
-        handle = renderer_class.options(
-            num_cpus=self.config.renderer_num_cpus,
-            max_concurrency=2 * self.multiplex + RENDERER_MIN_CONCURRENCY,
-            scheduling_strategy="SPREAD",  # one node's loss takes a fraction of the renderers
-        ).remote(self.key_json, renderer_id, self.config.allowed_ref_prefixes)
-        return _Renderer(renderer_id, handle, idle_since=time.monotonic())
-
-    async def handshake(self, renderer: _Renderer) -> None:
-        await renderer.handle.ready.remote()
-
-    def on_spawn_failed(self, renderer: _Renderer, exc: BaseException) -> None:
-        if ray_loss(exc) is not None:
-            # Its process died while loading (killed, its node lost): a death, replaced under the key's
-            # restart budget, not a startup failure that would fail every slot for failure_hold_s.
-            self.spawn("restart")
-            return
-        what = str(exc) if not isinstance(exc, TimeoutError) else f"timed out ({exc})"
-        self.startup_failure = f"renderer for {self.key_json} failed to start: {what}"
-        self.startup_kind = "caller" if isinstance(remote_cause(exc), CallerError) else "infrastructure"
-        self.failed_at = time.monotonic()
-        self.startup_failures += 1
-        renderer.linger = True
-        log.warning("%s", self.startup_failure)
-
-    def on_ready(self, renderer: _Renderer) -> None:
-        self.startup_failure = None
-
-    def on_retired(self, renderer: _Renderer, reason: str, cause: RetireCause) -> None:
-        if cause != "shrunk":
-            self.last_death = f"renderer {renderer.name} {reason}"
-        self._orphan(renderer)
-
-    def kill(self, renderer: _Renderer) -> None:
-        if renderer.linger and not self.closed:
-            asyncio.get_running_loop().call_later(FAILED_LOAD_LINGER_S, super().kill, renderer)
-        else:
-            super().kill(renderer)
-
-    def place(self) -> _Renderer:
-        """The least-loaded renderer with a free slot (ready ones first); one more only when every one is
-        full, on the key's budget (growth and restarts share it); at the limit or refused, overfill."""
-        now = time.monotonic()
-        live = list(self.children.values())
-        if self.startup_failure and now - self.failed_at < self.config.failure_hold_s:
-            if not self.ready():
-                raise RendererStartupError(self.startup_failure, kind=self.startup_kind)
-        free = [r for r in live if len(r.slots) < self.multiplex]
-        renderer = min(free, key=_preference) if free else None
-        if renderer is None and len(live) < self.config.max_renderers_per_key:
-            renderer = self.spawn("initial" if not self.spawns else "grow" if live else "restart")
-            if renderer is None and not live:
-                raise RendererBudgetSpent(
-                    f"renderer for {self.key_json} is not restarted: {self.stopped or self.refused}; "
-                    f"last: {self.last_death}"
-                )
-        return renderer or min(live, key=_preference)
-
-    def stats(self, now: float) -> RendererKeyStats:
-        renderers = sorted(self.children.values(), key=lambda r: r.born)
-        return RendererKeyStats(
-            multiplex=self.multiplex,
-            loads=[len(r.slots) for r in renderers],
-            renderers=[
-                RendererStats(
-                    renderer_id=r.name,
-                    load=len(r.slots),
-                    ready=r.state == "ready",
-                    idle_s=(now - r.idle_since) if not r.slots else 0.0,
-                )
-                for r in renderers
-            ],
-            startup_failure=self.startup_failure,
-            restarts_left=self.budget.remaining(),
-        )
-
-
-def _preference(renderer: _Renderer) -> tuple[bool, int, float]:
-    return (renderer.state != "ready", len(renderer.slots), renderer.born)
 
 
 @dataclass
@@ -203,12 +67,12 @@ class RendererPool:
         self._config = (
             config if isinstance(config, RendererPoolConfig) else RendererPoolConfig(**(config or {}))
         )
-        self._keys: dict[str, _KeyPool] = {}
+        self._keys: dict[str, RendererSet] = {}
         self._slots: dict[str, _HeldSlot] = {}
         self._lost_owners: dict[str, None] = {}
         self._tasks: TaskOwner | None = None
         self._closed = False
-        self._counters = {"retired": 0, "expired_slots": 0}
+        self._expired_slots = 0
 
     # ------------------------------------------------------------------------------------ slots
 
@@ -287,7 +151,8 @@ class RendererPool:
             replaced=sum(p.spawned_for["restart"] for p in pools),
             startup_failures=sum(p.startup_failures for p in pools),
             budget_denials=sum(p.budget_denials for p in pools),
-            **self._counters,
+            retired=sum(p.shrunk for p in pools),
+            expired_slots=self._expired_slots,
         )
 
     async def close(self) -> None:
@@ -301,7 +166,7 @@ class RendererPool:
 
     # -------------------------------------------------------------------------------- placement
 
-    def _key_pool(self, key_json: str, multiplex: int) -> _KeyPool:
+    def _key_pool(self, key_json: str, multiplex: int) -> RendererSet:
         if self._closed:
             raise RuntimeError("renderer pool is shut down")
         if self._tasks is None:
@@ -310,12 +175,12 @@ class RendererPool:
         key_json = RendererKey.from_json(key_json).to_json()  # canonical, whatever the caller sent
         pool = self._keys.get(key_json)
         if pool is None:
-            pool = self._keys[key_json] = _KeyPool(
+            pool = self._keys[key_json] = RendererSet(
                 key_json, max(1, int(multiplex)), self._config, self._orphan
             )
         return pool
 
-    def _place_slot(self, pool: _KeyPool, owner: str | None = None) -> RendererSlot:
+    def _place_slot(self, pool: RendererSet, owner: str | None = None) -> RendererSlot:
         renderer = pool.place()
         slot_id = new_id("rslot")
         renderer.slots.add(slot_id)
@@ -328,7 +193,7 @@ class RendererPool:
             if (renderer := pool.children.get(renderer_id)) is not None:
                 pool.retire(renderer, "reported dead by a session", "died")
 
-    def _orphan(self, renderer: _Renderer) -> None:
+    def _orphan(self, renderer: RendererChild) -> None:
         """Its slots are orphaned: releasing them is a no-op."""
         for slot_id in renderer.slots:
             self._slots.pop(slot_id, None)
@@ -357,20 +222,8 @@ class RendererPool:
         for slot_id, slot in list(self._slots.items()):
             if slot.expires <= now:
                 self._release(slot_id)
-                self._counters["expired_slots"] += 1
+                self._expired_slots += 1
         for pool in self._keys.values():
-            idle = [
-                r
-                for r in pool.children.values()
-                if not r.slots and now - r.idle_since >= self._config.idle_timeout_s
-            ]
-            # Retire warming ones first, then the newest: the survivor should be a warm, old renderer.
-            idle.sort(key=lambda r: (r.state == "ready", -r.born))
-            for renderer in idle:
-                if len(pool.children) <= 1:
-                    break
-                pool.retire(renderer, "idle", "shrunk")
-                self._counters["retired"] += 1
             RENDERERS.record(len(pool.children), {"key": pool.name})
             SLOTS.record(sum(len(r.slots) for r in pool.children.values()), {"key": pool.name})
 
@@ -392,15 +245,6 @@ def get_or_create_renderer_pool(
         max_concurrency=POOL_MAX_CONCURRENCY,
         scheduling_strategy=scheduling_strategy,
     ).remote(config)
-
-
-@functools.cache
-def _remote_renderer() -> Any:
-    # Imported when the pool first spawns one: the renderer's library (and the `openai` it imports) costs
-    # the pool's own process ~1.5 s of start on 2 cores, and the pool never renders.
-    from renderer_actors.actor import RendererActor
-
-    return ray.remote(RendererActor)
 
 
 _REMOTE_POOL = ray.remote(RendererPool)

@@ -372,3 +372,115 @@ def test_a_child_that_does_not_answer_its_last_probe_is_retired_as_wedged():
         await sup.close()
 
     run(body())
+
+
+def test_start_brings_up_the_floor_and_keeps_it_on_the_budget():
+    async def body():
+        sup = Supervisor("fakes", Fakes(), settings(max_restarts=1))
+        sup.floor = 2
+        first, second = await sup.start()
+        assert sup.budget.remaining() == 1  # the initial set is free
+        second.handle.mode = "dead"
+        await second.gone
+        await until(lambda: len(sup.ready()) == 2)
+        assert sup.budget.remaining() == 0
+        sup.kind.fail_ready = True  # the next replacement fails to start: the floor asks again, refused
+        first.handle.mode = "dead"
+        await first.gone
+        await until(lambda: sup.budget_denials > 0)
+        assert len(sup.ready()) == 1
+        await sup.close()
+
+    run(body())
+
+
+def test_a_start_that_fails_leaves_nothing_running():
+    async def body():
+        kind = Fakes(fail_ready=True)
+        sup = Supervisor("fakes", kind, settings())
+        sup.floor = 2
+        with pytest.raises(RuntimeError, match="load failed"):
+            await sup.start()
+        assert sup.closed and not sup.children and all(a.killed for a in kind.actors)
+        await asyncio.sleep(0.3)  # closed: nothing is spawned again behind the failed start
+        assert len(kind.actors) == 2
+
+    run(body())
+
+
+def test_wait_for_waits_for_a_starting_child_and_with_none_coming_answers_at_once():
+    async def body():
+        sup = Supervisor("fakes", Fakes(), settings(max_restarts=1))
+        sup.floor = 1
+        (first,) = await sup.start()
+        first.handle.mode = "dead"
+        await first.gone  # its replacement is starting now, not at the next tick
+        replacement = await sup.wait_for(lambda: next(iter(sup.ready()), None), 5.0)
+        assert replacement is not None and replacement is not first
+        replacement.handle.mode = "dead"  # the budget (one restart) is spent: nothing starts now
+        await replacement.gone
+        assert not sup.starting() and sup.budget_denials == 1
+        # Nothing is coming: None at once, not after an hour (the test's own deadline would fail it).
+        assert await sup.wait_for(lambda: next(iter(sup.ready()), None), 3600.0) is None
+        await sup.close()
+
+    run(body())
+
+
+class StopsGracefully(Fakes):
+    """Stopped gracefully at shutdown (like the plane's pools); a lost child is killed at once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stopped: list[str] = []
+
+    def stop(self, child: Child):
+        if not self.supervisor.closed:
+            return None
+
+        async def graceful() -> None:
+            await asyncio.sleep(0.05)
+            assert not child.handle.killed  # stopped first, killed after
+            self.stopped.append(child.name)
+
+        return graceful()
+
+
+def test_close_waits_for_each_childs_graceful_stop_and_a_lost_child_is_killed_at_once():
+    async def body():
+        kind = StopsGracefully()
+        sup = Supervisor("fakes", kind, settings())
+        sup.floor = 2
+        first, second = await sup.start()
+        first.handle.mode = "dead"
+        await first.gone
+        assert first.handle.killed and kind.stopped == []
+        await until(lambda: len(sup.ready()) == 2)
+        serving = sorted(c.name for c in sup.ready())
+        await sup.close()
+        assert second.name in serving and sorted(kind.stopped) == serving
+        assert all(a.killed for a in kind.actors)
+
+    run(body())
+
+
+def test_a_pool_whose_first_start_fails_raises_it_and_leaves_no_loop_running():
+    from rollout_actors.plane.config import PoolSupervision
+    from rollout_actors.plane.pool_supervisor import SupervisedPool
+
+    async def start(actor_name: str) -> FakeActor:
+        raise RuntimeError("bad import")
+
+    async def stop(handle: FakeActor) -> None:
+        handle.killed = True
+
+    async def body():
+        pool = SupervisedPool("fake pool", "p/pool", start, stop, PoolSupervision())
+        with pytest.raises(RuntimeError, match="bad import"):
+            await pool.start()
+        assert pool.state == "failed" and pool.closed  # its judge stopped: nothing ticks on behind it
+        with pytest.raises(RuntimeError, match="bad import"):
+            await pool.serving(5)
+        await pool.close()
+
+    run(body())

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 import ray
 
@@ -50,7 +50,7 @@ minutes, because a model server's load alone takes minutes."""
 @dataclass(eq=False)
 class _Server(Child):
     index: int = 0
-    status: ServerStatus = field(default_factory=lambda: ServerStatus(state="starting"))
+    """Its slot: `status()[index]` is its status."""
 
 
 class InferenceServerSet(Supervisor[_Server], ChildKind[_Server]):
@@ -75,7 +75,6 @@ class InferenceServerSet(Supervisor[_Server], ChildKind[_Server]):
         self.before_routing = before_routing
         """Awaited with a replacement's URL before it takes traffic; raising rejects the replacement."""
         self._status = [ServerStatus(state="created") for _ in range(replicas)]
-        self._stops: set[asyncio.Task[None]] = set()
         settings = Supervision(
             restart=restart,
             ready_timeout_s=spec.ready_timeout_s + 2 * WATCH_GRACE,
@@ -84,23 +83,22 @@ class InferenceServerSet(Supervisor[_Server], ChildKind[_Server]):
             hang_timeout_s=probe_interval_s + WATCH_GRACE,
         )
         super().__init__("inference servers", self, settings)
+        self.floor = replicas
 
-    async def start(self) -> list[str]:
+    async def start(self) -> list[str]:  # type: ignore[override]
         """Start every replica; raises `ServerStartupError` (and stops the others) if one fails."""
-        servers = [self.spawn("initial") for _ in range(self.replicas)]
-        results = await asyncio.gather(*(s.up for s in servers if s is not None), return_exceptions=True)
-        errors = [r for r in results if isinstance(r, BaseException)]
-        if errors:
-            await self.aclose()
-            if isinstance(errors[0], ServerStartupError):
-                raise errors[0]
-            raise ServerStartupError(ServerStatus(state="dead", reason=f"not ready: {errors[0]!r}"))
+        try:
+            await super().start()
+        except ServerStartupError:
+            raise
+        except Exception as exc:
+            raise ServerStartupError(ServerStatus(state="dead", reason=f"not ready: {exc!r}")) from exc
         return self.endpoints()
 
     def endpoints(self) -> list[str]:
         """OpenAI base URLs of the servers that are ready now (a dead one drops out at once)."""
-        ready = sorted(self.ready(), key=lambda s: s.index)
-        return [s.status.url for s in ready if s.status.state == "ready" and s.status.url]
+        status = [self._status[s.index] for s in sorted(self.ready(), key=lambda s: s.index)]
+        return [s.url for s in status if s.state == "ready" and s.url]
 
     def status(self) -> list[ServerStatus]:
         return list(self._status)
@@ -121,7 +119,6 @@ class InferenceServerSet(Supervisor[_Server], ChildKind[_Server]):
     async def aclose(self) -> None:
         """Stop supervising, then stop every server."""
         await self.close()
-        await asyncio.gather(*self._stops)
 
     # ------------------------------------------------------------------------- the kind's hooks
 
@@ -141,39 +138,23 @@ class InferenceServerSet(Supervisor[_Server], ChildKind[_Server]):
                 await self.before_routing(status.url)
             except Exception as exc:
                 status = status.model_copy(update={"state": "dead", "reason": f"before_routing: {exc!r}"})
-        self._status[server.index] = server.status = status  # only a ready server enters endpoints()
+        self._status[server.index] = status  # only a ready server enters endpoints()
         raise_for_startup(status)
 
-    async def signs(self, server: _Server) -> AsyncIterator[Health]:
-        while True:
-            status = await asyncio.wait_for(
-                server.handle.watch.remote(self.probe_interval_s), self.probe_interval_s + WATCH_GRACE
-            )
-            if status.state != "ready":  # it exited, or was killed as wedged
-                self._status[server.index] = server.status = status
-                self.retire(server, f"died: {status.reason}", "died")
-                return
-            yield Health(pid=status.pid)
+    async def probe(self, server: _Server) -> Health:
+        status = await server.handle.watch.remote(self.probe_interval_s)  # returns at once if it exits
+        if status.state != "ready":  # it exited, or was killed as wedged
+            self._status[server.index] = status
+            self.retire(server, f"died: {status.reason}", "died")
+        return Health(pid=status.pid)
 
     def on_retired(self, server: _Server, reason: str, cause: RetireCause) -> None:
-        if self._status[server.index].state in ("ready", "starting"):
-            self._status[server.index] = server.status.model_copy(update={"state": "dead", "reason": reason})
+        status = self._status[server.index]
+        if status.state in ("ready", "starting"):
+            self._status[server.index] = status.model_copy(update={"state": "dead", "reason": reason})
         if cause in ("died", "wedged"):
-            logger.warning("inference server %s retired: %s", server.status.url, reason)
+            logger.warning("inference server %s retired: %s", status.url, reason)
 
-    def kill(self, server: _Server) -> None:
-        task = asyncio.get_running_loop().create_task(_stop(server.handle))
-        self._stops.add(task)
-        task.add_done_callback(self._stops.discard)
-
-    def tick(self, now: float) -> None:
-        if len(self.children) < self.replicas:  # a replacement that failed to start: again, on the budget
-            self.spawn("restart")
-
-
-async def _stop(actor: ray.actor.ActorHandle) -> None:
-    try:
-        await asyncio.wait_for(actor.close.remote(), STOP_TIMEOUT)
-    except Exception:
-        pass  # dead or wedged: ray.kill below ends it either way (and the server with it)
-    ray.kill(actor)
+    def stop(self, server: _Server) -> Awaitable[ServerStatus]:
+        # Lost or not: `close` takes vLLM's worker processes (its process group) down with the server.
+        return asyncio.wait_for(server.handle.close.remote(), STOP_TIMEOUT)

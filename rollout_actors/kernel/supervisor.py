@@ -6,10 +6,10 @@
         def tick(self, now): ...                     # growth / shrink, on the supervisor's own tick
 
     servers = Supervisor("env pool math", EnvServers(...), settings)   # settings: one `Supervision`
-    first = servers.spawn("initial")                 # free; "restart" and "grow" spend the budget
-    await first.up                                   # ready, or the typed failure of its spawn
+    await servers.start()                            # the initial `floor` children, ready (free), then kept
+    server = await servers.wait_for(pick, 5.0)       # a ready child `pick` chooses, waiting for a starting one
     ...
-    await servers.close()
+    await servers.close()                            # every child stopped (`ChildKind.stop`) and killed
 
 One loop for all (Erlang/OTP's supervisor, with our liveness rule): each child's life runs in one owned
 task (spawn -> ready -> signs of life, each a `Health`, dated back by the loop stall it reports); one tick
@@ -30,20 +30,21 @@ import asyncio
 import logging
 import time
 from collections import Counter, deque
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Generic, Literal, TypeVar
 
 from rollout_actors.kernel.faults import Unavailable, exit_detail, ray_loss
 from rollout_actors.kernel.supervision import Health, Liveness, RestartBudget, Supervision
+from rollout_actors.kernel.tasks import TaskOwner, kill_actor, retrieve_exception
+
+__all__ = ["Child", "ChildKind", "RestartBudgetSpent", "Supervisor", "TaskOwner", "retrieve_exception"]
 
 log = logging.getLogger(__name__)
 
 TICK_S = 0.1  # judging resolution: a wedge is declared within hang_timeout_s + TICK_S
 DEAF_S = 1.0  # a tick this late means the supervisor's own loop stalled: that time is nobody's silence
-CLOSE_GRACE_S = 2.0  # for cancelled tasks to unwind
 RETIRED_HISTORY = 32
-RESTART_PAUSE_S = 0.5  # before a kept loop that died is started again: a bug must not spin the loop
 
 SpawnWhy = Literal["initial", "restart", "grow", "blamed"]
 """Why a child is spawned: `initial` (the set the owner started with) is free; so is `blamed`, the
@@ -103,7 +104,7 @@ class ChildKind(Generic[C]):
     async def signs(self, child: C) -> AsyncIterator[Health]:
         """Its signs of life, until it stops answering (then the supervisor asks again)."""
         settings = self.supervisor.settings
-        while True:
+        while child.state == "ready":
             sent = time.monotonic()
             yield await asyncio.wait_for(self.probe(child), settings.probe_timeout_s)
             await asyncio.sleep(max(0.0, settings.probe_interval_s - (time.monotonic() - sent)))
@@ -133,69 +134,16 @@ class ChildKind(Generic[C]):
     def on_retired(self, child: C, reason: str, cause: RetireCause) -> None:
         """It left service (before it is killed): release what it held."""
 
-    def kill(self, child: C) -> None:
-        import ray  # Ray is the engine, not the kernel's dependency
+    def stop(self, child: C) -> Awaitable[Any] | None:
+        """How to stop it gracefully before it is killed (bounded by the kind: `close` waits for it), or
+        None: killed at once."""
+        return None
 
-        if not ray.is_initialized():  # no actor without Ray; and `ray.kill` would start a cluster
-            return
-        try:
-            ray.kill(child.handle, no_restart=True)
-        except Exception:  # already gone; killing is best effort by nature
-            pass
+    def kill(self, child: C) -> None:
+        kill_actor(child.handle)
 
     def tick(self, now: float) -> None:
         """Growth and shrink policy, on every judging tick."""
-
-
-class TaskOwner:
-    """Owns background tasks (Trio's rule): each is waited for or cancelled by `close`. A task that dies
-    of an exception is never silent: it is logged with its traceback and `on_death` is told (an owner
-    that cannot go on without it goes down); a `keep` loop is restarted instead."""
-
-    def __init__(self, name: str, on_death: Callable[[str, BaseException], None] | None = None) -> None:
-        self.name = name
-        self.closed = False
-        self._tasks: set[asyncio.Task[Any]] = set()
-        self._on_death = on_death
-
-    def own(self, coro: Coroutine[Any, Any, Any], name: str = "task") -> asyncio.Task[Any]:
-        task = asyncio.get_running_loop().create_task(coro, name=f"{self.name}: {name}")
-        self._tasks.add(task)
-        task.add_done_callback(self._ended)
-        return task
-
-    def keep(self, loop: Callable[[], Coroutine[Any, Any, Any]], name: str) -> None:
-        """Run `loop()` until it returns or `close`; started again (loudly) whenever it dies."""
-
-        async def kept() -> None:
-            while not self.closed:
-                try:
-                    return await loop()
-                except asyncio.CancelledError:
-                    raise
-                except Exception:
-                    log.exception("%s: background loop %r died; restarting it", self.name, name)
-                    await asyncio.sleep(RESTART_PAUSE_S)
-
-        self.own(kept(), name)
-
-    def _ended(self, task: asyncio.Task[Any]) -> None:
-        self._tasks.discard(task)
-        if task.cancelled() or (exc := task.exception()) is None:
-            return
-        log.error("%s: task %s died", self.name, task.get_name(), exc_info=exc)
-        if self._on_death is not None and not self.closed:
-            self._on_death(task.get_name(), exc)
-
-    async def close(self, grace_s: float = CLOSE_GRACE_S) -> None:
-        """Cancel every task (but the caller's own) and wait up to `grace_s` for them to unwind."""
-        self.closed = True
-        current = asyncio.current_task()
-        tasks = [t for t in self._tasks if t is not current]
-        for task in tasks:
-            task.cancel()
-        if tasks:
-            await asyncio.wait(tasks, timeout=grace_s)
 
 
 class Supervisor(Generic[C]):
@@ -215,8 +163,13 @@ class Supervisor(Generic[C]):
         self.retired_log: deque[str] = deque(maxlen=RETIRED_HISTORY)
         self.spawned_for: Counter[SpawnWhy] = Counter()
         self._lives: dict[str, asyncio.Task[None]] = {}
+        self._stopping: set[asyncio.Task[None]] = set()
+        """Graceful stops under way: `close` waits for them (each bounded by its kind)."""
         self._last_probes: dict[str, asyncio.Task[None]] = {}
         """Children judged wedged, awaiting the last probe their kind asked for before retirement."""
+        self.floor = 0
+        """Children kept: below this many (a spawn failed, a loss was not replaced), one more is spawned
+        on every tick, on the budget."""
         self._failures_in_a_row = 0
         self._changed = asyncio.Event()
         self._judging = False
@@ -242,11 +195,31 @@ class Supervisor(Generic[C]):
         except TimeoutError:
             return False
 
+    async def wait_for(self, pick: Callable[[], C | None], timeout_s: float) -> C | None:
+        """`pick()`'s child; while it finds none and a child is starting (a replacement, a growth), wait for
+        it up to `timeout_s`. With none coming, None at once: no live child fails fast, never queues."""
+        deadline = time.monotonic() + timeout_s
+        while (child := pick()) is None and self.starting() and not self.closed:
+            if not await self.changed(deadline - time.monotonic()):
+                break
+        return child
+
     def _pulse(self) -> None:
         self._changed.set()
         self._changed = asyncio.Event()
 
     # ------------------------------------------------------------------------------------ spawning
+
+    async def start(self, n: int | None = None, ready_timeout_s: float | None = None) -> list[C]:
+        """Spawn the initial `n` children (free; `floor` by default) and wait until every one is ready.
+        The first failure is raised after every child is retired: a failed start leaves nothing running."""
+        children = [self.spawn("initial", ready_timeout_s) for _ in range(self.floor if n is None else n)]
+        try:
+            await asyncio.gather(*(child.up for child in children if child is not None))
+        except BaseException:
+            await self.close()
+            raise
+        return [child for child in children if child is not None]
 
     def spawn(self, why: SpawnWhy, ready_timeout_s: float | None = None) -> C | None:
         """Start one child (its readiness runs in the background: await `child.up`). None when the budget
@@ -281,9 +254,13 @@ class Supervisor(Generic[C]):
         self._lives[child.name] = self.tasks.own(life, child.name)
         return child
 
-    def budget_spent(self, what: str) -> RestartBudgetSpent:
-        """The typed failure for a request that needed a child the budget refused."""
-        return RestartBudgetSpent(f"{what} is not restarted: {self.refused or self.budget.spent_message()}")
+    def budget_spent(
+        self, what: str, last_loss: str | None = None, cls: type[RestartBudgetSpent] = RestartBudgetSpent
+    ) -> RestartBudgetSpent:
+        """The typed failure for a request that needed a child the budget refused (or a crash loop
+        stopped): one message for every kind, with the last loss where the kind knows it."""
+        why = self.stopped or self.refused or self.budget.spent_message()
+        return cls(f"{what} is not restarted: {why}" + (f"; last loss: {last_loss}" if last_loss else ""))
 
     async def _live(self, child: C, ready_timeout_s: float) -> None:
         try:
@@ -354,6 +331,8 @@ class Supervisor(Generic[C]):
                     self._last_probes[child.name] = task
                 else:
                     self.retire(child, f"wedged: {child.life.verdict(now)}", "wedged")
+            if len(self.children) < self.floor:
+                self.spawn("restart")
             self.kind.tick(now)
 
     async def _last_probe(self, child: C) -> None:
@@ -361,27 +340,29 @@ class Supervisor(Generic[C]):
         an answer may say what wedged it (the kind reads it in its `probe`) or show it alive after all
         (a late sign of life under load: then it is not retired)."""
         try:
-            health = await asyncio.wait_for(self.kind.probe(child), self.settings.probe_timeout_s)
+            await self.check(child, self.settings.probe_timeout_s)  # no answer: the verdict stands
+        finally:
+            self._last_probes.pop(child.name, None)
+        if child.state == "ready" and child.life.wedged(now := time.monotonic()):
+            self.retire(child, f"wedged: {child.life.verdict(now)}", "wedged")
+
+    async def check(self, child: C, timeout_s: float) -> bool:
+        """Probe it once now: True when it answered (a sign of life); a death Ray reports retires it."""
+        try:
+            health = await asyncio.wait_for(self.kind.probe(child), timeout_s)
         except Exception as exc:
             if ray_loss(exc) == "died":
                 self.retire(child, f"died: {exit_detail(exc)}", "died")
-                return
-            health = None  # no answer: the verdict stands
-        finally:
-            self._last_probes.pop(child.name, None)
-        if child.state != "ready":
-            return
-        if health is not None:
+            return False
+        if child.state == "ready":
             child.life.heard(health.loop_stall_s)
-        now = time.monotonic()
-        if child.life.wedged(now):
-            self.retire(child, f"wedged: {child.life.verdict(now)}", "wedged")
+        return True
 
     def retire(self, child: C, reason: str, cause: RetireCause) -> None:
         """Take a child out of service at once: `gone` resolved, the kind told, the actor killed; a ready
         one that died or wedged is replaced now, on the budget unless the kind blames the loss on
-        something bounded elsewhere (`budgets_replacement`; a spawn that failed is the kind's to retry,
-        in its `tick`, on the budget). Idempotent."""
+        something bounded elsewhere (`budgets_replacement`; a spawn that failed is retried on the budget
+        by the `floor`, or by the kind's `tick`). Idempotent."""
         if child.state == "retired":
             return
         lost = cause in ("died", "wedged") and child.state == "ready"
@@ -401,7 +382,7 @@ class Supervisor(Generic[C]):
         try:
             self.kind.on_retired(child, reason, cause)
         finally:
-            self.kind.kill(child)
+            self._end(child)
             if lost and not self.closed:
                 # Its replacement starts now, not at the next tick: a request re-dispatched meanwhile
                 # waits for it instead of finding nothing starting.
@@ -409,14 +390,25 @@ class Supervisor(Generic[C]):
             self._pulse()
 
     async def close(self) -> None:
-        """Stop supervising and retire every child."""
+        """Stop supervising, retire every child and wait for their graceful stops (`ChildKind.stop`)."""
         await self.tasks.close()
         for child in list(self.children.values()):
             self.retire(child, "shut down", "shutdown")
+        if self._stopping:
+            await asyncio.wait(self._stopping)
         self._pulse()
 
+    def _end(self, child: C) -> None:
+        if (graceful := self.kind.stop(child)) is None:
+            return self.kind.kill(child)
 
-def retrieve_exception(future: asyncio.Future[Any]) -> None:
-    """A future that failed with nobody waiting must not log 'exception was never retrieved'."""
-    if not future.cancelled():
-        future.exception()
+        async def stop() -> None:
+            try:
+                await graceful
+            except Exception as exc:  # dead or wedged: killed all the same
+                log.warning("%s: stopping %s: %r", self.name, child.name, exc)
+            self.kind.kill(child)
+
+        task = asyncio.get_running_loop().create_task(stop())
+        self._stopping.add(task)
+        task.add_done_callback(self._stopping.discard)

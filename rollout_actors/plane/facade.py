@@ -205,7 +205,7 @@ class RolloutPlane:
             workers=tuple(
                 WorkerStats(name=s.name, in_flight=s.in_flight, peak=s.peak) for s in self._workers.live()
             ),
-            workers_lost=self._workers.lost_count,
+            workers_lost=self._workers.deaths,
             off_policy=self._dispatcher.guard.snapshot(),
             concurrency=self._controller.snapshot() if self._controller is not None else None,
             pools=tuple(self._pools.statuses()),

@@ -16,11 +16,8 @@ waits for Ray to free the old name), is started within the pool's restart budget
 spends a restart too; with the budget spent the pool is `failed` and every request that needs it is
 answered at once, until the window has room again (the next request that needs it then starts it anew).
 
-Nothing of a dead incarnation is adopted: its sessions and leases ended with its subtree, and the rollouts
-that held them are re-dispatched under their lease (contract 5). The new incarnation is built from what
-the plane declared (the environment `Ref`, the pool configs), which is all that survives a pool. Each
-dispatch names the serving incarnation (`PoolName`), so a worker looks a replacement up on its first
-dispatch and never uses a lost one (`pool_lookup.py`).
+Nothing of a dead incarnation is adopted (README, "Supervision": what survives a pool's loss); each
+dispatch names the serving incarnation (`PoolName`), so a worker never uses a lost one (`pool_lookup.py`).
 """
 
 from __future__ import annotations
@@ -35,9 +32,8 @@ from typing import Any, Literal
 from pydantic import BaseModel
 
 from rollout_actors.kernel import Failure
-from rollout_actors.kernel.faults import exit_detail, ray_loss
 from rollout_actors.kernel.supervision import Supervision
-from rollout_actors.kernel.supervisor import Child, ChildKind, RetireCause, Supervisor, retrieve_exception
+from rollout_actors.kernel.supervisor import Child, ChildKind, RetireCause, Supervisor
 from rollout_actors.plane.config import PoolSupervision
 from rollout_actors.rollout.pool_lookup import PoolName
 
@@ -96,16 +92,13 @@ class SupervisedPool(Supervisor[_Incarnation], ChildKind[_Incarnation]):
         self.state: PoolState = "starting"
         self.incarnation = 0
         self._serving: _Incarnation | None = None
-        self._current: asyncio.Future[PoolName] = _future()
-        """Resolved with the serving incarnation's name; replaced while a restart is in progress;
-        failed with `PoolUnavailable` when the pool is given up."""
+        self._start_failure: BaseException | None = None
         self._verifying: asyncio.Task[None] | None = None
         self._lost_at = 0.0
         self.last_loss: str | None = None
         self.recovered_in_s: float | None = None
         self.serving_since: float | None = None
         """`time.monotonic()` when the serving incarnation began serving."""
-        self._stopping: list[Any] = []
         supervision = Supervision(
             restart=settings.restart,
             ready_timeout_s=START_TIMEOUT_S,
@@ -120,16 +113,10 @@ class SupervisedPool(Supervisor[_Incarnation], ChildKind[_Incarnation]):
     async def start(self) -> Any:
         """Start the first incarnation. A failure here is the environment's or the config's, not a loss:
         it is raised as it is (with its traceback) and nothing is restarted."""
-        child = self.spawn("initial")
         try:
-            assert child is not None
-            await child.up
-        except BaseException as exc:
-            self.state = "failed"
-            if isinstance(exc, Exception):
-                self._current.set_exception(exc)
-            else:
-                self._current.cancel()
+            (child,) = await super().start(1)
+        except BaseException as exc:  # the kernel closed the supervisor: nothing is left running
+            self.state, self._start_failure = "failed", exc
             raise
         return child.handle
 
@@ -140,24 +127,23 @@ class SupervisedPool(Supervisor[_Incarnation], ChildKind[_Incarnation]):
         already gone (one check shared by every caller)."""
         deadline = time.monotonic() + timeout
         if self.state == "failed" and self.serving_since is not None and self.budget.remaining() > 0:
-            self._restarting()  # the restart window has room again
-        if not verify and holds_value(self._current):  # the common case: no task, no shield per dispatch
-            return self._current.result()
-        try:
-            if verify and self._serving is not None:
-                if self._verifying is None or self._verifying.done():
-                    self._verifying = self.tasks.own(self._verify(self._serving), "verify")
+            self._restart()  # the restart window has room again
+        elif self.state == "restarting" and not self.children:
+            self._restart()  # a restart failed to start: its successor starts now, not at the next tick
+        serving = self._serving
+        if verify and serving is not None:
+            if self._verifying is None or self._verifying.done():
+                self._verifying = self.tasks.own(self._verify(serving), "verify")
+            try:
                 await asyncio.wait_for(asyncio.shield(self._verifying), timeout)
-            return await asyncio.wait_for(
-                asyncio.shield(self._current), max(0.0, deadline - time.monotonic())
-            )
-        except TimeoutError:
-            failure = Failure(
-                type="PoolUnavailable",
-                message=f"{self.what} was not serving within {timeout:g} s ({self.state}; last loss: "
-                f"{self.last_loss})",
-            )
-            raise PoolUnavailable(failure) from None
+            except TimeoutError:
+                raise self._unavailable(timeout) from None
+            serving = self._serving
+        if serving is None:  # the common case never waits: no task, no timer per dispatch
+            serving = await self.wait_for(lambda: self._serving, deadline - time.monotonic())
+        if serving is None:
+            raise self._unavailable(timeout)
+        return PoolName(self.pool, serving.number)
 
     def current(self) -> Any:
         """The serving incarnation's handle, or None while there is none."""
@@ -177,13 +163,7 @@ class SupervisedPool(Supervisor[_Incarnation], ChildKind[_Incarnation]):
     async def close(self) -> None:
         """Stop supervising, then stop the serving incarnation. Whoever waits for it is answered at once."""
         self.state = "closed"
-        if not self._current.done():
-            closed = Failure(type="PoolUnavailable", message=f"{self.what} is shut down (the plane closed)")
-            self._current.set_exception(PoolUnavailable(closed))
         await super().close()
-        self._serving = None
-        for handle in self._stopping:
-            await self._stop(handle)
 
     # ------------------------------------------------------------------------- the kind's hooks
 
@@ -197,9 +177,6 @@ class SupervisedPool(Supervisor[_Incarnation], ChildKind[_Incarnation]):
     def on_ready(self, child: _Incarnation) -> None:
         self._serving, self.state = child, "serving"
         self.serving_since = time.monotonic()
-        if self._current.done():
-            self._current = _future()
-        self._current.set_result(PoolName(self.pool, child.number))
         if self._lost_at:
             self.recovered_in_s = time.monotonic() - self._lost_at
             log.warning(
@@ -210,65 +187,53 @@ class SupervisedPool(Supervisor[_Incarnation], ChildKind[_Incarnation]):
             )
 
     def on_retired(self, child: _Incarnation, reason: str, cause: RetireCause) -> None:
-        if cause == "shutdown":
-            return
         if child is self._serving:
             self._serving = None
+            if cause == "shutdown":
+                return
             self._lost_at = time.monotonic()
             self.last_loss = reason
             log.error("%s (incarnation %d) lost: %s", self.what, child.number, reason)
-            self._restarting()
+            self.state = "restarting"  # its replacement is spawned by the kernel, on the budget
         elif self.state == "restarting":
             self.last_loss = f"restart {child.number} failed: {reason}"
             log.error("%s: %s", self.what, self.last_loss)
 
-    def kill(self, child: _Incarnation) -> None:
-        # Dead or wedged, what is left of it is killed: its renderers / env servers are owned by it and
-        # Ray ends them with it, so nothing of the lost subtree keeps serving (or holding CPUs). At close,
-        # the serving one is stopped (gracefully) instead.
-        if child.handle is not None:
-            if self.closed:
-                self._stopping.append(child.handle)
-            else:
-                super().kill(child)
+    def stop(self, child: _Incarnation) -> Awaitable[Any] | None:
+        # Dead or wedged, what is left of it is killed at once: its renderers / env servers are owned by
+        # it and Ray ends them with it, so nothing of the lost subtree keeps serving (or holding CPUs).
+        # At close, the serving one is stopped gracefully first.
+        return self._stop(child.handle) if self.closed and child.handle is not None else None
 
     def tick(self, now: float) -> None:
-        """New incarnations until one serves or the budget is spent; every attempt spends a restart."""
-        if self.state == "restarting" and not self.children and self.spawn("restart") is None:
-            self.state = "failed"
-            message = (
-                f"{self.what} is not restarted: {self.refused or self.stopped}; last loss: {self.last_loss}"
-            )
-            log.error("%s", message)
-            self._current.set_exception(PoolUnavailable(Failure(type="PoolUnavailable", message=message)))
+        if self.state == "restarting" and not self.children:
+            self._restart()
 
-    def _restarting(self) -> None:
+    def _restart(self) -> None:
+        """New incarnations until one serves or the budget is spent; every attempt spends a restart.
+        Refused: the pool is failed, and requests that need it are answered at once."""
         self.state = "restarting"
-        if self._current.done():
-            self._current = _future()
+        if not self.children and self.spawn("restart") is None:
+            self.state = "failed"
+            log.error("%s", self._unavailable(0.0))
+
+    def _unavailable(self, timeout: float) -> BaseException:
+        if self._start_failure is not None:  # its first start failed: that failure, as it was raised
+            return self._start_failure
+        if self.state == "closed":
+            message = f"{self.what} is shut down (the plane closed)"
+        elif not self.children and (self.refused or self.stopped):
+            message = str(self.budget_spent(self.what, self.last_loss))
+        else:
+            message = f"{self.what} was not serving within {timeout:g} s ({self.state}; last loss: {self.last_loss})"
+        return PoolUnavailable(Failure(type="PoolUnavailable", message=message))
 
     async def _verify(self, child: _Incarnation) -> None:
         """Until `child` answers (alive) or is lost: dead now, or judged by the probe (a pool in doubt,
         unreachable or slow, holds re-dispatches back rather than have them spent on it)."""
         while child is self._serving:
             sent = time.monotonic()
-            try:
-                await asyncio.wait_for(child.handle.health.remote(), VERIFY_TIMEOUT_S)
+            if await self.check(child, VERIFY_TIMEOUT_S) or child is not self._serving:
                 return
-            except Exception as exc:
-                if ray_loss(exc) == "died":
-                    self.retire(child, f"died: {exit_detail(exc)}", "died")
-                    return
-                # Unreachable or slow: not dead yet; ask again while the probe judges.
-                await asyncio.sleep(max(0.0, self.settings.probe_interval_s - (time.monotonic() - sent)))
-
-
-def _future() -> asyncio.Future[PoolName]:
-    future = asyncio.get_running_loop().create_future()
-    future.add_done_callback(retrieve_exception)
-    return future
-
-
-def holds_value(future: asyncio.Future[Any]) -> bool:
-    """`future` already holds a value (not pending, cancelled or failed)."""
-    return future.done() and not future.cancelled() and future.exception() is None
+            # Unreachable or slow: not dead yet; ask again while the probe judges.
+            await asyncio.sleep(max(0.0, self.settings.probe_interval_s - (time.monotonic() - sent)))

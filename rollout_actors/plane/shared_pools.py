@@ -29,9 +29,10 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from env_actors.pool import EnvPoolConfig, EnvStartupError, close_env_pool, start_env_pool
 from renderer_actors.pool import get_or_create_renderer_pool
 from rollout_actors.kernel.faults import Fault, Unavailable
+from rollout_actors.kernel.tasks import holds_value, kill_actor
 from rollout_actors.plane.config import PlaneConfig
 from rollout_actors.plane.naming import PoolNames, env_key
-from rollout_actors.plane.pool_supervisor import PoolStatus, PoolUnavailable, SupervisedPool, holds_value
+from rollout_actors.plane.pool_supervisor import PoolStatus, PoolUnavailable, SupervisedPool
 from rollout_actors.rollout.pool_lookup import PoolRoute
 from rollout_actors.wire import Failure, Ref, RolloutRequest
 
@@ -176,7 +177,7 @@ class SharedPools:
         try:
             await asyncio.wait_for(handle.health.remote(), POOL_READY_TIMEOUT_S)
         except BaseException:
-            _kill(handle)
+            kill_actor(handle)
             raise
         return handle
 
@@ -210,11 +211,4 @@ async def _stop_renderer_pool(handle: Any) -> None:
         await asyncio.wait_for(handle.close.remote(), POOL_SHUTDOWN_TIMEOUT_S)
     except Exception as exc:
         log.warning("renderer pool shutdown: %s", exc)
-    _kill(handle)
-
-
-def _kill(handle: Any) -> None:
-    try:
-        ray.kill(handle, no_restart=True)
-    except Exception:  # already gone
-        pass
+    kill_actor(handle)

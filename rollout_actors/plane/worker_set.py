@@ -73,7 +73,6 @@ class WorkerSet(Supervisor[WorkerSlot], ChildKind[WorkerSlot]):
         on_lost: Callable[[WorkerSlot], None] | None = None,
     ) -> None:
         self._names = names
-        self._size = size
         self._cls = remote_worker_class(num_cpus)
         self._limits = limits
         self._capacity = capacity
@@ -88,22 +87,11 @@ class WorkerSet(Supervisor[WorkerSlot], ChildKind[WorkerSlot]):
             hang_timeout_s=hang_timeout_s,
         )
         super().__init__("rollout workers", self, settings)
-
-    async def start(self) -> None:
-        slots = [self.spawn("initial") for _ in range(self._size)]
-        try:
-            await asyncio.gather(*(slot.up for slot in slots if slot is not None))
-        except BaseException:
-            await self.close()
-            raise
+        self.floor = size
 
     @property
     def slots(self) -> list[WorkerSlot]:
         return self.ready()
-
-    @property
-    def lost_count(self) -> int:
-        return self.deaths
 
     # ------------------------------------------------------------------------------------ dispatch
 
@@ -131,11 +119,8 @@ class WorkerSet(Supervisor[WorkerSlot], ChildKind[WorkerSlot]):
         """The least-loaded live worker with room. When every live one is at capacity (or none is live)
         and a replacement is being started, wait for it or for room, up to `timeout`; with none coming,
         the least-loaded live worker regardless, or `None` at once rather than queue."""
-        deadline = time.monotonic() + min(timeout, WORKER_READY_TIMEOUT_S)
-        while (slot := self.pick(within_capacity=True)) is None and self.starting():
-            if not await self.changed(deadline - time.monotonic()):
-                break
-        return slot or self.pick()
+        wait_s = min(timeout, WORKER_READY_TIMEOUT_S)
+        return await self.wait_for(lambda: self.pick(within_capacity=True), wait_s) or self.pick()
 
     def dispatched(self, slot: WorkerSlot) -> None:
         slot.in_flight += 1
@@ -171,7 +156,3 @@ class WorkerSet(Supervisor[WorkerSlot], ChildKind[WorkerSlot]):
                 self._on_lost(slot)
             except Exception:
                 log.exception("releasing what rollout worker %s held", slot.name)
-
-    def tick(self, now: float) -> None:
-        if len(self.children) < self._size:  # a replacement that failed to start: again, on the budget
-            self.spawn("restart")

@@ -23,7 +23,7 @@ import ray
 
 from rollout_actors.kernel import Loss, Part
 from rollout_actors.kernel.faults import PartLost
-from rollout_actors.kernel.supervisor import retrieve_exception
+from rollout_actors.kernel.tasks import holds_value, retrieve_exception
 from rollout_actors.rollout.loop import PoolHandles
 
 LOOKUP_TIMEOUT_S = 10.0  # one GCS name lookup; a GCS that cannot answer this fast is itself in trouble
@@ -98,7 +98,7 @@ class PoolLookup:
             # An older incarnation than one already seen here: it was lost after this dispatch was sent.
             raise _lost(failure_type, what, name, "was replaced meanwhile")
         lookup = known[1]
-        if lookup.done() and not lookup.cancelled() and lookup.exception() is None:
+        if holds_value(lookup):
             return lookup.result()  # every dispatch but the first: no timer, no task
         try:
             return await asyncio.wait_for(asyncio.shield(lookup), timeout)
