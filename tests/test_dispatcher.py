@@ -97,6 +97,9 @@ class FakePools:
     async def route(self, request, timeout, verify=False):
         return FakeRoute()
 
+    def renderer_pool(self):
+        return None
+
 
 class FakeHost:
     policy_version = 0

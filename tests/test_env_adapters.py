@@ -185,22 +185,40 @@ def test_skyrl_gym_env_matches_its_own_loop_with_per_step_rewards(plane_results)
     assert len(rewards) > 1, "the stand-in's answers should earn different rewards across seeds"
 
 
-@pytest.mark.parametrize("label, kind", [("vf-tools", "tools"), ("vf-follow-up", "follow_up")])
-def test_verifiers_classic_env_matches_its_own_loop(plane_results, label, kind):
+CLASSIC_KINDS = {"vf-tools": "tools", "vf-follow-up": "follow_up"}
+
+
+@pytest.fixture(scope="module")
+def classic_own_loops(plane_results) -> dict[str, list[dict[str, Any]]]:
+    """label -> verifiers 0.3's own loop over the assistant turns of each of its rollouts that ended `ok` (the
+    test fails on any other first), both kinds in one process: importing verifiers takes seconds."""
+    cases, labels = [], []
+    for label, kind in CLASSIC_KINDS.items():
+        for result in plane_results[label]:
+            if result.kind != "ok":
+                continue
+            assistant = [m for m in result.messages if m["role"] == "assistant"]
+            labels.append(label)
+            cases.append(
+                {
+                    "module": "framework_envs.vf_classic_envs",
+                    "env_args": {"kind": kind},
+                    "index": result.task_index,
+                    "assistant": assistant,
+                }
+            )
+    outcomes: dict[str, list[dict[str, Any]]] = {label: [] for label in CLASSIC_KINDS}
+    for label, own in zip(labels, own_loops("verifiers-0.3", cases) if cases else [], strict=True):
+        outcomes[label].append(own)
+    return outcomes
+
+
+@pytest.mark.parametrize("label, kind", list(CLASSIC_KINDS.items()))
+def test_verifiers_classic_env_matches_its_own_loop(plane_results, classic_own_loops, label, kind):
     rewards = set()
-    cases = []
     for result in plane_results[label]:
         assert result.kind == "ok", result.error
-        assistant = [m for m in result.messages if m["role"] == "assistant"]
-        cases.append(
-            {
-                "module": "framework_envs.vf_classic_envs",
-                "env_args": {"kind": kind},
-                "index": result.task_index,
-                "assistant": assistant,
-            }
-        )
-    for result, own in zip(plane_results[label], own_loops("verifiers-0.3", cases), strict=True):
+    for result, own in zip(plane_results[label], classic_own_loops[label], strict=True):
         assert result.reward == pytest.approx(own["reward"])
         assert {k: v for k, v in result.metrics.items() if k != "turns"} == own["metrics"]
         assert env_messages(result.messages) == env_messages(own["messages"])
@@ -305,10 +323,11 @@ def readme_packages(folder: Path) -> None:
         (folder / name / "__init__.py").write_text(source)
 
 
-def as_tested(args: list[str]) -> list[str]:
-    """A README command with this suite's two substitutions (README.md says which): `pip` -> the cached
-    interpreter with those packages, the `null` harness -> the same chat loop in process."""
-    args = list(args)
+def as_tested(args: list[str], base_url: str) -> list[str]:
+    """A README command with this suite's three substitutions (README.md says which): `pip` -> the cached
+    interpreter with those packages, the `null` harness -> the same chat loop in process, and the suite's
+    stand-in (`base_url`) instead of one started per command."""
+    args = [*args, "--base-url", base_url, "--model", BUNDLED_MODEL]
     flag = args.index("--env-runtime-env") + 1
     runtime_env = json.loads(args[flag])
     [stack] = [name for name, wanted in STACKS.items() if wanted == runtime_env["pip"]]
@@ -331,9 +350,9 @@ README_COMMANDS = [c for c in commands(block(README_SECTION, "bash")) if c.start
 
 @pytest.mark.timeout(README_RUN_DEADLINE_S + 60)
 @pytest.mark.parametrize("command", README_COMMANDS, ids=lambda c: argv(c)[argv(c).index("--env") + 1])
-def test_the_readme_environment_commands_run_end_to_end(command, tmp_path, ray_session):
+def test_the_readme_environment_commands_run_end_to_end(command, tmp_path, ray_session, standin):
     readme_packages(tmp_path)
-    args = as_tested(argv(command))
+    args = as_tested(argv(command), standin.base_url)
     # On the suite's Ray, joined as the CLI joins any cluster (`$RAY_ADDRESS`): an embedded Ray per command
     # cost each ~6 s more here, and test_readme.py's quick start runs the CLI on its embedded Ray.
     env = {**os.environ, "RAY_ADDRESS": ray_session.get_runtime_context().gcs_address}

@@ -33,6 +33,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from renderer_actors.key import RendererKey
 from rollout_actors.kernel import Loss
 from rollout_actors.kernel.faults import Fault, PartLost, Unavailable
 from rollout_actors.plane.inflight import (
@@ -56,6 +57,8 @@ from rollout_actors.wire import CallerError, Dispatch, Failure, Result, ResultKi
 log = logging.getLogger(__name__)
 
 REDISPATCH_SPREAD_S = 1.0  # re-dispatches of one loss start spread over this long (see `_dispatch`)
+WARM_CALL_TIMEOUT_S = 10.0  # slot calls never wait (slots are instant): this bounds a wedged pool
+WARMED_KEYS_KEPT = 64  # (model, renderer config) pairs a plane has warmed: runs use a few
 
 
 class Dispatcher:
@@ -94,6 +97,8 @@ class Dispatcher:
         self.endpoint_load: Counter[str] = Counter()
         """Inference endpoint -> rollouts being dispatched to it."""
         self._placements = itertools.count(1)
+        self._warmed: set[tuple[str, str]] = set()
+        """(model, renderer config JSON) whose renderer this plane had warmed (see `_warm_renderer`)."""
 
     # records ---------------------------------------------------------------------------------------
     def accept(self, request: RolloutRequest) -> InFlight:
@@ -228,7 +233,12 @@ class Dispatcher:
         try:
             if not self._pools.env_pool_started(env):  # else: no task per dispatch to find it so
                 started = clock()
-                await asyncio.wait_for(self._pools.ensure_env_pool(env), deadline - _now())
+                # A cold start: the renderer of the request's key loads meanwhile, not after its env opens.
+                warming = asyncio.ensure_future(self._warm_renderer(record.request))
+                try:
+                    await asyncio.wait_for(self._pools.ensure_env_pool(env), deadline - _now())
+                finally:
+                    await warming  # bounded, and never raises; cancelled with this dispatch
                 record.waits.env_pool_s = since(started)
         except TimeoutError:
             return self._deadline_exceeded(record, "while its env pool was starting")
@@ -256,6 +266,29 @@ class Dispatcher:
                 self.endpoint_load[endpoint] -= 1
                 record.endpoint = None
             self._host.checkin_policy(policy)
+
+    async def _warm_renderer(self, request: RolloutRequest) -> None:
+        """Have the renderer pool start loading the renderer of `request`'s key: one slot taken and given
+        back (the first slot of a key starts its first renderer, which stays while the pool lives). Once
+        per key and plane, only where the rollout will render (token and agent mode). Never raises: a
+        failure here is the rollout's own to meet, and report, when it asks for its slot."""
+        if request.mode == "chat":
+            return
+        seen = (request.client.model, request.renderer.model_dump_json())
+        pool = self._pools.renderer_pool()
+        if seen in self._warmed or pool is None:
+            return
+        if len(self._warmed) >= WARMED_KEYS_KEPT:
+            self._warmed.clear()
+        self._warmed.add(seen)
+        try:  # the key a dispatch's renderer uses: an adapter keeps its base model's tokenizer, so the same
+            key_json = RendererKey.from_config(request.client.model, request.renderer).to_json()
+            slot = await asyncio.wait_for(
+                pool.acquire.remote(key_json, request.renderer.multiplex), WARM_CALL_TIMEOUT_S
+            )
+            await asyncio.wait_for(pool.release.remote(slot.slot_id), WARM_CALL_TIMEOUT_S)
+        except Exception as exc:
+            log.debug("warming the renderer of %s: %s", request.request_id, exc)
 
     async def _dispatch(self, record: InFlight, deadline: float) -> Result:
         """Dispatch until a result stands. A lost rollout worker, env server or renderer (contract 5) is

@@ -89,6 +89,10 @@ class Pools(Protocol):
 
     async def route(self, request: RolloutRequest, timeout: float, verify: bool = False) -> Route: ...
 
+    def renderer_pool(self) -> Any:
+        """The serving renderer pool's handle, or None while there is none."""
+        ...
+
 
 class RayWorkerCalls:
     """`WorkerCalls` on `RolloutWorker` actors. Ray's word on a lost worker becomes `PartLost` here."""

@@ -128,6 +128,10 @@ class SharedPools:
             return self._renderer
         return self._env[env_key(env)][0]
 
+    def renderer_pool(self) -> Any:
+        """The serving renderer pool's handle, or None while there is none (the dispatcher warms keys)."""
+        return self._renderer.current() if self._renderer is not None else None
+
     def release_owner(self, owner: str | None) -> None:
         """A rollout worker was lost: every pool ends the env sessions and returns the renderer slots its
         rollouts held, now rather than at their idle timeouts, and refuses what it asks for later (a call
