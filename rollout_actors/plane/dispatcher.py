@@ -99,6 +99,8 @@ class Dispatcher:
         self._placements = itertools.count(1)
         self._warmed: set[tuple[str, str]] = set()
         """(model, renderer config JSON) whose renderer this plane had warmed (see `_warm_renderer`)."""
+        self._warming: set[asyncio.Future[None]] = set()
+        """Warm-ups still running (held here so that one outliving its dispatch is not collected)."""
 
     # records ---------------------------------------------------------------------------------------
     def accept(self, request: RolloutRequest) -> InFlight:
@@ -235,10 +237,13 @@ class Dispatcher:
                 started = clock()
                 # A cold start: the renderer of the request's key loads meanwhile, not after its env opens.
                 warming = asyncio.ensure_future(self._warm_renderer(record.request))
+                self._warming.add(warming)
+                warming.add_done_callback(self._warming.discard)
                 try:
                     await asyncio.wait_for(self._pools.ensure_env_pool(env), deadline - _now())
-                finally:
-                    await warming  # bounded, and never raises; cancelled with this dispatch
+                finally:  # its slot is given back before the rollout asks for its own, within the deadline;
+                    # left running (never raising, bounded) if this dispatch ends first
+                    await asyncio.wait({warming}, timeout=max(0.0, deadline - _now()))
                 record.waits.env_pool_s = since(started)
         except TimeoutError:
             return self._deadline_exceeded(record, "while its env pool was starting")
