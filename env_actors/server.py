@@ -22,6 +22,7 @@ import sys
 import tempfile
 import threading
 import time
+import types
 from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
@@ -327,8 +328,11 @@ class EnvServer:
             # A raising score is this call's answer and leaves the session here: the caller's close ends it.
             score = ScoreOut.model_validate(await run_env_code(self._loaded().score, state))
             await self._end_scored(session_id)
+        # Validated once, above, and dumped once (a second `StepOut` would check every message again).
         # `score` is the server's to set: whatever the environment put there does not travel.
-        return StepOut(messages=out.messages, done=out.done, reward=out.reward, score=score).model_dump()
+        answer = out.model_dump()
+        answer["score"] = score.model_dump() if score is not None else None
+        return answer
 
     async def _agent(self, session_id: str, endpoint: dict[str, Any], timeout: float) -> dict:
         state = self._state(session_id)
@@ -371,11 +375,28 @@ async def _answer(response: EnvResponse) -> EnvResponse:
     return response
 
 
+MAX_KNOWN_FUNCTIONS = 1024  # an environment's methods are a handful; more are made per call
+_COROUTINE_FUNCTIONS: dict[Any, bool] = {}
+"""Plain function -> whether it is a coroutine function: asked on every env call, answered once."""
+
+
+def _is_coroutine_function(method: Callable[..., Any]) -> bool:
+    function = getattr(method, "__func__", method)
+    if type(function) is not types.FunctionType:  # a partial, a callable object: asked each time
+        return inspect.iscoroutinefunction(method)
+    known = _COROUTINE_FUNCTIONS.get(function)
+    if known is None:
+        if len(_COROUTINE_FUNCTIONS) >= MAX_KNOWN_FUNCTIONS:  # functions made per call: never grows for good
+            _COROUTINE_FUNCTIONS.clear()
+        known = _COROUTINE_FUNCTIONS[function] = inspect.iscoroutinefunction(method)
+    return known
+
+
 async def run_env_code(method: Callable[..., Any], *args: Any) -> Any:
     """Call one environment method: a coroutine function on this loop, a plain function in a thread, so
     synchronous environment code (a CPU-bound reward) leaves the loop turning and the server answering.
     A thread cannot be stopped: past its deadline the call is answered as failed and the thread runs on."""
-    if inspect.iscoroutinefunction(method):
+    if _is_coroutine_function(method):
         return await method(*args)
     value = await asyncio.to_thread(method, *args)
     return await value if inspect.isawaitable(value) else value

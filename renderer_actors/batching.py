@@ -93,7 +93,11 @@ class BatchedCalls:
 
 async def _send_calls(batch: TickBatch) -> None:
     wait_s = batch.deadline - asyncio.get_running_loop().time() + CALL_SLACK_S
-    outcomes = await asyncio.wait_for(batch.target.call_many.remote(batch.items), max(wait_s, CALL_SLACK_S))
+    # A scope, not `wait_for`: on Python 3.11 `wait_for` wraps the ref in a task of its own, and each of
+    # its hand-offs costs an event-loop cycle, seconds on a loaded worker, where a rollout's connection
+    # idles past its keep-alive between turns (then the next model call reconnects).
+    async with asyncio.timeout(max(wait_s, CALL_SLACK_S)):
+        outcomes = await batch.target.call_many.remote(batch.items)
     for waiter, outcome in zip(batch.waiters, outcomes, strict=True):
         if waiter.done():  # its owner gave up (timeout, cancellation): the answer is dropped
             continue

@@ -372,6 +372,10 @@ def print_table(args: argparse.Namespace, c: int, results: dict[str, WayResult])
         total = sum(r.cpu.values())
         shown = ", ".join(f"{role} {sec:.1f}" for role, sec in parts if sec >= 0.05)
         print(f"({key}) total {total:.1f} s [{total / c * 1e3:.1f} ms]: {shown}")
+        turns = sum(r.turns)
+        if key == "a" and turns:  # where the plane's CPU per turn goes, beside the single process's
+            per_turn = ", ".join(f"{role} {sec / turns * 1e3:.2f}" for role, sec in parts if sec >= 0.05)
+            print(f"({key}) ms per turn by role: {per_turn}")
         print(
             f"({key}) own CPU per turn (all but the stand-in{'' if key == 'a' else ': the process'}): "
             f"{cpu_per_turn(r) * 1e3:.2f} ms"
