@@ -484,3 +484,50 @@ def test_a_pool_whose_first_start_fails_raises_it_and_leaves_no_loop_running():
         await pool.close()
 
     run(body())
+
+
+class DiesWhileStarting(Fakes):
+    """The first `deaths` children die while starting (Ray's death, as a killed or OOM'd process)."""
+
+    def __init__(self, deaths: int) -> None:
+        super().__init__()
+        self.deaths = deaths
+
+    async def handshake(self, child: Child) -> None:
+        if len(self.actors) <= self.deaths:
+            raise ActorDiedError()
+        await child.handle.health.remote()
+
+
+def test_a_start_that_needs_one_child_replaces_deaths_while_starting_on_the_budget():
+    async def body():
+        sup = Supervisor("fakes", DiesWhileStarting(deaths=2), settings(max_restarts=2))
+        sup.floor = 1
+        (child,) = await sup.start(need=1)
+        assert child.state == "ready" and sup.spawn_failures == 2 and sup.budget.remaining() == 0
+        await sup.close()
+
+    run(body())
+
+
+def test_a_start_whose_deaths_while_starting_spend_the_budget_raises_it_and_leaves_nothing_running():
+    async def body():
+        kind = DiesWhileStarting(deaths=10)
+        sup = Supervisor("fakes", kind, settings(max_restarts=2))
+        sup.floor = 1
+        with pytest.raises(RestartBudgetSpent, match="restart budget spent"):
+            await sup.start(need=1)
+        assert len(kind.actors) == 3 and sup.closed and all(a.killed for a in kind.actors)
+
+    run(body())
+
+
+def test_a_start_that_needs_every_child_fails_on_a_death_while_starting():
+    async def body():
+        sup = Supervisor("fakes", DiesWhileStarting(deaths=1), settings(max_restarts=2))
+        sup.floor = 1
+        with pytest.raises(ActorDiedError):
+            await sup.start()
+        assert sup.closed and sup.budget.remaining() == 2
+
+    run(body())
