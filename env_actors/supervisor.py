@@ -22,7 +22,6 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -116,13 +115,11 @@ class Supervisor(KernelSupervisor[ServerSlot], ChildKind[ServerSlot]):
         env: Ref,
         config: EnvPoolConfig,
         sessions: OpenSessions,
-        on_retire: Callable[[ServerSlot, str], None],
     ):
         self.env, self.config = env, config
         self.sessions = sessions
         """The pool's record of open sessions, read here (placement, scaling), written by the pool."""
         self.num_tasks: int | None = None
-        self._on_retire = on_retire
         self._incarnation = uuid.uuid4().hex[:6]  # server names stay unique across pools of one name
         super().__init__(name, self, config.supervision)
         self.floor = config.min_servers
@@ -234,7 +231,9 @@ class Supervisor(KernelSupervisor[ServerSlot], ChildKind[ServerSlot]):
         if cause == "wedged" and slot.blocking is None:
             # No answer named the call, but a server holding one session can only have been wedged by it.
             slot.blocking = self.sessions.only_one_on(slot.name)
-        self._on_retire(slot, reason)
+        self.sessions.drop_worker(
+            slot.name
+        )  # their calls fail on the dead server; `end_session` finds them gone
 
     def tick(self, now: float) -> None:
         self._record()

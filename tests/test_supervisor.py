@@ -43,6 +43,10 @@ class FakeActor:
         self.mode = "alive"
         self.killed = False
         self.health = FakeMethod(self._health)
+        self.close = FakeMethod(self._close)
+
+    async def _close(self) -> None:
+        self.mode = "closed"
 
     async def _health(self) -> Health:
         if self.mode == "dead":
@@ -237,13 +241,10 @@ def test_a_pool_is_restarted_as_a_new_incarnation_then_past_its_budget_answers_a
             started.append(actor_name)
             return FakeActor()
 
-        async def stop(handle: FakeActor) -> None:
-            handle.killed = True
-
         settings = PoolSupervision(
             restart={"max_restarts": 1, "window_s": 60}, hang_timeout_s=0.5, probe_interval_s=0.05
         )
-        pool = SupervisedPool("fake pool", "p/pool", start, stop, settings)
+        pool = SupervisedPool("fake pool", "p/pool", start, settings)
         (await pool.start()).mode = "dead"
         await until(lambda: pool.incarnation == 2 and pool.state == "serving")
         assert (await pool.serving(5)).incarnation == 2 and started == ["p/pool", "p/pool@2"]
@@ -471,11 +472,8 @@ def test_a_pool_whose_first_start_fails_raises_it_and_leaves_no_loop_running():
     async def start(actor_name: str) -> FakeActor:
         raise RuntimeError("bad import")
 
-    async def stop(handle: FakeActor) -> None:
-        handle.killed = True
-
     async def body():
-        pool = SupervisedPool("fake pool", "p/pool", start, stop, PoolSupervision())
+        pool = SupervisedPool("fake pool", "p/pool", start, PoolSupervision())
         with pytest.raises(RuntimeError, match="bad import"):
             await pool.start()
         assert pool.state == "failed" and pool.closed  # its judge stopped: nothing ticks on behind it
@@ -529,5 +527,23 @@ def test_a_start_that_needs_every_child_fails_on_a_death_while_starting():
         with pytest.raises(ActorDiedError):
             await sup.start()
         assert sup.closed and sup.budget.remaining() == 2
+
+    run(body())
+
+
+def test_a_graceful_stop_that_hangs_is_cut_at_the_kinds_stop_timeout_and_the_child_killed():
+    class HangsOnStop(Fakes):
+        stop_timeout_s = 0.2
+
+        def stop(self, child: Child):
+            return asyncio.sleep(3600)
+
+    async def body():
+        kind = HangsOnStop()
+        sup = Supervisor("fakes", kind, settings())
+        sup.floor = 1
+        (child,) = await sup.start()
+        await sup.close()  # the test's own deadline fails it if close waits for the hung stop
+        assert child.handle.killed
 
     run(body())

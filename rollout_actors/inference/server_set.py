@@ -17,7 +17,6 @@ rather than flapping.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -39,7 +38,6 @@ from rollout_actors.kernel.supervisor import Child, ChildKind, RetireCause, Supe
 logger = logging.getLogger(__name__)
 
 WATCH_GRACE = 30.0  # beyond the probe interval: an actor that cannot answer this late is itself wedged
-STOP_TIMEOUT = 30.0  # close() grants the server STOP_GRACE (10 s) twice; then the actor is killed anyway
 
 
 SERVER_RESTARTS = RestartIntensity(max_restarts=3, window_s=600.0)
@@ -55,6 +53,8 @@ class _Server(Child):
 
 class InferenceServerSet(Supervisor[_Server], ChildKind[_Server]):
     """`replicas` servers started from one `ServerSpec`: the kernel's supervisor, slots kept full."""
+
+    stop_timeout_s = 30.0  # close() grants the server STOP_GRACE (10 s) twice; then the actor is killed anyway
 
     def __init__(
         self,
@@ -157,4 +157,4 @@ class InferenceServerSet(Supervisor[_Server], ChildKind[_Server]):
 
     def stop(self, server: _Server) -> Awaitable[ServerStatus]:
         # Lost or not: `close` takes vLLM's worker processes (its process group) down with the server.
-        return asyncio.wait_for(server.handle.close.remote(), STOP_TIMEOUT)
+        return server.handle.close.remote()

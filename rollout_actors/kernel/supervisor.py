@@ -29,13 +29,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Generic, Literal, TypeVar
 
 from rollout_actors.kernel.faults import Unavailable, exit_detail, ray_loss
-from rollout_actors.kernel.supervision import Health, Liveness, RestartBudget, Supervision
+from rollout_actors.kernel.supervision import Health, Liveness, Recent, RestartBudget, Supervision
 from rollout_actors.kernel.tasks import TaskOwner, kill_actor, retrieve_exception
 
 __all__ = ["Child", "ChildKind", "RestartBudgetSpent", "Supervisor", "TaskOwner", "retrieve_exception"]
@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 
 TICK_S = 0.1  # judging resolution: a wedge is declared within hang_timeout_s + TICK_S
 DEAF_S = 1.0  # a tick this late means the supervisor's own loop stalled: that time is nobody's silence
-RETIRED_HISTORY = 32
+RETIRED_MEMORY = 1_000  # retired children remembered: whoever finds one gone can ask why (`gone`)
 
 SpawnWhy = Literal["initial", "restart", "grow", "blamed"]
 """Why a child is spawned: `initial` (the set the owner started with) is free; so is `blamed`, the
@@ -88,6 +88,8 @@ class ChildKind(Generic[C]):
 
     supervisor: Supervisor[C]
     crash_loop_stops = False
+    stop_timeout_s = 10.0
+    """How long a graceful stop (`stop`) may take before the child is killed regardless."""
     """Stop spawning for good once more spawns failed in a row than the budget allows restarts (an
     environment that fails every load); otherwise spawns resume when the budget's window has room."""
 
@@ -135,7 +137,7 @@ class ChildKind(Generic[C]):
         """It left service (before it is killed): release what it held."""
 
     def stop(self, child: C) -> Awaitable[Any] | None:
-        """How to stop it gracefully before it is killed (bounded by the kind: `close` waits for it), or
+        """How to stop it gracefully before it is killed (within `stop_timeout_s`: `close` waits for it), or
         None: killed at once."""
         return None
 
@@ -160,7 +162,8 @@ class Supervisor(Generic[C]):
         """Why spawning stopped for good (a crash loop), or None."""
         self.refused: str | None = None
         """Why the last spawn the budget refused was refused; None once one was allowed again."""
-        self.retired_log: deque[str] = deque(maxlen=RETIRED_HISTORY)
+        self.retired: Recent[str, C] = Recent(RETIRED_MEMORY)
+        """The newest retired children by name, oldest first: each one's `gone` says why and how."""
         self.last_loss: str | None = None
         """Why the last child that died, wedged or failed to start left."""
         self.spawned_for: Counter[SpawnWhy] = Counter()
@@ -395,7 +398,7 @@ class Supervisor(Generic[C]):
             child.up.set_exception(Unavailable(f"{child.name} {reason}"))
         if not child.gone.done():
             child.gone.set_result((reason, cause))
-        self.retired_log.append(f"{child.name}: {reason}")
+        self.retired[child.name] = child
         if cause not in ("shrunk", "shutdown"):
             self.last_loss = reason
         for task in (self._lives.pop(child.name, None), self._last_probes.pop(child.name, None)):
@@ -426,8 +429,8 @@ class Supervisor(Generic[C]):
 
         async def stop() -> None:
             try:
-                await graceful
-            except Exception as exc:  # dead or wedged: killed all the same
+                await asyncio.wait_for(graceful, self.kind.stop_timeout_s)
+            except Exception as exc:  # dead, wedged or too slow: killed all the same
                 log.warning("%s: stopping %s: %r", self.name, child.name, exc)
             self.kind.kill(child)
 

@@ -1,7 +1,7 @@
 """`SupervisedPool`: one pool actor the plane holds one of, kept serving by the plane.
 
     pool = SupervisedPool("env pool math", "p/env-pool/ab12", start=start_incarnation,
-                          stop=stop_incarnation, settings=PoolSupervision())
+                          settings=PoolSupervision())
     handle = await pool.start()                 # the first incarnation; its startup failure is raised
     name = await pool.serving(timeout=60)       # the serving incarnation, waiting for a restart
     ...
@@ -82,13 +82,12 @@ class SupervisedPool(Supervisor[_Incarnation], ChildKind[_Incarnation]):
         what: str,
         name: str,
         start: Callable[[str], Awaitable[Any]],
-        stop: Callable[[Any], Awaitable[Any]],
         settings: PoolSupervision,
     ) -> None:
         """`start(actor_name)` creates one incarnation under that name, waits until it is ready and returns
-        its handle (or raises); `stop(handle)` shuts one down and kills it, never raising."""
+        its handle (or raises); at shutdown the serving one is asked to `close` (then killed)."""
         self.what, self.pool = what, name
-        self._start, self._stop = start, stop
+        self._start = start
         self.incarnation = 0
         self._serving: _Incarnation | None = None
         self._start_failure: BaseException | None = None
@@ -203,8 +202,8 @@ class SupervisedPool(Supervisor[_Incarnation], ChildKind[_Incarnation]):
     def stop(self, child: _Incarnation) -> Awaitable[Any] | None:
         # Dead or wedged, what is left of it is killed at once: its renderers / env servers are owned by
         # it and Ray ends them with it, so nothing of the lost subtree keeps serving (or holding CPUs).
-        # At close, the serving one is stopped gracefully first.
-        return self._stop(child.handle) if self.closed and child.handle is not None else None
+        # At close, the serving one is closed gracefully first (its `close` stops its children).
+        return child.handle.close.remote() if self.closed and child.handle is not None else None
 
     def _unavailable(self, timeout: float) -> BaseException:
         if self._start_failure is not None:  # its first start failed: that failure, as it was raised
