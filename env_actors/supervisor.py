@@ -172,9 +172,7 @@ class Supervisor(KernelSupervisor[ServerSlot], ChildKind[ServerSlot]):
 
     def create(self, name: str) -> ServerSlot:
         name = f"{self.name}.env{self.spawns - 1}-{self._incarnation}"
-        slot = ServerSlot(name, create_env_server(name, self.env, self.config))
-        slot.idle_since = time.monotonic()
-        return slot
+        return ServerSlot(name, create_env_server(name, self.env, self.config))  # idle from when it is ready
 
     async def handshake(self, slot: ServerSlot) -> None:
         try:
