@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections import OrderedDict
 from typing import Any
 
 import ray
@@ -32,7 +31,7 @@ from env_actors.supervisor import ServerSlot, Supervisor, resolve
 from rollout_actors.kernel import Failure, Ref
 from rollout_actors.kernel.faults import exit_detail, ray_loss
 from rollout_actors.kernel.renamed import warn_renamed
-from rollout_actors.kernel.supervision import Health
+from rollout_actors.kernel.supervision import Health, Recent
 from rollout_actors.kernel.tasks import kill_actor
 
 __all__ = [
@@ -54,7 +53,6 @@ value the worker returned before dying is kept), so a call whose worker died wai
 POOL_MAX_CONCURRENCY = 10_000  # every in-flight env call of every rollout waits inside this actor
 POOL_ACTOR_START_TIMEOUT_S = 60.0  # the pool actor's process start and first answer
 POOL_STARTUP_SLACK_S = 10.0  # the pool's own answer, on top of the environment's readiness deadline
-RETIRED_WORKER_MEMORY = 1_000  # retired workers remembered with the reason (a session asks why its died)
 LOST_OWNER_MEMORY = 1_000  # lost owners remembered, so a placement one sent before dying is refused
 SESSION_REAP_EVERY_S = 1.0
 
@@ -75,11 +73,8 @@ class EnvPool:
         self._name, self._config = name, config
         self._sessions = OpenSessions()
         """The one pool-side record of open sessions; the supervisor reads its per-worker counts."""
-        self._retired: OrderedDict[str, tuple[str, str, str | None]] = OrderedDict()
-        """Retired worker -> (why, how: `died` or `wedged`, the session whose call wedged it), for the
-        sessions that find it gone."""
-        self._lost_owners: OrderedDict[str, None] = OrderedDict()
-        self._supervisor = Supervisor(name, env, config, self._sessions, self._on_retire)
+        self._lost_owners: Recent[str, None] = Recent(LOST_OWNER_MEMORY)
+        self._supervisor = Supervisor(name, env, config, self._sessions)
         self._started = False
         self._closed = False
 
@@ -146,8 +141,6 @@ class EnvPool:
         its worker (the environment's `close` runs), now rather than at the idle timeout. A placement it
         sent before dying and that arrives later is refused. Returns how many sessions were ended."""
         self._lost_owners[owner] = None
-        while len(self._lost_owners) > LOST_OWNER_MEMORY:
-            self._lost_owners.popitem(last=False)
         owned = self._sessions.owned_by(owner)
         await asyncio.gather(*(self.end_session(sid, self._config.close_timeout_s) for sid in owned))
         return len(owned)
@@ -167,7 +160,10 @@ class EnvPool:
         slot = self._supervisor.children.get(worker)
         if slot is not None:
             self._supervisor.retire(slot, f"died: {detail}", "died")
-        reason, how, blocking = self._retired.get(worker, (f"died: {detail}", "died", None))
+        retired = self._supervisor.retired.get(worker)
+        reason, cause = retired.gone.result() if retired else (f"died: {detail}", "died")
+        how = "wedged" if cause == "wedged" else "died"
+        blocking = retired.blocking if retired is not None and how == "wedged" else None
         culprit = None if blocking is None or session_id is None else blocking == session_id
         return reason, how, culprit
 
@@ -205,7 +201,7 @@ class EnvPool:
             budget_denials=sup.budget_denials,
             culprit_replacements=sup.spawned_for["blamed"],
             spawning_stopped=sup.stopped,
-            retired=list(sup.retired_log),
+            retired=[f"{name}: {c.gone.result()[0]}" for name, c in list(sup.retired.items())[-32:]],
         )
 
     async def close(self) -> EnvPoolStats:
@@ -253,14 +249,6 @@ class EnvPool:
             )
             return EnvResponse.failed(failure, server_name=slot.name, server_exit=detail)
         return EnvResponse.failed(Failure.from_exception(exc), server_name=slot.name)
-
-    def _on_retire(self, slot: ServerSlot, reason: str) -> None:
-        wedged = slot.gone.done() and slot.gone.result()[1] == "wedged"
-        self._retired[slot.name] = (reason, "wedged" if wedged else "died", slot.blocking if wedged else None)
-        while len(self._retired) > RETIRED_WORKER_MEMORY:
-            self._retired.popitem(last=False)
-        # Their calls fail on the dead worker; `end_session` finds them gone.
-        self._sessions.drop_worker(slot.name)
 
     def _forget(self, session_id: str) -> None:
         session = self._sessions.pop(session_id)

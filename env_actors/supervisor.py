@@ -22,7 +22,6 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,9 +30,9 @@ from env_actors.runtime_env_check import started_unless_pip_fails
 from env_actors.server import create_env_server
 from env_actors.sessions import OpenSessions
 from rollout_actors.kernel import Failure, Ref
-from rollout_actors.kernel.faults import CallerError, exit_detail, ray_loss, runtime_env_failed
+from rollout_actors.kernel.faults import CallerError, ray_loss, runtime_env_failed
 from rollout_actors.kernel.metric import Metric
-from rollout_actors.kernel.supervisor import Child, ChildKind, RetireCause
+from rollout_actors.kernel.supervisor import Child, ChildKind, RestartBudgetSpent, RetireCause
 from rollout_actors.kernel.supervisor import Supervisor as KernelSupervisor
 
 logger = logging.getLogger(__name__)
@@ -116,13 +115,11 @@ class Supervisor(KernelSupervisor[ServerSlot], ChildKind[ServerSlot]):
         env: Ref,
         config: EnvPoolConfig,
         sessions: OpenSessions,
-        on_retire: Callable[[ServerSlot, str], None],
     ):
         self.env, self.config = env, config
         self.sessions = sessions
         """The pool's record of open sessions, read here (placement, scaling), written by the pool."""
         self.num_tasks: int | None = None
-        self._on_retire = on_retire
         self._incarnation = uuid.uuid4().hex[:6]  # server names stay unique across pools of one name
         super().__init__(name, self, config.supervision)
         self.floor = config.min_servers
@@ -152,65 +149,30 @@ class Supervisor(KernelSupervisor[ServerSlot], ChildKind[ServerSlot]):
     # ------------------------------------------------------------------------------------ startup
 
     async def start_first(self, ready_timeout: float) -> Failure | None:
-        """Spawn `min_servers` and wait for the first to be ready. On failure everything is retired and
+        """Spawn `min_servers` and wait for the first to be ready (the kernel's `start`: a server that died
+        while loading is replaced on the budget within the deadline). On failure everything is retired and
         the failure returned: a load error at once (with the environment's traceback), servers that died
         while loading past the restart budget, or the readiness deadline."""
-        deadline = time.monotonic() + ready_timeout
         try:
-            for _ in range(self.config.min_servers):
-                self.spawn("initial", ready_timeout)
-        except Exception as exc:  # nothing could be created (a malformed runtime_env, resources)
-            await self.close()
-            return Failure.from_exception(exc)
-        died: list[BaseException] = []
-        failure: Failure | None = None
-        while failure is None and not self.ready():
-            pending = [c.up for c in self.starting()]
-            if not pending or (died and time.monotonic() >= deadline):
-                break
-            wait_s = max(0.0, deadline - time.monotonic()) + DIAGNOSE_TIMEOUT_S + 1.0
-            done, _ = await asyncio.wait(pending, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED)
-            if not done:
-                failure = Failure(
-                    type="EnvReadinessTimeout", message=f"no env server ready in {ready_timeout} s"
-                )
-            for up in done:
-                exc = up.exception()
-                if isinstance(exc, LoadError):
-                    failure = exc.failure
-                elif isinstance(exc, TimeoutError):
-                    failure = Failure(type="EnvReadinessTimeout", message=str(exc))
-                elif exc is not None and ray_loss(exc) == "died":
-                    died.append(exc)
-                    # Replaced within the deadline, unless the floor's tick did already: one restart per death.
-                    if time.monotonic() < deadline and len(self.children) < self.floor:
-                        self.spawn("restart", deadline - time.monotonic())
-                elif exc is not None:
-                    failure = Failure.from_exception(exc)
-        if self.ready():
+            await self.start(ready_timeout_s=ready_timeout, need=1)
             return None
-        if failure is None:
-            why = (
-                self.budget.spent_message()
-                if time.monotonic() < deadline
-                else f"readiness deadline ({ready_timeout:g} s) passed"
-            )
-            last = exit_detail(died[-1]) if died else "unknown"
-            failure = Failure(
-                type="EnvServerDied",
-                message=f"env server died while loading {len(died)} time(s); {why}; last: died while "
-                f"loading: {last}",
-            )
-        await self.close()
-        return failure
+        except LoadError as exc:
+            return exc.failure
+        except TimeoutError as exc:
+            return Failure(type="EnvReadinessTimeout", message=str(exc))
+        except Exception as exc:
+            if not isinstance(exc, RestartBudgetSpent) and ray_loss(exc) != "died":
+                return Failure.from_exception(exc)  # e.g. nothing could be created (malformed resources)
+            deadline = f"readiness deadline ({ready_timeout:g} s) passed; last loss: {self.last_loss}"
+            why = exc if isinstance(exc, RestartBudgetSpent) else deadline
+            message = f"env server died while loading {self.spawn_failures} time(s); {why}"
+            return Failure(type="EnvServerDied", message=message)
 
     # ------------------------------------------------------------------------- the kind's hooks
 
     def create(self, name: str) -> ServerSlot:
         name = f"{self.name}.env{self.spawns - 1}-{self._incarnation}"
-        slot = ServerSlot(name, create_env_server(name, self.env, self.config))
-        slot.idle_since = time.monotonic()
-        return slot
+        return ServerSlot(name, create_env_server(name, self.env, self.config))  # idle from when it is ready
 
     async def handshake(self, slot: ServerSlot) -> None:
         try:
@@ -267,7 +229,9 @@ class Supervisor(KernelSupervisor[ServerSlot], ChildKind[ServerSlot]):
         if cause == "wedged" and slot.blocking is None:
             # No answer named the call, but a server holding one session can only have been wedged by it.
             slot.blocking = self.sessions.only_one_on(slot.name)
-        self._on_retire(slot, reason)
+        self.sessions.drop_worker(
+            slot.name
+        )  # their calls fail on the dead server; `end_session` finds them gone
 
     def tick(self, now: float) -> None:
         self._record()

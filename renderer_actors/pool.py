@@ -36,7 +36,7 @@ from renderer_actors.key import RendererKey
 from renderer_actors.renderer_set import RendererBudgetSpent, RendererChild, RendererSet, RendererStartupError
 from rollout_actors.kernel import new_id
 from rollout_actors.kernel.metric import Metric
-from rollout_actors.kernel.supervision import Health
+from rollout_actors.kernel.supervision import Health, Recent
 from rollout_actors.kernel.tasks import TaskOwner
 
 __all__ = ["RendererBudgetSpent", "RendererPool", "RendererStartupError", "get_or_create_renderer_pool"]
@@ -69,7 +69,7 @@ class RendererPool:
         )
         self._keys: dict[str, RendererSet] = {}
         self._slots: dict[str, _HeldSlot] = {}
-        self._lost_owners: dict[str, None] = {}
+        self._lost_owners: Recent[str, None] = Recent(LOST_OWNER_MEMORY)
         self._tasks: TaskOwner | None = None
         self._closed = False
         self._expired_slots = 0
@@ -117,8 +117,6 @@ class RendererPool:
         not at `slot_timeout_s`, and refuse slots it asked for before dying that arrive later. Returns how
         many slots were held."""
         self._lost_owners[owner] = None
-        while len(self._lost_owners) > LOST_OWNER_MEMORY:
-            del self._lost_owners[next(iter(self._lost_owners))]
         owned = [slot_id for slot_id, slot in self._slots.items() if slot.owner == owner]
         return sum(self._release(slot_id) for slot_id in owned)
 

@@ -64,7 +64,6 @@ class RendererSet(Supervisor[RendererChild], ChildKind[RendererChild]):
         self.startup_kind = "infrastructure"
         """`caller` when the load refused what the key names (a `CallerError` on the renderer's side)."""
         self.failed_at = 0.0
-        self.last_death = ""
         self.startup_failures = self.shrunk = 0
         self._orphan = orphan
         super().__init__(RendererKey.from_json(key_json).short(), self, config.supervision)
@@ -81,7 +80,7 @@ class RendererSet(Supervisor[RendererChild], ChildKind[RendererChild]):
         if renderer is None and len(live) < self.config.max_renderers_per_key:
             renderer = self.spawn("initial" if not self.spawns else "grow" if live else "restart")
             if renderer is None and not live:
-                raise self.budget_spent(f"renderer for {self.key_json}", self.last_death, RendererBudgetSpent)
+                raise self.budget_spent(f"renderer for {self.key_json}", RendererBudgetSpent)
         return renderer or min(live, key=_preference)
 
     def stats(self, now: float) -> RendererKeyStats:
@@ -138,8 +137,6 @@ class RendererSet(Supervisor[RendererChild], ChildKind[RendererChild]):
         self.startup_failure = None
 
     def on_retired(self, renderer: RendererChild, reason: str, cause: RetireCause) -> None:
-        if cause != "shrunk":
-            self.last_death = f"renderer {renderer.name} {reason}"
         self._orphan(renderer)
 
     def kill(self, renderer: RendererChild) -> None:

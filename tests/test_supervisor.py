@@ -43,6 +43,10 @@ class FakeActor:
         self.mode = "alive"
         self.killed = False
         self.health = FakeMethod(self._health)
+        self.close = FakeMethod(self._close)
+
+    async def _close(self) -> None:
+        self.mode = "closed"
 
     async def _health(self) -> Health:
         if self.mode == "dead":
@@ -237,13 +241,10 @@ def test_a_pool_is_restarted_as_a_new_incarnation_then_past_its_budget_answers_a
             started.append(actor_name)
             return FakeActor()
 
-        async def stop(handle: FakeActor) -> None:
-            handle.killed = True
-
         settings = PoolSupervision(
             restart={"max_restarts": 1, "window_s": 60}, hang_timeout_s=0.5, probe_interval_s=0.05
         )
-        pool = SupervisedPool("fake pool", "p/pool", start, stop, settings)
+        pool = SupervisedPool("fake pool", "p/pool", start, settings)
         (await pool.start()).mode = "dead"
         await until(lambda: pool.incarnation == 2 and pool.state == "serving")
         assert (await pool.serving(5)).incarnation == 2 and started == ["p/pool", "p/pool@2"]
@@ -471,16 +472,78 @@ def test_a_pool_whose_first_start_fails_raises_it_and_leaves_no_loop_running():
     async def start(actor_name: str) -> FakeActor:
         raise RuntimeError("bad import")
 
-    async def stop(handle: FakeActor) -> None:
-        handle.killed = True
-
     async def body():
-        pool = SupervisedPool("fake pool", "p/pool", start, stop, PoolSupervision())
+        pool = SupervisedPool("fake pool", "p/pool", start, PoolSupervision())
         with pytest.raises(RuntimeError, match="bad import"):
             await pool.start()
         assert pool.state == "failed" and pool.closed  # its judge stopped: nothing ticks on behind it
         with pytest.raises(RuntimeError, match="bad import"):
             await pool.serving(5)
         await pool.close()
+
+    run(body())
+
+
+class DiesWhileStarting(Fakes):
+    """The first `deaths` children die while starting (Ray's death, as a killed or OOM'd process)."""
+
+    def __init__(self, deaths: int) -> None:
+        super().__init__()
+        self.deaths = deaths
+
+    async def handshake(self, child: Child) -> None:
+        if len(self.actors) <= self.deaths:
+            raise ActorDiedError()
+        await child.handle.health.remote()
+
+
+def test_a_start_that_needs_one_child_replaces_deaths_while_starting_on_the_budget():
+    async def body():
+        sup = Supervisor("fakes", DiesWhileStarting(deaths=2), settings(max_restarts=2))
+        sup.floor = 1
+        (child,) = await sup.start(need=1)
+        assert child.state == "ready" and sup.spawn_failures == 2 and sup.budget.remaining() == 0
+        await sup.close()
+
+    run(body())
+
+
+def test_a_start_whose_deaths_while_starting_spend_the_budget_raises_it_and_leaves_nothing_running():
+    async def body():
+        kind = DiesWhileStarting(deaths=10)
+        sup = Supervisor("fakes", kind, settings(max_restarts=2))
+        sup.floor = 1
+        with pytest.raises(RestartBudgetSpent, match="restart budget spent"):
+            await sup.start(need=1)
+        assert len(kind.actors) == 3 and sup.closed and all(a.killed for a in kind.actors)
+
+    run(body())
+
+
+def test_a_start_that_needs_every_child_fails_on_a_death_while_starting():
+    async def body():
+        sup = Supervisor("fakes", DiesWhileStarting(deaths=1), settings(max_restarts=2))
+        sup.floor = 1
+        with pytest.raises(ActorDiedError):
+            await sup.start()
+        assert sup.closed and sup.budget.remaining() == 2
+
+    run(body())
+
+
+def test_a_graceful_stop_that_hangs_is_cut_at_the_kinds_stop_timeout_and_the_child_killed():
+    class HangsOnStop(Fakes):
+        stop_timeout_s = 0.2
+
+        def stop(self, child: Child):
+            return asyncio.sleep(3600)
+
+    async def body():
+        kind = HangsOnStop()
+        sup = Supervisor("fakes", kind, settings())
+        sup.floor = 1
+        (child,) = await sup.start()
+        await sup.close()  # the test's own deadline fails it if close waits for the hung stop
+        assert child.handle.killed
 
     run(body())

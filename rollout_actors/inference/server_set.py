@@ -17,7 +17,6 @@ rather than flapping.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -39,7 +38,6 @@ from rollout_actors.kernel.supervisor import Child, ChildKind, RetireCause, Supe
 logger = logging.getLogger(__name__)
 
 WATCH_GRACE = 30.0  # beyond the probe interval: an actor that cannot answer this late is itself wedged
-STOP_TIMEOUT = 30.0  # close() grants the server STOP_GRACE (10 s) twice; then the actor is killed anyway
 
 
 SERVER_RESTARTS = RestartIntensity(max_restarts=3, window_s=600.0)
@@ -56,6 +54,10 @@ class _Server(Child):
 class InferenceServerSet(Supervisor[_Server], ChildKind[_Server]):
     """`replicas` servers started from one `ServerSpec`: the kernel's supervisor, slots kept full."""
 
+    stop_timeout_s = (
+        30.0  # close() grants the server STOP_GRACE (10 s) twice; then the actor is killed anyway
+    )
+
     def __init__(
         self,
         spec: ServerSpec,
@@ -70,7 +72,6 @@ class InferenceServerSet(Supervisor[_Server], ChildKind[_Server]):
             warn_renamed("InferenceServerSet(watch_period=)", "probe_interval_s=")
             probe_interval_s = watch_period  # the old name's value
         self.spec = spec
-        self.replicas = replicas
         self.probe_interval_s = probe_interval_s
         self.before_routing = before_routing
         """Awaited with a replacement's URL before it takes traffic; raising rejects the replacement."""
@@ -111,7 +112,7 @@ class InferenceServerSet(Supervisor[_Server], ChildKind[_Server]):
     @property
     def exhausted(self) -> bool:
         """True when some slot is empty because its restart budget ran out."""
-        return self.refused is not None and len(self.children) < self.replicas
+        return self.refused is not None and len(self.children) < self.floor
 
     def actors(self) -> list[ray.actor.ActorHandle]:
         return [s.handle for s in self.children.values()]
@@ -123,7 +124,7 @@ class InferenceServerSet(Supervisor[_Server], ChildKind[_Server]):
     # ------------------------------------------------------------------------- the kind's hooks
 
     def create(self, name: str) -> _Server:
-        index = min(set(range(self.replicas)) - {s.index for s in self.children.values()})
+        index = min(set(range(self.floor)) - {s.index for s in self.children.values()})
         actor = InferenceServer.options(**server_actor_options(self.spec)).remote(self.spec)
         self._status[index] = ServerStatus(state="starting")
         return _Server(f"inference-server-{index}.{self.spawns}", actor, index=index)
@@ -157,4 +158,4 @@ class InferenceServerSet(Supervisor[_Server], ChildKind[_Server]):
 
     def stop(self, server: _Server) -> Awaitable[ServerStatus]:
         # Lost or not: `close` takes vLLM's worker processes (its process group) down with the server.
-        return asyncio.wait_for(server.handle.close.remote(), STOP_TIMEOUT)
+        return server.handle.close.remote()

@@ -7,8 +7,11 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
+
+K, V = TypeVar("K"), TypeVar("V")
 
 
 class RestartIntensity(BaseModel):
@@ -135,3 +138,23 @@ class Health(BaseModel):
     from a side loop says nothing good of a stalled main loop."""
     pid: int | None = None
     node_id: str | None = None
+
+
+class Recent(dict[K, V]):
+    """A dict that remembers only its newest `memory` keys, for what a supervisor must recall about parts
+    already gone (why a child was retired; which owners were lost, so a call one sent before it was lost
+    and that arrives later is refused). Only item assignment evicts.
+
+    >>> lost = Recent(memory=2); lost["a"] = lost["b"] = lost["c"] = None
+    >>> list(lost)
+    ['b', 'c']
+    """
+
+    def __init__(self, memory: int) -> None:
+        super().__init__()
+        self.memory = memory
+
+    def __setitem__(self, key: K, value: V) -> None:
+        super().__setitem__(key, value)
+        if len(self) > self.memory:
+            del self[next(iter(self))]

@@ -29,13 +29,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Generic, Literal, TypeVar
 
 from rollout_actors.kernel.faults import Unavailable, exit_detail, ray_loss
-from rollout_actors.kernel.supervision import Health, Liveness, RestartBudget, Supervision
+from rollout_actors.kernel.supervision import Health, Liveness, Recent, RestartBudget, Supervision
 from rollout_actors.kernel.tasks import TaskOwner, kill_actor, retrieve_exception
 
 __all__ = ["Child", "ChildKind", "RestartBudgetSpent", "Supervisor", "TaskOwner", "retrieve_exception"]
@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 
 TICK_S = 0.1  # judging resolution: a wedge is declared within hang_timeout_s + TICK_S
 DEAF_S = 1.0  # a tick this late means the supervisor's own loop stalled: that time is nobody's silence
-RETIRED_HISTORY = 32
+RETIRED_MEMORY = 1_000  # retired children remembered: whoever finds one gone can ask why (`gone`)
 
 SpawnWhy = Literal["initial", "restart", "grow", "blamed"]
 """Why a child is spawned: `initial` (the set the owner started with) is free; so is `blamed`, the
@@ -88,6 +88,8 @@ class ChildKind(Generic[C]):
 
     supervisor: Supervisor[C]
     crash_loop_stops = False
+    stop_timeout_s = 10.0
+    """How long a graceful stop (`stop`) may take before the child is killed regardless."""
     """Stop spawning for good once more spawns failed in a row than the budget allows restarts (an
     environment that fails every load); otherwise spawns resume when the budget's window has room."""
 
@@ -135,7 +137,7 @@ class ChildKind(Generic[C]):
         """It left service (before it is killed): release what it held."""
 
     def stop(self, child: C) -> Awaitable[Any] | None:
-        """How to stop it gracefully before it is killed (bounded by the kind: `close` waits for it), or
+        """How to stop it gracefully before it is killed (within `stop_timeout_s`: `close` waits for it), or
         None: killed at once."""
         return None
 
@@ -160,7 +162,10 @@ class Supervisor(Generic[C]):
         """Why spawning stopped for good (a crash loop), or None."""
         self.refused: str | None = None
         """Why the last spawn the budget refused was refused; None once one was allowed again."""
-        self.retired_log: deque[str] = deque(maxlen=RETIRED_HISTORY)
+        self.retired: Recent[str, C] = Recent(RETIRED_MEMORY)
+        """The newest retired children by name, oldest first: each one's `gone` says why and how."""
+        self.last_loss: str | None = None
+        """Why the last child that died, wedged or failed to start left."""
         self.spawned_for: Counter[SpawnWhy] = Counter()
         self._lives: dict[str, asyncio.Task[None]] = {}
         self._stopping: set[asyncio.Task[None]] = set()
@@ -210,16 +215,33 @@ class Supervisor(Generic[C]):
 
     # ------------------------------------------------------------------------------------ spawning
 
-    async def start(self, n: int | None = None, ready_timeout_s: float | None = None) -> list[C]:
-        """Spawn the initial `n` children (free; `floor` by default) and wait until every one is ready.
-        The first failure is raised after every child is retired: a failed start leaves nothing running."""
-        children = [self.spawn("initial", ready_timeout_s) for _ in range(self.floor if n is None else n)]
+    async def start(
+        self, n: int | None = None, ready_timeout_s: float | None = None, need: int | None = None
+    ) -> list[C]:
+        """Spawn the initial `n` children (free; `floor` by default) and wait until `need` of them (all by
+        default) are ready. The first failure is raised after every child is retired: a failed start leaves
+        nothing running. `need`: the owner serves once that many are ready (an env pool: its first server),
+        so a child Ray says died while starting is a loss, replaced on the budget within the readiness
+        deadline (`RestartBudgetSpent` once none is left)."""
+        n = self.floor if n is None else n
+        timeout_s = ready_timeout_s or self.settings.ready_timeout_s
+        deadline = time.monotonic() + timeout_s
         try:
-            await asyncio.gather(*(child.up for child in children if child is not None))
+            for _ in range(n):
+                self.spawn("initial", timeout_s)
+            while len(self.ready()) < (n if need is None else need):
+                if not (starting := [child.up for child in self.starting()]):
+                    raise self.budget_spent(self.name)
+                done, _ = await asyncio.wait(starting, return_when=asyncio.FIRST_COMPLETED)
+                for exc in filter(None, (up.exception() for up in done)):
+                    if need is None or ray_loss(exc) != "died" or time.monotonic() >= deadline:
+                        raise exc
+                    if len(self.children) < n:  # one restart per death, unless the floor's tick did it
+                        self.spawn("restart", deadline - time.monotonic())
         except BaseException:
             await self.close()
             raise
-        return [child for child in children if child is not None]
+        return self.ready()
 
     def spawn(self, why: SpawnWhy, ready_timeout_s: float | None = None) -> C | None:
         """Start one child (its readiness runs in the background: await `child.up`). None when the budget
@@ -255,12 +277,13 @@ class Supervisor(Generic[C]):
         return child
 
     def budget_spent(
-        self, what: str, last_loss: str | None = None, cls: type[RestartBudgetSpent] = RestartBudgetSpent
+        self, what: str, cls: type[RestartBudgetSpent] = RestartBudgetSpent
     ) -> RestartBudgetSpent:
         """The typed failure for a request that needed a child the budget refused (or a crash loop
-        stopped): one message for every kind, with the last loss where the kind knows it."""
+        stopped): one message for every kind, with the last loss."""
         why = self.stopped or self.refused or self.budget.spent_message()
-        return cls(f"{what} is not restarted: {why}" + (f"; last loss: {last_loss}" if last_loss else ""))
+        loss = f"; last loss: {self.last_loss}" if self.last_loss else ""
+        return cls(f"{what} is not restarted: {why}{loss}")
 
     async def _live(self, child: C, ready_timeout_s: float) -> None:
         try:
@@ -375,7 +398,9 @@ class Supervisor(Generic[C]):
             child.up.set_exception(Unavailable(f"{child.name} {reason}"))
         if not child.gone.done():
             child.gone.set_result((reason, cause))
-        self.retired_log.append(f"{child.name}: {reason}")
+        self.retired[child.name] = child
+        if cause not in ("shrunk", "shutdown"):
+            self.last_loss = reason
         for task in (self._lives.pop(child.name, None), self._last_probes.pop(child.name, None)):
             if task is not None and task is not asyncio.current_task():
                 task.cancel()
@@ -404,8 +429,8 @@ class Supervisor(Generic[C]):
 
         async def stop() -> None:
             try:
-                await graceful
-            except Exception as exc:  # dead or wedged: killed all the same
+                await asyncio.wait_for(graceful, self.kind.stop_timeout_s)
+            except Exception as exc:  # dead, wedged or too slow: killed all the same
                 log.warning("%s: stopping %s: %r", self.name, child.name, exc)
             self.kind.kill(child)
 

@@ -1,7 +1,7 @@
 """`SupervisedPool`: one pool actor the plane holds one of, kept serving by the plane.
 
     pool = SupervisedPool("env pool math", "p/env-pool/ab12", start=start_incarnation,
-                          stop=stop_incarnation, settings=PoolSupervision())
+                          settings=PoolSupervision())
     handle = await pool.start()                 # the first incarnation; its startup failure is raised
     name = await pool.serving(timeout=60)       # the serving incarnation, waiting for a restart
     ...
@@ -14,7 +14,7 @@ driver's loop. When Ray says the pool actor died, or nothing showed it alive for
 left of it is killed and a new incarnation, a named actor of its own (`<name>@<n>`, so a replacement never
 waits for Ray to free the old name), is started within the pool's restart budget. A start that fails
 spends a restart too; with the budget spent the pool is `failed` and every request that needs it is
-answered at once, until the window has room again (the next request that needs it then starts it anew).
+answered at once, until the window has room again (then one is started: the kernel keeps a floor of one).
 
 Nothing of a dead incarnation is adopted (README, "Supervision": what survives a pool's loss); each
 dispatch names the serving incarnation (`PoolName`), so a worker never uses a lost one (`pool_lookup.py`).
@@ -82,20 +82,17 @@ class SupervisedPool(Supervisor[_Incarnation], ChildKind[_Incarnation]):
         what: str,
         name: str,
         start: Callable[[str], Awaitable[Any]],
-        stop: Callable[[Any], Awaitable[Any]],
         settings: PoolSupervision,
     ) -> None:
         """`start(actor_name)` creates one incarnation under that name, waits until it is ready and returns
-        its handle (or raises); `stop(handle)` shuts one down and kills it, never raising."""
+        its handle (or raises); at shutdown the serving one is asked to `close` (then killed)."""
         self.what, self.pool = what, name
-        self._start, self._stop = start, stop
-        self.state: PoolState = "starting"
+        self._start = start
         self.incarnation = 0
         self._serving: _Incarnation | None = None
         self._start_failure: BaseException | None = None
         self._verifying: asyncio.Task[None] | None = None
         self._lost_at = 0.0
-        self.last_loss: str | None = None
         self.recovered_in_s: float | None = None
         self.serving_since: float | None = None
         """`time.monotonic()` when the serving incarnation began serving."""
@@ -107,6 +104,7 @@ class SupervisedPool(Supervisor[_Incarnation], ChildKind[_Incarnation]):
             hang_timeout_s=settings.hang_timeout_s,
         )
         super().__init__(what, self, supervision)
+        self.floor = 1  # a lost incarnation is replaced at once; one whose start failed, on the next tick
 
     # ------------------------------------------------------------------------------------- public
 
@@ -114,9 +112,9 @@ class SupervisedPool(Supervisor[_Incarnation], ChildKind[_Incarnation]):
         """Start the first incarnation. A failure here is the environment's or the config's, not a loss:
         it is raised as it is (with its traceback) and nothing is restarted."""
         try:
-            (child,) = await super().start(1)
+            (child,) = await super().start()
         except BaseException as exc:  # the kernel closed the supervisor: nothing is left running
-            self.state, self._start_failure = "failed", exc
+            self._start_failure = exc
             raise
         return child.handle
 
@@ -126,10 +124,8 @@ class SupervisedPool(Supervisor[_Incarnation], ChildKind[_Incarnation]):
         its loss is decided and a replacement serves, so a re-dispatch never goes to a pool that is
         already gone (one check shared by every caller)."""
         deadline = time.monotonic() + timeout
-        if self.state == "failed" and self.serving_since is not None and self.budget.remaining() > 0:
-            self._restart()  # the restart window has room again
-        elif self.state == "restarting" and not self.children:
-            self._restart()  # a restart failed to start: its successor starts now, not at the next tick
+        if not self.children:  # a restart failed, or the budget refused it: try now, not at the next tick
+            self.spawn("restart")
         serving = self._serving
         if verify and serving is not None:
             if self._verifying is None or self._verifying.done():
@@ -144,6 +140,18 @@ class SupervisedPool(Supervisor[_Incarnation], ChildKind[_Incarnation]):
         if serving is None:
             raise self._unavailable(timeout)
         return PoolName(self.pool, serving.number)
+
+    @property
+    def state(self) -> PoolState:
+        if self._start_failure is not None:
+            return "failed"
+        if self.closed:
+            return "closed"
+        if not self.children and self.refused:
+            return "failed"  # its restart budget is spent: requests that need it are answered at once
+        if self._serving is not None:
+            return "serving"
+        return "restarting" if self._lost_at else "starting"
 
     def current(self) -> Any:
         """The serving incarnation's handle, or None while there is none."""
@@ -160,11 +168,6 @@ class SupervisedPool(Supervisor[_Incarnation], ChildKind[_Incarnation]):
             recovered_in_s=self.recovered_in_s,
         )
 
-    async def close(self) -> None:
-        """Stop supervising, then stop the serving incarnation. Whoever waits for it is answered at once."""
-        self.state = "closed"
-        await super().close()
-
     # ------------------------------------------------------------------------- the kind's hooks
 
     def create(self, name: str) -> _Incarnation:
@@ -175,7 +178,7 @@ class SupervisedPool(Supervisor[_Incarnation], ChildKind[_Incarnation]):
         child.handle = await self._start(child.name)
 
     def on_ready(self, child: _Incarnation) -> None:
-        self._serving, self.state = child, "serving"
+        self._serving = child
         self.serving_since = time.monotonic()
         if self._lost_at:
             self.recovered_in_s = time.monotonic() - self._lost_at
@@ -189,41 +192,26 @@ class SupervisedPool(Supervisor[_Incarnation], ChildKind[_Incarnation]):
     def on_retired(self, child: _Incarnation, reason: str, cause: RetireCause) -> None:
         if child is self._serving:
             self._serving = None
-            if cause == "shutdown":
-                return
-            self._lost_at = time.monotonic()
-            self.last_loss = reason
-            log.error("%s (incarnation %d) lost: %s", self.what, child.number, reason)
-            self.state = "restarting"  # its replacement is spawned by the kernel, on the budget
-        elif self.state == "restarting":
+            if cause != "shutdown":  # its replacement is spawned by the kernel, on the budget
+                self._lost_at = time.monotonic()
+                log.error("%s (incarnation %d) lost: %s", self.what, child.number, reason)
+        elif self._lost_at and cause != "shutdown":
             self.last_loss = f"restart {child.number} failed: {reason}"
             log.error("%s: %s", self.what, self.last_loss)
 
     def stop(self, child: _Incarnation) -> Awaitable[Any] | None:
         # Dead or wedged, what is left of it is killed at once: its renderers / env servers are owned by
         # it and Ray ends them with it, so nothing of the lost subtree keeps serving (or holding CPUs).
-        # At close, the serving one is stopped gracefully first.
-        return self._stop(child.handle) if self.closed and child.handle is not None else None
-
-    def tick(self, now: float) -> None:
-        if self.state == "restarting" and not self.children:
-            self._restart()
-
-    def _restart(self) -> None:
-        """New incarnations until one serves or the budget is spent; every attempt spends a restart.
-        Refused: the pool is failed, and requests that need it are answered at once."""
-        self.state = "restarting"
-        if not self.children and self.spawn("restart") is None:
-            self.state = "failed"
-            log.error("%s", self._unavailable(0.0))
+        # At close, the serving one is closed gracefully first (its `close` stops its children).
+        return child.handle.close.remote() if self.closed and child.handle is not None else None
 
     def _unavailable(self, timeout: float) -> BaseException:
         if self._start_failure is not None:  # its first start failed: that failure, as it was raised
             return self._start_failure
-        if self.state == "closed":
+        if self.closed:
             message = f"{self.what} is shut down (the plane closed)"
-        elif not self.children and (self.refused or self.stopped):
-            message = str(self.budget_spent(self.what, self.last_loss))
+        elif self.state == "failed":
+            message = str(self.budget_spent(self.what))
         else:
             message = f"{self.what} was not serving within {timeout:g} s ({self.state}; last loss: {self.last_loss})"
         return PoolUnavailable(Failure(type="PoolUnavailable", message=message))

@@ -26,7 +26,7 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from env_actors.pool import EnvPoolConfig, EnvStartupError, close_env_pool, start_env_pool
+from env_actors.pool import EnvPoolConfig, EnvStartupError, start_env_pool
 from renderer_actors.pool import get_or_create_renderer_pool
 from rollout_actors.kernel.faults import Fault, Unavailable
 from rollout_actors.kernel.tasks import holds_value, kill_actor
@@ -38,7 +38,7 @@ from rollout_actors.wire import Failure, Ref, RolloutRequest
 
 log = logging.getLogger(__name__)
 
-POOL_SHUTDOWN_TIMEOUT_S = 10.0  # a pool that cannot stop in this long is killed regardless
+POOL_SHUTDOWN_TIMEOUT_S = 10.0  # a pool start being cancelled at close unwinds in this long
 START_RETRY_S = 60.0
 """How long an environment whose pool failed to start is remembered as failed: requests naming it fail at
 once meanwhile (its load failed the same way for every server it tried), then the next starts it again."""
@@ -64,7 +64,6 @@ class SharedPools:
             "renderer pool",
             self._names.renderer_pool,
             self._start_renderer_pool,
-            _stop_renderer_pool,
             self._config.pool_supervision,
         )
         await self._renderer.start()
@@ -83,7 +82,6 @@ class SharedPools:
                 f"env pool {env.target} ({key})",
                 self._names.env_pool(env),
                 lambda name: self._start_env_pool(env, name),
-                close_env_pool,
                 self._config.pool_supervision,
             )
             entry = self._env[key] = (pool, asyncio.ensure_future(pool.start()))
@@ -208,11 +206,3 @@ class SharedPools:
             log.warning("pool node %s is gone: placing the pool on the driver's node", wanted)
         assert self._driver_node is not None
         return NodeAffinitySchedulingStrategy(node_id=self._driver_node, soft=False)
-
-
-async def _stop_renderer_pool(handle: Any) -> None:
-    try:
-        await asyncio.wait_for(handle.close.remote(), POOL_SHUTDOWN_TIMEOUT_S)
-    except Exception as exc:
-        log.warning("renderer pool shutdown: %s", exc)
-    kill_actor(handle)
