@@ -53,6 +53,7 @@ value the worker returned before dying is kept), so a call whose worker died wai
 POOL_MAX_CONCURRENCY = 10_000  # every in-flight env call of every rollout waits inside this actor
 POOL_ACTOR_START_TIMEOUT_S = 60.0  # the pool actor's process start and first answer
 POOL_STARTUP_SLACK_S = 10.0  # the pool's own answer, on top of the environment's readiness deadline
+RETIRED_SHOWN = 32  # the newest retired servers `stats` names, with why they left
 LOST_OWNER_MEMORY = 1_000  # lost owners remembered, so a placement one sent before dying is refused
 SESSION_REAP_EVERY_S = 1.0
 
@@ -201,7 +202,9 @@ class EnvPool:
             budget_denials=sup.budget_denials,
             culprit_replacements=sup.spawned_for["blamed"],
             spawning_stopped=sup.stopped,
-            retired=[f"{name}: {c.gone.result()[0]}" for name, c in list(sup.retired.items())[-32:]],
+            retired=[
+                f"{name}: {c.gone.result()[0]}" for name, c in list(sup.retired.items())[-RETIRED_SHOWN:]
+            ],
         )
 
     async def close(self) -> EnvPoolStats:

@@ -22,7 +22,6 @@ import sys
 import tempfile
 import threading
 import time
-import types
 from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
@@ -375,28 +374,11 @@ async def _answer(response: EnvResponse) -> EnvResponse:
     return response
 
 
-MAX_KNOWN_FUNCTIONS = 1024  # an environment's methods are a handful; more are made per call
-_COROUTINE_FUNCTIONS: dict[Any, bool] = {}
-"""Plain function -> whether it is a coroutine function: asked on every env call, answered once."""
-
-
-def _is_coroutine_function(method: Callable[..., Any]) -> bool:
-    function = getattr(method, "__func__", method)
-    if type(function) is not types.FunctionType:  # a partial, a callable object: asked each time
-        return inspect.iscoroutinefunction(method)
-    known = _COROUTINE_FUNCTIONS.get(function)
-    if known is None:
-        if len(_COROUTINE_FUNCTIONS) >= MAX_KNOWN_FUNCTIONS:  # functions made per call: never grows for good
-            _COROUTINE_FUNCTIONS.clear()
-        known = _COROUTINE_FUNCTIONS[function] = inspect.iscoroutinefunction(method)
-    return known
-
-
 async def run_env_code(method: Callable[..., Any], *args: Any) -> Any:
     """Call one environment method: a coroutine function on this loop, a plain function in a thread, so
     synchronous environment code (a CPU-bound reward) leaves the loop turning and the server answering.
     A thread cannot be stopped: past its deadline the call is answered as failed and the thread runs on."""
-    if _is_coroutine_function(method):
+    if inspect.iscoroutinefunction(method):
         return await method(*args)
     value = await asyncio.to_thread(method, *args)
     return await value if inspect.isawaitable(value) else value

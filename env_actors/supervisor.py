@@ -229,9 +229,8 @@ class Supervisor(KernelSupervisor[ServerSlot], ChildKind[ServerSlot]):
         if cause == "wedged" and slot.blocking is None:
             # No answer named the call, but a server holding one session can only have been wedged by it.
             slot.blocking = self.sessions.only_one_on(slot.name)
-        self.sessions.drop_worker(
-            slot.name
-        )  # their calls fail on the dead server; `end_session` finds them gone
+        # Their calls fail on the dead server; `end_session` finds them gone.
+        self.sessions.drop_worker(slot.name)
 
     def tick(self, now: float) -> None:
         self._record()

@@ -54,9 +54,8 @@ class _Server(Child):
 class InferenceServerSet(Supervisor[_Server], ChildKind[_Server]):
     """`replicas` servers started from one `ServerSpec`: the kernel's supervisor, slots kept full."""
 
-    stop_timeout_s = (
-        30.0  # close() grants the server STOP_GRACE (10 s) twice; then the actor is killed anyway
-    )
+    stop_timeout_s = 30.0
+    """`close` grants the server STOP_GRACE (10 s) twice; then the actor is killed anyway."""
 
     def __init__(
         self,
