@@ -20,6 +20,12 @@ The sweep (`--sweep`, the checked C among them) prints per C: wall/ideal, RSS ad
 rollout (peak over the idle plane's, over C), plane CPU per turn (every plane process, driver included),
 and peak threads and fds. The last line: the largest C whose wall stayed <= 1.3x ideal.
 
+Beside each plane wave (`--single`, on by default) the same C rollouts run in this one process with no Ray
+(`_bench_single_process`: the same renderer code inline, the same `SandboxEnv` called directly, a client per
+rollout) against a fresh stand-in: what the machine itself allows. A C where even the single process misses
+1.3x is bound by the machine's cores, not by the plane; the sweep prints CPU per turn of both sides and of
+the stand-in, and the CPU per turn two cores could afford inside 1.3x ideal.
+
 The machine may be shared: figures are what this run measured, wall against the ideal of the same run.
 """
 
@@ -32,6 +38,8 @@ import time
 from dataclasses import dataclass, field
 
 from _bench_probe import Probe, ProbeSample, cpu_by_role, pids_by_role
+from _bench_single_process import SingleProcessWorkload
+from _bench_single_process import run_wave as run_single_wave
 from _bench_wave import cpu_diff, grow_renderer_pool, run_on_local_ray
 
 from renderer_actors.tokenizer import BUNDLED_MODEL
@@ -60,6 +68,10 @@ class Wave:
     errors: list[str]
     cpu_s: float
     """CPU seconds of every plane process (all but the stand-in) during the wave."""
+    standin_cpu_s: float
+    """CPU seconds of the stand-in during the wave."""
+    cpu_roles: dict[str, float]
+    """CPU seconds of the wave by role (`_bench_probe.cpu_by_role`)."""
     idle_rss: int
     """RSS of the plane processes before the wave (bytes)."""
     probe: ProbeSample
@@ -75,6 +87,24 @@ class Wave:
     @property
     def ok(self) -> int:
         return self.kinds.get("ok", 0)
+
+
+@dataclass
+class SingleWave:
+    """The same wave in one process, no Ray: what the machine allows."""
+
+    c: int
+    wall_s: float
+    ideal_s: float
+    turns: int
+    ok: int
+    cpu_s: float
+    """CPU seconds of this process during the wave."""
+    standin_cpu_s: float
+
+    @property
+    def ratio(self) -> float:
+        return self.wall_s / self.ideal_s
 
 
 def _request(args: argparse.Namespace, server: StandinServer, i: int, warm: bool = False) -> RolloutRequest:
@@ -139,7 +169,16 @@ async def run_wave(args: argparse.Namespace, c: int) -> Wave:
             await plane.submit(_request(args, server, i))
         submitted_s = time.monotonic() - started
         ideal = args.turns * (args.latency + args.step_wait)
-        results = [await plane.next_result(timeout=ideal + RESULT_SLACK_S) for _ in range(c)]
+        # Each result is read and let go, as an orchestrator streaming them to a trainer would: holding
+        # every result here would count the benchmark's own hoard in the driver's RSS.
+        kinds: dict[str, int] = {}
+        turns, errors = 0, set[str]()
+        for _ in range(c):
+            r = await plane.next_result(timeout=ideal + RESULT_SLACK_S)
+            kinds[r.kind] = kinds.get(r.kind, 0) + 1
+            turns += len(r.turns)
+            if r.error:
+                errors.add(f"{r.kind}: {r.error.type}: {r.error.message[:160]}")
         wall = time.monotonic() - started
         cpu = cpu_diff(cpu_before, cpu_by_role(server.pid))
         sample = probe.stop()
@@ -147,22 +186,52 @@ async def run_wave(args: argparse.Namespace, c: int) -> Wave:
         await plane.close()
         server.close()
     roles[server_pid] = "stand-in"
-    kinds: dict[str, int] = {}
-    for r in results:
-        kinds[r.kind] = kinds.get(r.kind, 0) + 1
     return Wave(
         c=c,
         wall_s=wall,
         ideal_s=ideal,
-        turns=sum(len(r.turns) for r in results),
+        turns=turns,
         kinds=kinds,
-        errors=sorted({f"{r.kind}: {r.error.type}: {r.error.message[:160]}" for r in results if r.error})[:3],
+        errors=sorted(errors)[:3],
         cpu_s=sum(sec for role, sec in cpu.items() if role != "stand-in"),
+        standin_cpu_s=cpu.get("stand-in", 0.0),
+        cpu_roles=cpu,
         idle_rss=idle_rss,
         probe=sample,
         roles=roles,
         submitted_s=submitted_s,
         load=os.getloadavg()[0],
+    )
+
+
+async def run_single(args: argparse.Namespace, c: int) -> SingleWave:
+    """C rollouts of the same workload in this process (no Ray), against a fresh stand-in."""
+    server = StandinServer(
+        standin_options(ServerSpec(kind="standin", model=BUNDLED_MODEL), latency_s=args.latency),
+        ready_timeout_s=STANDIN_READY_TIMEOUT_S,
+    ).start()
+    try:
+        workload = SingleProcessWorkload(
+            client=ClientConfig(base_url=server.base_url, model=BUNDLED_MODEL),
+            sampling=SamplingConfig(max_tokens=MAX_TOKENS),
+            env_target=ENV_TARGET,
+            env_config={"num_tasks": 64, "turns": args.turns, "step_wait_s": args.step_wait},
+            max_turns=args.turns + 1,
+        )
+        await workload.load()
+        before = cpu_by_role(server.pid)
+        wall, timings = await run_single_wave(workload, c, per_rollout_client=True)
+        cpu = cpu_diff(before, cpu_by_role(server.pid))
+    finally:
+        server.close()
+    return SingleWave(
+        c=c,
+        wall_s=wall,
+        ideal_s=args.turns * (args.latency + args.step_wait),
+        turns=sum(len(t.calls) for t in timings),
+        ok=sum(t.ok for t in timings),
+        cpu_s=cpu.get("driver", 0.0),
+        standin_cpu_s=cpu.get("stand-in", 0.0),
     )
 
 
@@ -186,6 +255,9 @@ def print_checks(wave: Wave) -> None:
         f"RSS of all plane processes at peak: {plane_rss / 2**30:.2f} GB "
         f"{'PASS' if plane_rss <= RSS_BOUND else 'FAIL'} (<= {RSS_BOUND / 2**30:.0f} GB)"
     )
+    turns = max(wave.turns, 1)
+    roles = sorted(wave.cpu_roles.items(), key=lambda kv: -kv[1])
+    print("CPU ms per turn by role: " + ", ".join(f"{role} {sec / turns * 1e3:.2f}" for role, sec in roles))
     print("per process at peak (threads, RSS MB, open fds):")
     by_role: dict[str, list[str]] = {}
     for pid, (threads, rss, fds) in sorted(wave.probe.per_process.items()):
@@ -199,6 +271,27 @@ SWEEP_HEADER = (
     f"{'C':>7}{'ok':>8}{'wall s':>9}{'ideal s':>9}{'/ideal':>8}{'RSS GB':>8}{'KB/ro':>8}"
     f"{'CPU ms/turn':>12}{'threads':>9}{'max fds':>9}{'stand-in fds':>14}{'load':>6}"
 )
+
+
+SINGLE_HEADER = (
+    f"{'C':>7}{'plane /ideal':>14}{'single /ideal':>15}{'plane ms/turn':>15}{'single ms/turn':>16}"
+    f"{'stand-in ms/turn':>18}{'affordable':>12}"
+)
+
+
+def single_row(w: Wave, s: SingleWave | None) -> str:
+    """Plane against the single process at one C. CPU per turn: the plane's processes, this process for the
+    single way, and the stand-in's (its mean over both waves). `affordable`: the CPU per turn, stand-in
+    included, that this machine's cores could spend inside 1.3x ideal."""
+    per_turn = w.turns or 1
+    affordable = (os.cpu_count() or 1) * WALL_BOUND * w.ideal_s / per_turn * 1e3
+    if s is None:
+        return f"{w.c:>7}{w.ratio:>14.2f}{'-':>15}{w.cpu_s / per_turn * 1e3:>15.2f}{'-':>16}"
+    standin = (w.standin_cpu_s / per_turn + s.standin_cpu_s / max(s.turns, 1)) / 2 * 1e3
+    return (
+        f"{w.c:>7}{w.ratio:>14.2f}{s.ratio:>15.2f}{w.cpu_s / per_turn * 1e3:>15.2f}"
+        f"{s.cpu_s / max(s.turns, 1) * 1e3:>16.2f}{standin:>18.2f}{affordable:>12.2f}"
+    )
 
 
 def sweep_row(w: Wave) -> str:
@@ -219,12 +312,27 @@ def sweep_row(w: Wave) -> str:
 async def main_async(args: argparse.Namespace) -> None:
     # Smallest first, each row printed as its wave ends: a sweep cut short still says what it saw.
     waves: list[Wave] = []
+    singles: dict[int, SingleWave] = {}
     for c in sorted({args.concurrency, *args.sweep}):
         wave = await run_wave(args, c)
         waves.append(wave)
         if c == args.concurrency:
             print_checks(wave)
+        if args.single:
+            singles[c] = single = await run_single(args, c)
+            if single.ok != c:
+                print(f"single process at C={c}: only {single.ok}/{c} rollouts ok")
         print(f"\n{SWEEP_HEADER}\n" + "\n".join(sweep_row(w) for w in waves), flush=True)
+        if args.single:
+            rows = "\n".join(single_row(w, singles.get(w.c)) for w in waves)
+            print(
+                f"\nthe same waves in one process, no Ray (what the machine allows):\n{SINGLE_HEADER}\n{rows}"
+            )
+    if singles:
+        machine = [c for c, s in singles.items() if s.ratio <= WALL_BOUND and s.ok == c]
+        print(
+            f"largest C the single process kept <= {WALL_BOUND}x ideal: {max(machine) if machine else 'none'}"
+        )
     kept = [w.c for w in waves if w.ratio <= WALL_BOUND and w.ok == w.c]
     print(f"largest C with every rollout ok and wall <= {WALL_BOUND}x ideal: {max(kept) if kept else 'none'}")
 
@@ -240,6 +348,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--env-workers", type=int, default=2)
     parser.add_argument("--renderers", type=int, default=2)
+    parser.add_argument(
+        "--no-single", dest="single", action="store_false", help="skip the single-process wave beside each C"
+    )
     args = parser.parse_args()
     if args.quick:
         args.concurrency, args.sweep, args.latency, args.step_wait = 512, [256, 1024], 2.0, 0.5
