@@ -100,6 +100,8 @@ def _send_calls(batch: TickBatch) -> None:
 
 
 def _deliver_calls(batch: TickBatch, outcomes: Any) -> None:
+    if len(outcomes) != len(batch.waiters):  # nobody gets another call's answer: the whole batch failed
+        raise ValueError(f"renderer answered {len(outcomes)} of {len(batch.waiters)} calls")
     for waiter, outcome in zip(batch.waiters, outcomes, strict=True):
         if waiter.done():  # its owner gave up (timeout, cancellation): the answer is dropped
             continue
