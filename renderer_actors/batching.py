@@ -8,9 +8,10 @@ one, 2,048 slot requests queue for seconds and the last rollout to ask waits sev
 first; turns that finish together (a wave, or a busy loop whose ticks hold many answers) pay the hop
 once per tick instead of once per rollout. A quiet loop sends batches of one: no call waits for company.
 
-Ownership: one `BatchedCalls` per event loop owns its flush tasks (the kernel's `TickCoalescer`, the same
-skeleton the env sessions' direct calls use); each is bounded, and each waiter bounds
-its own wait with its deadline. A waiter that gives up before its slot arrives cancels its future; the
+Ownership: one `BatchedCalls` per event loop owns its flushes (the kernel's `TickCoalescer`, the same
+skeleton the env sessions' direct calls use): the hot `call_many` is answered by a loop callback
+(`answer_when`), the pool calls by tasks it owns; each is bounded, and each waiter bounds its own wait
+with its deadline. A waiter that gives up before its slot arrives cancels its future; the
 flush sees that and returns the slot to the pool, so nothing leaks. A render call whose waiter gave up
 still runs (it is short and stateless); its answer is dropped.
 """
