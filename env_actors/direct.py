@@ -32,7 +32,14 @@ from env_actors.interface import EnvCall, EnvResponse, SessionMethod
 from env_actors.server import DEADLINE_FAILURE
 from env_actors.supervisor import resolve
 from rollout_actors.kernel import Failure, Loss, process_owner
-from rollout_actors.kernel.coalescer import TickBatch, TickCoalescer, actor_key, count_sent, per_loop
+from rollout_actors.kernel.coalescer import (
+    TickBatch,
+    TickCoalescer,
+    actor_key,
+    answer_when,
+    count_sent,
+    per_loop,
+)
 from rollout_actors.kernel.faults import Fault, exit_detail, ray_loss
 from rollout_actors.kernel.renamed import warn_renamed
 
@@ -184,36 +191,44 @@ async def _why_lost(
         return f"died: {detail} (its pool did not say why)", "died", False
 
 
-async def _send_calls(batch: TickBatch) -> None:
-    """One `call_many` for a tick's calls to one server, then `collect` until every call is answered."""
+def _send_calls(batch: TickBatch) -> None:
+    """One `call_many` for a tick's calls to one server, then `collect` until every call is answered.
+    Answered by callbacks (`answer_when`), not a task: see `batching._send_calls`."""
     live = [
         (call, waiter) for call, waiter in zip(batch.items, batch.waiters, strict=True) if not waiter.done()
     ]
     if not live:  # every caller gave up within the tick: nothing to send
         return
-    server, calls, waiters = batch.target, [call for call, _ in live], [waiter for _, waiter in live]
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + max(call.timeout_s for call in calls) + DIRECT_CALL_SLACK_S
-    async with asyncio.timeout_at(deadline):  # a scope: no task of its own (see `batching._send_calls`)
-        replies = await server.call_many.remote(calls)
-    by_ticket = {reply.ticket: waiter for reply, waiter in zip(replies, waiters, strict=True)}
-    while by_ticket:
-        for reply in replies:
-            if reply.response is None:
-                continue
-            waiter = by_ticket.pop(reply.ticket)
-            if not waiter.done():  # else its caller gave up: the answer is dropped
-                waiter.set_result(reply.response)
-        if not by_ticket:
-            break
-        async with asyncio.timeout_at(deadline):
-            replies = await _collect(server, list(by_ticket))
+    server, calls = batch.target, [call for call, _ in live]
+    deadline = asyncio.get_running_loop().time() + max(call.timeout_s for call in calls) + DIRECT_CALL_SLACK_S
+    waiting = TickBatch(server, [], [waiter for _, waiter in live], deadline)
+    answer_when(server.call_many.remote(calls), deadline, waiting, _deliver_replies)
 
 
-async def _collect(server: Any, tickets: list[int]) -> Any:
+def _deliver_replies(batch: TickBatch, replies: Any) -> None:
+    """The `call_many` answer, one reply per call in order: it numbers the waiters by their tickets."""
+    batch.items = [reply.ticket for reply in replies]
+    _deliver_collected(batch, replies)
+
+
+def _deliver_collected(batch: TickBatch, replies: Any) -> None:
+    """Answer the calls `replies` answered (`batch.items`: the waiters' tickets); `collect` the rest."""
+    by_ticket = dict(zip(batch.items, batch.waiters, strict=True))
+    for reply in replies:
+        if reply.response is None:
+            continue
+        waiter = by_ticket.pop(reply.ticket)
+        if not waiter.done():  # else its caller gave up: the answer is dropped
+            waiter.set_result(reply.response)
+    if by_ticket:
+        rest = TickBatch(batch.target, list(by_ticket), list(by_ticket.values()), batch.deadline)
+        answer_when(_collect(batch.target, rest.items), batch.deadline, rest, _deliver_collected)
+
+
+def _collect(server: Any, tickets: list[int]) -> Any:
     """The answers of a batch's calls that were still running when it answered (one Ray call)."""
     count_sent(_collect, len(tickets))
-    return await server.collect.remote(tickets)
+    return server.collect.remote(tickets)
 
 
 async def _send_places(batch: TickBatch) -> None:

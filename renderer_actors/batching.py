@@ -8,9 +8,10 @@ one, 2,048 slot requests queue for seconds and the last rollout to ask waits sev
 first; turns that finish together (a wave, or a busy loop whose ticks hold many answers) pay the hop
 once per tick instead of once per rollout. A quiet loop sends batches of one: no call waits for company.
 
-Ownership: one `BatchedCalls` per event loop owns its flush tasks (the kernel's `TickCoalescer`, the same
-skeleton the env sessions' direct calls use); each is bounded, and each waiter bounds
-its own wait with its deadline. A waiter that gives up before its slot arrives cancels its future; the
+Ownership: one `BatchedCalls` per event loop owns its flushes (the kernel's `TickCoalescer`, the same
+skeleton the env sessions' direct calls use): the hot `call_many` is answered by a loop callback
+(`answer_when`), the pool calls by tasks it owns; each is bounded, and each waiter bounds its own wait
+with its deadline. A waiter that gives up before its slot arrives cancels its future; the
 flush sees that and returns the slot to the pool, so nothing leaks. A render call whose waiter gave up
 still runs (it is short and stateless); its answer is dropped.
 """
@@ -23,7 +24,7 @@ from typing import Any
 
 from renderer_actors.calls import RendererSlot
 from rollout_actors.kernel import Failure, process_owner
-from rollout_actors.kernel.coalescer import TickBatch, TickCoalescer, actor_key, per_loop
+from rollout_actors.kernel.coalescer import TickBatch, TickCoalescer, actor_key, answer_when, per_loop
 
 BATCH_CALL_TIMEOUT_S = 60.0  # one pool call for many waiters: each waiter's own deadline is usually shorter
 READY_CALL_TIMEOUT_S = 600.0  # tokenizer loads can be slow (hub downloads); the pool's own bound is 300 s
@@ -91,13 +92,17 @@ class BatchedCalls:
         await asyncio.wait_for(asyncio.shield(waiter), timeout)
 
 
-async def _send_calls(batch: TickBatch) -> None:
-    wait_s = batch.deadline - asyncio.get_running_loop().time() + CALL_SLACK_S
-    # A scope, not `wait_for`: on Python 3.11 `wait_for` wraps the ref in a task of its own, and each of
-    # its hand-offs costs an event-loop cycle, seconds on a loaded worker, where a rollout's connection
-    # idles past its keep-alive between turns (then the next model call reconnects).
-    async with asyncio.timeout(max(wait_s, CALL_SLACK_S)):
-        outcomes = await batch.target.call_many.remote(batch.items)
+def _send_calls(batch: TickBatch) -> None:
+    # Answered by a callback (`answer_when`), not awaited in a task: each hand-off of a task costs an
+    # event-loop cycle, seconds on a loaded worker, where a rollout's connection idles past its keep-alive
+    # between turns (then the next model call reconnects).
+    deadline = max(batch.deadline, asyncio.get_running_loop().time()) + CALL_SLACK_S
+    answer_when(batch.target.call_many.remote(batch.items), deadline, batch, _deliver_calls)
+
+
+def _deliver_calls(batch: TickBatch, outcomes: Any) -> None:
+    if len(outcomes) != len(batch.waiters):  # nobody gets another call's answer: the whole batch failed
+        raise ValueError(f"renderer answered {len(outcomes)} of {len(batch.waiters)} calls")
     for waiter, outcome in zip(batch.waiters, outcomes, strict=True):
         if waiter.done():  # its owner gave up (timeout, cancellation): the answer is dropped
             continue

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,7 +24,7 @@ class TickBatch:
 
 class TickCoalescer:
     """Coalesce a process's concurrent calls per event-loop tick: every caller that asks the same key in
-    one tick joins one batch, flushed once by one owned task. A quiet loop flushes batches of one.
+    one tick joins one batch, flushed once. A quiet loop flushes batches of one.
 
     Under load a batch also waits up to the process's batch window (`set_batch_window`) for company: a
     key whose last batch carried more than one call has concurrent callers, and every Ray call costs
@@ -35,9 +36,12 @@ class TickCoalescer:
         waiter = coalescer.add(("step", actor_key(server)), server, call, flush_steps)
         answer = await waiter
 
-    `flush(batch)` sends the batch and answers its waiters; if it raises, every waiter still waiting gets
-    that exception. A waiter whose caller gave up is done (cancelled): the flush drops its answer.
-    Futures belong to one loop, so each loop has its own (`per_loop`).
+    `flush(batch)` runs as a loop callback when the batch leaves. It either answers the batch itself
+    through callbacks (`answer_when`: the hot calls, whose round trip then costs no task and no event-loop
+    hand-off beyond the caller's own wake-up) or returns a coroutine, which runs as a task this coalescer
+    owns. If it raises, every waiter still waiting gets that exception. A waiter whose caller gave up is
+    done (cancelled): the flush drops its answer. Futures belong to one loop, so each loop has its own
+    (`per_loop`).
     """
 
     def __init__(self) -> None:
@@ -47,30 +51,35 @@ class TickCoalescer:
         """Key -> its last batch carried more than one call (so the next one may wait for company)."""
 
     def add(self, key: Any, target: Any, item: Any, flush: Any, deadline: float = 0.0) -> asyncio.Future[Any]:
+        loop = asyncio.get_running_loop()
         batch = self._open.get(key)
         if batch is None:
             batch = self._open[key] = TickBatch(target)
-            self.own(self._flush(key, flush))
-        waiter = asyncio.get_running_loop().create_future()
+            # Every caller of this tick joins the batch; under load, every caller of the window.
+            if _window_s and self._company.get(key):
+                loop.call_later(_window_s, self._flush, key, flush)
+            else:
+                loop.call_soon(self._flush, key, flush)
+        waiter = loop.create_future()
         batch.items.append(item)
         batch.waiters.append(waiter)
-        batch.deadline = max(batch.deadline, deadline)
+        if deadline > batch.deadline:
+            batch.deadline = deadline
         return waiter
 
-    async def _flush(self, key: Any, flush: Any) -> None:
-        # Every caller of this tick joins the batch; under load, every caller of the window.
-        await asyncio.sleep(_window_s if self._company.get(key) else 0)
+    def _flush(self, key: Any, flush: Any) -> None:
         batch = self._open.pop(key)
         if len(self._company) >= MAX_KEYS and key not in self._company:
             self._company.clear()  # keys of actors long gone (replaced renderers); rebuilt in a batch
         self._company[key] = len(batch.items) > 1
         _count(flush, len(batch.items))
         try:
-            await flush(batch)
-        except BaseException as exc:  # the target died, or the batch outlived its deadline
+            sent = flush(batch)
+        except Exception as exc:  # the target is gone: nothing was sent
             fail_all(batch.waiters, exc)
-            if isinstance(exc, asyncio.CancelledError):
-                raise
+            return
+        if sent is not None:  # a flush that awaits: a task this coalescer owns
+            self.own(_awaited(batch, sent))
 
     def own(self, coro: Any) -> asyncio.Task[Any]:
         """Run `coro` as a task this coalescer holds until it ends (nothing fire-and-forget is lost)."""
@@ -78,6 +87,76 @@ class TickCoalescer:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
+
+
+async def _awaited(batch: TickBatch, sent: Any) -> None:
+    try:
+        await sent
+    except BaseException as exc:  # the target died, or the batch outlived its deadline
+        fail_all(batch.waiters, exc)
+        if isinstance(exc, asyncio.CancelledError):
+            raise
+
+
+Deliver = Callable[[TickBatch, Any], None]
+
+
+def answer_when(answer: Any, deadline: float, batch: TickBatch, deliver: Deliver) -> None:
+    """Hand `batch` to `deliver(batch, value)` on the loop once `answer` (a Ray `ObjectRef`, or any
+    awaitable) has its value; every waiter gets the exception instead if the call failed, if `deliver`
+    raised, or at `deadline` (the loop's clock) if no answer came by then (`TimeoutError`, as an
+    `asyncio.timeout` scope would raise). Exactly one of these happens, once.
+
+    A callback, not a task awaiting the ref: a Ray answer arrives on Ray's own thread, and one loop
+    callback from it answers the waiters. Awaiting it in a task costs two more event-loop hand-offs (the
+    wrapped future, then the task's wake-up) per round trip, and on a loaded worker each hand-off waits a
+    whole loop cycle: the idle gap between a rollout's model calls grows past its connection's keep-alive
+    and the next call reconnects."""
+    _Pending(asyncio.get_running_loop(), answer, deadline, batch, deliver)
+
+
+class _Pending:
+    """One batch's outstanding answer: settled once, by the answer or by the deadline's timer."""
+
+    __slots__ = ("_loop", "_batch", "_deliver", "_timer", "_settled")
+
+    def __init__(self, loop: Any, answer: Any, deadline: float, batch: TickBatch, deliver: Deliver) -> None:
+        self._loop, self._batch, self._deliver, self._settled = loop, batch, deliver, False
+        self._timer = loop.call_at(deadline, self._expire)
+        to_future = getattr(answer, "future", None)
+        if callable(to_future):  # a Ray ObjectRef: a concurrent future, set on Ray's thread
+            to_future().add_done_callback(self._from_thread)
+        else:  # an awaitable on this loop (a coroutine in tests, an asyncio future)
+            asyncio.ensure_future(answer).add_done_callback(self._settle)
+
+    def _from_thread(self, future: Any) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self._settle, future)
+        except RuntimeError:  # the loop is closed: nobody is left to answer
+            pass
+
+    def _settle(self, future: Any) -> None:
+        if self._settled:  # the deadline came first: the late answer is dropped
+            if not future.cancelled():
+                future.exception()  # retrieved: a late failure logs nothing
+            return
+        self._settled = True
+        self._timer.cancel()
+        batch = self._batch
+        try:
+            value = future.result()
+        except BaseException as exc:  # the call failed (a dead actor: `RayActorError`); or was cancelled
+            fail_all(batch.waiters, exc)
+            return
+        try:
+            self._deliver(batch, value)
+        except Exception as exc:  # a malformed answer (a count that does not match): all of it failed
+            fail_all(batch.waiters, exc)
+
+    def _expire(self) -> None:
+        if not self._settled:
+            self._settled = True
+            fail_all(self._batch.waiters, TimeoutError())
 
 
 MAX_KEYS = 4096  # keys whose load is remembered: actors this process calls, a few kinds each
