@@ -37,7 +37,7 @@ Single event loop: plain state, no locks.
 from __future__ import annotations
 
 import asyncio
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -130,8 +130,11 @@ class Engine:
         self._resumed.set()
         self._paused = asyncio.Event()
         """Set while paused: wakes every running clock."""
-        self._running: list[Slot] = []
-        """In the order they joined the batch: the last one is preempted first."""
+        self._running: dict[Slot, None] = {}
+        """In the order they joined the batch: the last one is preempted first. A dict as an ordered set:
+        thousands run at once, and joining or leaving must not scan them."""
+        self._adapters: Counter[str] = Counter()
+        """Running requests per adapter: the distinct adapters of the batch, for `max_loras`."""
         self._waiting: deque[Slot] = deque()
 
     # ------------------------------------------------------------------------------------ figures
@@ -168,7 +171,7 @@ class Engine:
 
     def release(self, slot: Slot) -> None:
         if slot in self._running:
-            self._running.remove(slot)
+            self._leave(slot)
             self._free(slot)
         elif slot in self._waiting:
             self._waiting.remove(slot)
@@ -199,18 +202,33 @@ class Engine:
         (vLLM's FCFS `break`); one that cannot join for `max_loras` is skipped and keeps its place."""
         if self.pause_mode is not None:
             return
-        adapters = {s.adapter for s in self._running if s.adapter is not None}
-        for slot in list(self._waiting):
-            if slot.adapter is not None and slot.adapter not in adapters and len(adapters) >= self.max_loras:
+        skipped: list[Slot] = []
+        while self._waiting:
+            slot = self._waiting[0]
+            adapter = slot.adapter
+            if (
+                adapter is not None
+                and adapter not in self._adapters
+                and len(self._adapters) >= self.max_loras
+            ):
+                skipped.append(self._waiting.popleft())
                 continue
             if not self._allocate_prompt(slot):
                 break
-            self._waiting.remove(slot)
-            self._running.append(slot)
-            if slot.adapter is not None:
-                adapters.add(slot.adapter)
+            self._waiting.popleft()
+            self._running[slot] = None
+            if adapter is not None:
+                self._adapters[adapter] += 1
             slot.preempted.clear()
             slot.admitted.set()
+        self._waiting.extendleft(reversed(skipped))
+
+    def _leave(self, slot: Slot) -> None:
+        del self._running[slot]
+        if slot.adapter is not None:
+            self._adapters[slot.adapter] -= 1
+            if not self._adapters[slot.adapter]:
+                del self._adapters[slot.adapter]
 
     def _allocate_prompt(self, slot: Slot) -> bool:
         """Blocks for everything the request holds so far, its cached prefix found first (vLLM's
@@ -251,7 +269,7 @@ class Engine:
                 slot.blocks += allocated[:main]
                 slot.copy_blocks += allocated[main:]
                 break
-            victim, preempted = self._running[-1], True
+            victim, preempted = next(reversed(self._running)), True
             self._preempt(victim)
             if victim is slot:
                 self._schedule()
@@ -262,7 +280,7 @@ class Engine:
         return True
 
     def _preempt(self, slot: Slot) -> None:
-        self._running.remove(slot)
+        self._leave(slot)
         self._free(slot)
         slot.num_preemptions += 1
         self.num_preemptions += 1
