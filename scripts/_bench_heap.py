@@ -6,8 +6,10 @@ bench writes under `$BENCH_HEAP_DIR`: `base` starts tracemalloc and takes the ba
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
+from collections import Counter
 
 DIR_VAR = "BENCH_HEAP_DIR"
 
@@ -32,7 +34,23 @@ def _watch(folder: str) -> None:
     while not os.path.exists(base):
         time.sleep(0.2)
     gc.collect()
-    rss0 = _rss()
+    rss0, blocks0 = _rss(), sys.getallocatedblocks()
+    if os.environ.get("BENCH_HEAP_FRAMES", "1") == "0":  # no tracemalloc: RSS, blocks, objects by type
+        types0 = Counter(type(o).__name__ for o in gc.get_objects())
+        while not os.path.exists(snap):
+            time.sleep(0.2)
+        n = int(open(snap).read() or "1")
+        rss1, blocks1 = _rss(), sys.getallocatedblocks()
+        types1 = Counter(type(o).__name__ for o in gc.get_objects())
+        lines = [
+            f"pid {os.getpid()} rss {rss0 >> 20} -> {rss1 >> 20} MiB ({(rss1 - rss0) / n / 1024:.1f} KB/rollout);"
+            f" pymalloc blocks {(blocks1 - blocks0) / n:.0f}/rollout; n={n}"
+        ]
+        diff = sorted(((types1[t] - types0[t]) / n, t) for t in types1)[::-1][:25]
+        lines += [f"{count:8.2f} {name}/rollout (gc-tracked)" for count, name in diff if count > 0]
+        with open(os.path.join(folder, f"{os.getpid()}.txt"), "w") as f:
+            f.write("\n".join(lines) + "\n")
+        return
     tracemalloc.start(int(os.environ.get("BENCH_HEAP_FRAMES", "1")))
     before = tracemalloc.take_snapshot()
     while not os.path.exists(snap):
