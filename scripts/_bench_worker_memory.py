@@ -1,10 +1,11 @@
 """Memory per in-flight rollout inside a `RolloutWorker`: one worker, `-n` rollouts of
 `bench_long_waits.py`'s workload, and a heap probe (`_bench_heap.py`) in every Ray process.
 
-    PYTHONPATH=$PWD flock /tmp/ray-run.lock timeout 600 python scripts/_bench_worker_memory.py [-n 2048]
+    PYTHONPATH=$PWD flock /tmp/ray-run.lock timeout 600 python scripts/_bench_worker_memory.py [-n 2048] [--frames 0]
 
 Half-way through the first model call it prints each plane process's RSS added per in-flight rollout and
-the lines that allocated most per rollout (tracemalloc, started at the wave's start), worker first.
+the lines that allocated most per rollout (tracemalloc, started at the wave's start); `--frames 0`: no
+tracemalloc, pymalloc blocks and gc-tracked objects by type per rollout instead.
 """
 
 from __future__ import annotations
