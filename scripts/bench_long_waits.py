@@ -20,7 +20,7 @@ The sweep (`--sweep`, the checked C among them) prints per C: wall/ideal, RSS ad
 rollout (peak over the idle plane's, over C), plane CPU per turn (every plane process, driver included),
 and peak threads and fds. The last line: the largest C whose wall stayed <= 1.3x ideal.
 
-Beside each plane wave (`--single`, on by default) the same C rollouts run in this one process with no Ray
+After the plane waves (`--no-single` skips them) the same C rollouts run in this one process with no Ray
 (`_bench_single_process`: the same renderer code inline, the same `SandboxEnv` called directly, a client per
 rollout) against a fresh stand-in: what the machine itself allows. A C where even the single process misses
 1.3x is bound by the machine's cores, not by the plane; the sweep prints CPU per turn of both sides and of
@@ -312,22 +312,21 @@ def sweep_row(w: Wave) -> str:
 async def main_async(args: argparse.Namespace) -> None:
     # Smallest first, each row printed as its wave ends: a sweep cut short still says what it saw.
     waves: list[Wave] = []
-    singles: dict[int, SingleWave] = {}
     for c in sorted({args.concurrency, *args.sweep}):
         wave = await run_wave(args, c)
         waves.append(wave)
         if c == args.concurrency:
             print_checks(wave)
-        if args.single:
-            singles[c] = single = await run_single(args, c)
-            if single.ok != c:
-                print(f"single process at C={c}: only {single.ok}/{c} rollouts ok")
         print(f"\n{SWEEP_HEADER}\n" + "\n".join(sweep_row(w) for w in waves), flush=True)
-        if args.single:
-            rows = "\n".join(single_row(w, singles.get(w.c)) for w in waves)
-            print(
-                f"\nthe same waves in one process, no Ray (what the machine allows):\n{SINGLE_HEADER}\n{rows}"
-            )
+    # The single-process waves run in this (the driver's) process: after every plane wave, so what they
+    # leave in its heap is never counted in a plane wave's RSS.
+    singles: dict[int, SingleWave] = {}
+    for wave in waves if args.single else []:
+        singles[wave.c] = single = await run_single(args, wave.c)
+        if single.ok != wave.c:
+            print(f"single process at C={wave.c}: only {single.ok}/{wave.c} rollouts ok")
+        rows = "\n".join(single_row(w, singles.get(w.c)) for w in waves)
+        print(f"\nthe same waves in one process, no Ray (what the machine allows):\n{SINGLE_HEADER}\n{rows}")
     if singles:
         machine = [c for c, s in singles.items() if s.ratio <= WALL_BOUND and s.ok == c]
         print(
