@@ -21,16 +21,11 @@ import time
 import tracemalloc
 
 import psutil
-from _bench_single_process import SingleProcessWorkload, run_wave
+from _bench_single_process import SingleProcessWorkload, long_wait_workload, run_wave
 
-from renderer_actors.tokenizer import BUNDLED_MODEL
-from rollout_actors.inference.server_actor import ServerSpec, standin_options
-from rollout_actors.inference.standin import StandinServer
 from rollout_actors.rollout.client import build_client
 from rollout_actors.rollout.model_call import PromptJson, complete_tokens
-from rollout_actors.wire import ClientConfig, SamplingConfig
 
-ENV_TARGET = "env_actors.examples.sandbox_env:SandboxEnv"
 MAX_TOKENS = 256  # as bench_long_waits.py
 
 
@@ -63,19 +58,7 @@ async def _calls(workload: SingleProcessWorkload, n: int) -> None:
 
 
 async def main(args: argparse.Namespace) -> None:
-    server = StandinServer(
-        standin_options(ServerSpec(kind="standin", model=BUNDLED_MODEL), latency_s=args.latency),
-        ready_timeout_s=600,
-    ).start()
-    try:
-        workload = SingleProcessWorkload(
-            client=ClientConfig(base_url=server.base_url, model=BUNDLED_MODEL),
-            sampling=SamplingConfig(max_tokens=MAX_TOKENS),
-            env_target=ENV_TARGET,
-            env_config={"num_tasks": 64, "turns": 3, "step_wait_s": 5.0},
-            max_turns=4,
-        )
-        await workload.load()
+    async with long_wait_workload(args.latency, 3, 5.0, MAX_TOKENS) as (_, workload):
         # One rollout first: every lazy import, cache and pool is warm before the baseline.
         if args.what == "call":
             await _calls(workload, 1)
@@ -114,8 +97,6 @@ async def main(args: argparse.Namespace) -> None:
             tracemalloc.stop()
         await wave
         print(f"  wave took {time.monotonic() - started:.1f} s")
-    finally:
-        server.close()
 
 
 if __name__ == "__main__":

@@ -18,13 +18,18 @@ completion, i.e. renders included; recorded with the rollout's start order.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from renderer_actors.calls import BridgeRequest, History
 from renderer_actors.key import RendererKey
 from renderer_actors.renderer import Renderer
+from renderer_actors.tokenizer import BUNDLED_MODEL
+from rollout_actors.inference.server_actor import ServerSpec, standin_options
+from rollout_actors.inference.standin import StandinServer
 from rollout_actors.kernel import RefResolver
 from rollout_actors.rollout.client import build_client
 from rollout_actors.rollout.model_call import PromptJson, complete_tokens
@@ -60,6 +65,34 @@ class SingleProcessWorkload:
         self.renderer = await asyncio.to_thread(Renderer.load, key)
         self.env = RefResolver(("env_actors.",)).load(self.env_target)(**self.env_config)
         await self.env.load()
+
+
+SANDBOX_ENV = "env_actors.examples.sandbox_env:SandboxEnv"
+"""The bundled env whose steps wait `step_wait_s`: the long-wait workload's environment."""
+
+
+@contextlib.asynccontextmanager
+async def long_wait_workload(
+    latency_s: float, turns: int, step_wait_s: float, max_tokens: int, ready_timeout_s: float = 600.0
+) -> AsyncIterator[tuple[StandinServer, SingleProcessWorkload]]:
+    """A fresh stand-in answering every call after `latency_s`, and the loaded workload of `turns`-turn
+    sandbox rollouts against it whose env steps wait `step_wait_s`; the stand-in stops on exit."""
+    server = StandinServer(
+        standin_options(ServerSpec(kind="standin", model=BUNDLED_MODEL), latency_s=latency_s),
+        ready_timeout_s=ready_timeout_s,
+    ).start()
+    try:
+        workload = SingleProcessWorkload(
+            client=ClientConfig(base_url=server.base_url, model=BUNDLED_MODEL),
+            sampling=SamplingConfig(max_tokens=max_tokens),
+            env_target=SANDBOX_ENV,
+            env_config={"num_tasks": 64, "turns": turns, "step_wait_s": step_wait_s},
+            max_turns=turns + 1,
+        )
+        await workload.load()
+        yield server, workload
+    finally:
+        server.close()
 
 
 async def run_wave(

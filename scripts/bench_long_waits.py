@@ -38,7 +38,7 @@ import time
 from dataclasses import dataclass, field
 
 from _bench_probe import Probe, ProbeSample, cpu_by_role, pids_by_role
-from _bench_single_process import SingleProcessWorkload
+from _bench_single_process import SANDBOX_ENV, long_wait_workload
 from _bench_single_process import run_wave as run_single_wave
 from _bench_wave import cpu_diff, grow_renderer_pool, run_on_local_ray
 
@@ -48,7 +48,7 @@ from rollout_actors.inference.standin import StandinServer
 from rollout_actors.plane import PlaneConfig, RolloutPlane
 from rollout_actors.wire import ClientConfig, Ref, RendererConfig, RolloutRequest, SamplingConfig
 
-ENV_TARGET = "env_actors.examples.sandbox_env:SandboxEnv"
+ENV_TARGET = SANDBOX_ENV
 WALL_BOUND = 1.3  # wall over ideal the issue asks of C=8,192
 RSS_BOUND = 3 * 2**30  # bytes, every plane process together
 MAX_TOKENS = 256  # the scripted policy writes < 150 tokens a turn; nothing is cut
@@ -206,24 +206,12 @@ async def run_wave(args: argparse.Namespace, c: int) -> Wave:
 
 async def run_single(args: argparse.Namespace, c: int) -> SingleWave:
     """C rollouts of the same workload in this process (no Ray), against a fresh stand-in."""
-    server = StandinServer(
-        standin_options(ServerSpec(kind="standin", model=BUNDLED_MODEL), latency_s=args.latency),
-        ready_timeout_s=STANDIN_READY_TIMEOUT_S,
-    ).start()
-    try:
-        workload = SingleProcessWorkload(
-            client=ClientConfig(base_url=server.base_url, model=BUNDLED_MODEL),
-            sampling=SamplingConfig(max_tokens=MAX_TOKENS),
-            env_target=ENV_TARGET,
-            env_config={"num_tasks": 64, "turns": args.turns, "step_wait_s": args.step_wait},
-            max_turns=args.turns + 1,
-        )
-        await workload.load()
+    async with long_wait_workload(
+        args.latency, args.turns, args.step_wait, MAX_TOKENS, STANDIN_READY_TIMEOUT_S
+    ) as (server, workload):
         before = cpu_by_role(server.pid)
         wall, timings = await run_single_wave(workload, c, per_rollout_client=True)
         cpu = cpu_diff(before, cpu_by_role(server.pid))
-    finally:
-        server.close()
     return SingleWave(
         c=c,
         wall_s=wall,

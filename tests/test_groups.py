@@ -107,8 +107,9 @@ def test_complete_groups_stream_per_lane_and_a_handle_claims_its_group(ray_sessi
 def test_a_straggler_rule_cancels_the_slowest_member_once_enough_finished(ray_session):
     """Lane limit 2, group of 3: two members run, the third starts when the first finishes, and is cut
     as soon as the second makes two `ok` (deadline 0 s). It answers `cancelled` with what it sampled.
-    The third needs 3 turns x 1 s: the second, started with the first, finishes well before that (at
-    0.5 s a turn a loaded CI run once let the second lag the first by more than the third's 1.5 s). A
+    The third needs 3 turns x 2 s: the second, started with the first, finishes well before that (at
+    0.5 s a turn a loaded CI run once let the second lag the first by more than the third's 1.5 s, and
+    at 1 s a loaded local suite by more than 3 s). A
     stand-in of its own: calls other tests abandoned on the shared one (it finishes them, as vLLM would
     not) share its KV cache and could hold the second back past the third."""
     from conftest import served_like_vllm
@@ -123,7 +124,7 @@ def test_a_straggler_rule_cancels_the_slowest_member_once_enough_finished(ray_se
             warm = await p.next_result(timeout=120)
             assert warm.kind == "ok", warm.error
             handle = await p.submit_group(
-                request(server, latency_s=1.0, env=ECHO), n=3, stragglers=Stragglers(after_s=0, min_ok=2)
+                request(server, latency_s=2.0, env=ECHO), n=3, stragglers=Stragglers(after_s=0, min_ok=2)
             )
             return await handle, p.stats()
 

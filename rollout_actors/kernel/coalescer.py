@@ -118,7 +118,7 @@ def answer_when(answer: Any, deadline: float, batch: TickBatch, deliver: Deliver
 class _Pending:
     """One batch's outstanding answer: settled once, by the answer or by the deadline's timer."""
 
-    __slots__ = ("_loop", "_batch", "_deliver", "_timer", "_settled")
+    __slots__ = ("_loop", "_batch", "_deliver", "_timer", "_settled", "_awaiting")
 
     def __init__(self, loop: Any, answer: Any, deadline: float, batch: TickBatch, deliver: Deliver) -> None:
         self._loop, self._batch, self._deliver, self._settled = loop, batch, deliver, False
@@ -126,8 +126,10 @@ class _Pending:
         to_future = getattr(answer, "future", None)
         if callable(to_future):  # a Ray ObjectRef: a concurrent future, set on Ray's thread
             to_future().add_done_callback(self._from_thread)
-        else:  # an awaitable on this loop (a coroutine in tests, an asyncio future)
-            asyncio.ensure_future(answer).add_done_callback(self._settle)
+        else:  # an awaitable on this loop (a coroutine in tests, an asyncio future); held until settled,
+            # since the loop keeps only a weak reference to a task
+            self._awaiting = asyncio.ensure_future(answer)
+            self._awaiting.add_done_callback(self._settle)
 
     def _from_thread(self, future: Any) -> None:
         try:
