@@ -8,7 +8,8 @@ for long. Turns that finish together (many rollouts' completions arriving in one
 Ray round trip, not one each. What the pool still has to know travels on the side:
 
 - **Placement.** The pool picks the server (`place_many`, one call per pool per tick for every session
-  this loop opens) and hands back its handle; the session's reset then goes to the server directly.
+  this loop opens) and hands back its handle, unless this process holds it already (`SERVERS`); the
+  session's reset then goes to the server directly.
 - **A death.** Ray fails a dead actor's calls within milliseconds (`ActorDiedError`). The session then
   asks the pool why the server ended (`worker_lost`): the supervisor may have killed it as wedged, and
   that reason is what the caller gets; if the supervisor had not noticed yet, it retires the server now.

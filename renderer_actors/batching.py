@@ -105,7 +105,8 @@ class BatchedCalls:
     async def release(self, pool: Any, slot_id: str, timeout: float) -> None:
         """Return a slot, in one `release_many` with every release asked for in this tick."""
         waiter = self._ticks.add(("release", actor_key(pool)), pool, slot_id, _send_releases)
-        await asyncio.wait_for(asyncio.shield(waiter), timeout)
+        async with asyncio.timeout(timeout):  # a scope, not `wait_for`: no task or extra future per slot
+            await asyncio.shield(waiter)
 
 
 def _send_calls(batch: TickBatch) -> None:
