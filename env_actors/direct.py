@@ -8,7 +8,8 @@ for long. Turns that finish together (many rollouts' completions arriving in one
 Ray round trip, not one each. What the pool still has to know travels on the side:
 
 - **Placement.** The pool picks the server (`place_many`, one call per pool per tick for every session
-  this loop opens) and hands back its handle; the session's reset then goes to the server directly.
+  this loop opens) and hands back its handle, unless this process holds it already (`SERVERS`); the
+  session's reset then goes to the server directly.
 - **A death.** Ray fails a dead actor's calls within milliseconds (`ActorDiedError`). The session then
   asks the pool why the server ended (`worker_lost`): the supervisor may have killed it as wedged, and
   that reason is what the caller gets; if the supervisor had not noticed yet, it retires the server now.
@@ -33,6 +34,7 @@ from env_actors.server import DEADLINE_FAILURE
 from env_actors.supervisor import resolve
 from rollout_actors.kernel import Failure, Loss, process_owner
 from rollout_actors.kernel.coalescer import (
+    KnownHandles,
     TickBatch,
     TickCoalescer,
     actor_key,
@@ -51,6 +53,10 @@ answer at all (a frozen process the supervisor has not retired yet)."""
 POOL_NOTICE_TIMEOUT_S = 5.0  # asking the pool for a handle or why a server died; forgetting sessions
 WHY_LOST_TIMEOUT_S = 15.0  # the pool's verdict on a lost server: worth waiting for, it decides poison
 MAX_PLACE_WAIT_S = 60.0  # a placement waits at most this for a replacement server: a spawn's order of time
+
+SERVERS = KnownHandles()
+"""env server name -> the handle this process's sessions share (names are unique per incarnation:
+`supervisor.Supervisor.create`); placements on a server held here arrive without a handle."""
 
 
 FailureKind = Literal["env", "infrastructure", "caller"]
@@ -236,10 +242,15 @@ async def _send_places(batch: TickBatch) -> None:
     pool may wait for a replacement server."""
     pool, session_ids = batch.target, batch.items
     wait_s = max(0.0, batch.deadline - asyncio.get_running_loop().time())
+    known = SERVERS.snapshot()  # placements on these servers come without their handles
     answers = await asyncio.wait_for(
-        resolve(pool.place_many.remote(session_ids, process_owner(), wait_s)), wait_s + POOL_NOTICE_TIMEOUT_S
+        resolve(pool.place_many.remote(session_ids, process_owner(), wait_s, list(known))),
+        wait_s + POOL_NOTICE_TIMEOUT_S,
     )
     for session_id, waiter, answer in zip(session_ids, batch.waiters, answers, strict=True):
+        if answer.success:
+            name, handle = answer.value["server_name"], answer.value["handle"]
+            answer.value["handle"] = SERVERS.keep(name, known.get(name) if handle is None else handle)
         if not waiter.done():
             waiter.set_result(answer)
         elif answer.success:  # its opener gave up meanwhile: the placement is ended at once

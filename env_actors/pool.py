@@ -109,14 +109,20 @@ class EnvPool:
         )
 
     async def place_many(
-        self, session_ids: list[str], owner: str | None = None, wait_s: float = 0.0
+        self,
+        session_ids: list[str],
+        owner: str | None = None,
+        wait_s: float = 0.0,
+        known: list[str] | None = None,
     ) -> list[EnvResponse]:
         """Place new sessions on the least-busy ready workers without starting them; each value is
         `{"server_name": name, "handle": handle}`. The opener then sends `reset` to the worker itself (batched
         with that worker's other calls, see `direct.py`), and ends the session with `end_session` if the reset
         fails. A placed session counts toward placement at once. With no ready worker but a replacement
         starting, placement waits for it up to `wait_s`; with none coming it fails at once. `owner`: the
-        opening actor (see `close_owned`); one already lost gets nothing."""
+        opening actor (see `close_owned`); one already lost gets nothing. `known`: servers whose handles the
+        opener holds; a placement on one of them comes with `"handle": None`."""
+        held = frozenset(known or ())
         answers = []
         for session_id in session_ids:
             if self._closed:
@@ -134,7 +140,8 @@ class EnvPool:
                 answers.append(self._no_live_worker())
                 continue
             self._sessions.add(session_id, slot.name, time.monotonic(), owner)
-            answers.append(EnvResponse.ok({"server_name": slot.name, "handle": slot.handle}, slot.name))
+            handle = None if slot.name in held else slot.handle
+            answers.append(EnvResponse.ok({"server_name": slot.name, "handle": handle}, slot.name))
         return answers
 
     async def close_owned(self, owner: str) -> int:

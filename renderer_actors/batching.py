@@ -20,16 +20,30 @@ from __future__ import annotations
 
 import asyncio
 import functools
+from dataclasses import replace
 from typing import Any
 
 from renderer_actors.calls import RendererSlot
 from rollout_actors.kernel import Failure, process_owner
-from rollout_actors.kernel.coalescer import TickBatch, TickCoalescer, actor_key, answer_when, per_loop
+from rollout_actors.kernel.coalescer import (
+    KnownHandles,
+    TickBatch,
+    TickCoalescer,
+    actor_key,
+    answer_when,
+    per_loop,
+)
+from rollout_actors.kernel.tasks import holds_value
 
 BATCH_CALL_TIMEOUT_S = 60.0  # one pool call for many waiters: each waiter's own deadline is usually shorter
 READY_CALL_TIMEOUT_S = 600.0  # tokenizer loads can be slow (hub downloads); the pool's own bound is 300 s
 MAX_READY_ENTRIES = 1024  # renderers this process has waited on; finished entries are pruned past this
 CALL_SLACK_S = 5.0  # a `call_many` waits for its slowest waiter's deadline plus this, then gives up
+
+RENDERERS = KnownHandles()
+"""renderer id -> the handle this process's sessions share (ids name one incarnation: `new_id`). Slots on
+a renderer held here arrive without a handle; before, thousands of sessions waiting on their model calls
+held thousands of copies of the same few handles, one per slot."""
 
 
 class RenderCallFailed(Exception):
@@ -76,6 +90,8 @@ class BatchedCalls:
             if len(self._ready) >= MAX_READY_ENTRIES:
                 self._ready = {k: t for k, t in self._ready.items() if not t.done()}
             task = self._ready[renderer_id] = self._ticks.own(self._ready_call(renderer_id, handle))
+        elif holds_value(task):  # every session but the renderer's first few here: no timer, no future
+            return task.result()
         # Shielded: one session's deadline must not cancel the answer others wait on.
         return await asyncio.wait_for(asyncio.shield(task), timeout)
 
@@ -89,7 +105,8 @@ class BatchedCalls:
     async def release(self, pool: Any, slot_id: str, timeout: float) -> None:
         """Return a slot, in one `release_many` with every release asked for in this tick."""
         waiter = self._ticks.add(("release", actor_key(pool)), pool, slot_id, _send_releases)
-        await asyncio.wait_for(asyncio.shield(waiter), timeout)
+        async with asyncio.timeout(timeout):  # a scope, not `wait_for`: no task or extra future per slot
+            await asyncio.shield(waiter)
 
 
 def _send_calls(batch: TickBatch) -> None:
@@ -114,15 +131,18 @@ def _deliver_calls(batch: TickBatch, outcomes: Any) -> None:
 
 async def _send_acquires(key_json: str, multiplex: int, batch: TickBatch) -> None:
     pool, waiters = batch.target, batch.waiters
+    known = RENDERERS.snapshot()  # slots on these renderers come without their handles
     slots = await asyncio.wait_for(
-        pool.acquire_many.remote(key_json, multiplex, len(waiters), process_owner()), BATCH_CALL_TIMEOUT_S
+        pool.acquire_many.remote(key_json, multiplex, len(waiters), process_owner(), list(known)),
+        BATCH_CALL_TIMEOUT_S,
     )
     unclaimed = []
     for waiter, slot in zip(waiters, slots, strict=True):
         if waiter.done():  # its owner gave up (timeout, cancellation) meanwhile
             unclaimed.append(slot.slot_id)
         else:
-            waiter.set_result(slot)
+            handle = known.get(slot.renderer_id) if slot.renderer is None else slot.renderer
+            waiter.set_result(replace(slot, renderer=RENDERERS.keep(slot.renderer_id, handle)))
     if unclaimed:
         try:
             await asyncio.wait_for(pool.release_many.remote(unclaimed), BATCH_CALL_TIMEOUT_S)

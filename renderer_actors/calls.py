@@ -25,7 +25,8 @@ class RendererSlot:
 
     slot_id: str
     renderer: Any
-    """The renderer's actor handle: calls go to it directly."""
+    """The renderer's actor handle: calls go to it directly. None where the asker said it holds it already
+    (`RendererPool.acquire_many`'s `known`)."""
     renderer_id: str
     ready: bool
     """It had answered its readiness call when the slot was placed (callers still await `ready`)."""

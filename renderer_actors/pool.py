@@ -104,13 +104,20 @@ class RendererPool:
 
     @ray.method(enable_task_events=False)  # per tick of every worker: see `RolloutWorker.run`
     async def acquire_many(
-        self, key_json: str, multiplex: int, count: int, owner: str | None = None
+        self,
+        key_json: str,
+        multiplex: int,
+        count: int,
+        owner: str | None = None,
+        known: list[str] | None = None,
     ) -> list[RendererSlot]:
         """`count` slots placed one after another, exactly as `count` calls to `acquire` would be (a
-        process's concurrent sessions ask in one call: see `renderer_actors.batching`)."""
+        process's concurrent sessions ask in one call: see `renderer_actors.batching`). A slot on a
+        renderer named in `known` (the asker holds its handle) comes without the handle."""
         self._check_owner(owner)
         pool = self._key_pool(key_json, multiplex)
-        return [self._place_slot(pool, owner) for _ in range(count)]
+        held = frozenset(known or ())
+        return [self._place_slot(pool, owner, held) for _ in range(count)]
 
     async def release_owned(self, owner: str) -> int:
         """The actor `owner` was lost (a rollout worker killed or dead): return every slot it held now,
@@ -178,13 +185,16 @@ class RendererPool:
             )
         return pool
 
-    def _place_slot(self, pool: RendererSet, owner: str | None = None) -> RendererSlot:
+    def _place_slot(
+        self, pool: RendererSet, owner: str | None = None, known: frozenset[str] = frozenset()
+    ) -> RendererSlot:
         renderer = pool.place()
         slot_id = new_id("rslot")
         renderer.slots.add(slot_id)
         expires = time.monotonic() + self._config.slot_timeout_s
         self._slots[slot_id] = _HeldSlot(pool.key_json, renderer.name, expires, owner)
-        return RendererSlot(slot_id, renderer.handle, renderer.name, renderer.state == "ready")
+        handle = None if renderer.name in known else renderer.handle
+        return RendererSlot(slot_id, handle, renderer.name, renderer.state == "ready")
 
     def _lost(self, renderer_id: str) -> None:
         for pool in self._keys.values():

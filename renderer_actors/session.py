@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -277,7 +276,7 @@ class RendererSession:
             "acquire",
         )
         self._slot_id = slot.slot_id
-        self._renderer = _shared_handle(slot.renderer_id, slot.renderer)
+        self._renderer = slot.renderer  # the process's one handle for it (`batching.RENDERERS`)
         self.renderer_id = slot.renderer_id
         self._info = await self._remote(
             calls.ready(slot.renderer_id, slot.renderer, deadline - time.monotonic()),
@@ -357,21 +356,6 @@ def _key_of(model: str, config: RendererConfig) -> tuple[RendererKey, str]:
             _KEYS.clear()
         known = _KEYS[cache_key] = (key, key.to_json())
     return known
-
-
-_HANDLES: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
-"""renderer id -> the actor handle its in-flight sessions share. Each slot arrives with its own copy of the
-handle (Ray builds one per deserialisation, with a descriptor and a method shell per actor method): thousands
-of sessions waiting on their model calls held thousands of copies of the same few handles. Weak: a
-renderer's handle lives only as long as a session holds it. Ids name one incarnation (`new_id`), never
-reused, so a shared handle never comes to mean another actor."""
-
-
-def _shared_handle(renderer_id: str, handle: Any) -> Any:
-    try:
-        return _HANDLES.setdefault(renderer_id, handle)
-    except TypeError:  # not weakly referenceable (a test double): kept as given
-        return handle
 
 
 def _far_fault(exc: RayTaskError, what: str, method: str) -> Fault:

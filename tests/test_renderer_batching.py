@@ -27,7 +27,7 @@ class FakePool:
         self.acquire_many = _Method(self._acquire_many)
         self.release_many = _Method(self._release_many)
 
-    async def _acquire_many(self, key_json, multiplex, count, owner=None):
+    async def _acquire_many(self, key_json, multiplex, count, owner=None, known=None):
         self.calls.append(("acquire_many", key_json, multiplex, count))
         await asyncio.sleep(self.delay)
         return [RendererSlot(f"l{next(self._ids)}", None, "r", True) for _ in range(count)]

@@ -235,3 +235,31 @@ def actor_key(handle: Any) -> Any:
     """A key for an actor that is the same across copies of its handle."""
     to_hex = getattr(getattr(handle, "_actor_id", None), "hex", None)
     return to_hex() if callable(to_hex) else id(handle)
+
+
+class KnownHandles:
+    """The actor handles this process holds, by actor name, so a pool's batched answer need not carry a
+    handle the caller already has (each handle in an answer is pickled on the pool's side and rebuilt on
+    the caller's, with a descriptor and a method shell per actor method).
+
+        snapshot = known.snapshot()                    # held until the answer is in
+        answers = await pool.place_many.remote(..., list(snapshot))
+        handle = answer_handle or snapshot[name]       # None in an answer: "you have it"
+        known.keep(name, handle)
+
+    Weak: a handle lives only as long as someone in the process holds it, so no actor outlives its pool's
+    wish to let it go because a cache here remembered it. Names must name one incarnation, never reused."""
+
+    def __init__(self) -> None:
+        self._handles: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
+
+    def snapshot(self) -> dict[str, Any]:
+        """The handles held now, strongly: a batch keeps them alive until its answer has been read."""
+        return dict(self._handles.items())
+
+    def keep(self, name: str, handle: Any) -> Any:
+        """The process's one handle for `name`: the one kept already, else `handle` (kept from now on)."""
+        try:
+            return self._handles.setdefault(name, handle)
+        except TypeError:  # not weakly referenceable (a test double): used as given, not kept
+            return handle

@@ -28,12 +28,15 @@ class PoolNames:
 
 
 def env_key(env: Ref) -> str:
-    """Canonical key of an environment Ref: same target and config -> same pool. Asked several times per
-    dispatch, so encoded by orjson (the json module's sorted encoding was a tenth of a wave's driver CPU);
-    a config orjson refuses (an int past 64 bits) takes the json module's spelling."""
-    data = env.model_dump(mode="json")
+    """Canonical key of an environment Ref: same target and config -> same pool."""
+    return hashlib.sha1(canonical_json(env.model_dump(mode="json"))).hexdigest()[:12]
+
+
+def canonical_json(data: object) -> bytes:
+    """`data` as JSON with sorted keys and no spaces, the spelling the plane hashes into keys (pool names,
+    prefix keys). orjson, as a few keys are hashed per dispatch (the json module's sorted encoding was a
+    tenth of a wave's driver CPU); what orjson refuses (an int past 64 bits) takes the json module's."""
     try:
-        canonical = orjson.dumps(data, option=orjson.OPT_SORT_KEYS)
+        return orjson.dumps(data, option=orjson.OPT_SORT_KEYS)
     except TypeError:
-        canonical = json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
-    return hashlib.sha1(canonical).hexdigest()[:12]
+        return json.dumps(data, sort_keys=True, separators=(",", ":"), default=str).encode()

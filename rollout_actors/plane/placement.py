@@ -28,7 +28,6 @@ included. Plain state, no Ray: the plane calls `place` from its one event loop.
 from __future__ import annotations
 
 import hashlib
-import json
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from itertools import count
@@ -36,6 +35,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from rollout_actors.plane.naming import canonical_json
 from rollout_actors.wire import RolloutRequest
 
 Strategy = Literal["prefix", "least_loaded", "hashed"]
@@ -71,8 +71,7 @@ def prefix_key(request: RolloutRequest, model: str | None = None, policy_version
         request.renderer.model_dump(mode="json"),
         request.policy_version if policy_version is None else policy_version,
     ]
-    raw = json.dumps(parts, sort_keys=True, separators=(",", ":"), default=str).encode()
-    return hashlib.blake2b(raw, digest_size=12).hexdigest()
+    return hashlib.blake2b(canonical_json(parts), digest_size=12).hexdigest()
 
 
 class Placement:

@@ -8,6 +8,7 @@ while connection pool, retries and state stay per rollout.
 
 from __future__ import annotations
 
+import functools
 import gc
 import os
 import ssl
@@ -99,7 +100,7 @@ def build_client(config: ClientConfig, session_id: str | None = None) -> openai.
     if session_id is not None:
         # Lets a router (vLLM's, or any prefix-cache-aware one) keep this rollout on one replica.
         headers["X-Session-ID"] = session_id
-    return openai.AsyncOpenAI(
+    client = openai.AsyncOpenAI(
         base_url=config.base_url,
         api_key=api_key_from_env(config),
         timeout=timeout,
@@ -107,6 +108,18 @@ def build_client(config: ClientConfig, session_id: str | None = None) -> openai.
         default_headers=headers,
         http_client=http_client,
     )
+    if getattr(client, "_platform", False) is None:
+        # The SDK finds the platform for its headers on a client's first request, in a thread (it may read
+        # files): one thread hop per rollout, every rollout of a process asking the same question.
+        client._platform = _platform()
+    return client
+
+
+@functools.cache
+def _platform() -> object:
+    from openai._base_client import get_platform
+
+    return get_platform()
 
 
 def open_client_count() -> int:
