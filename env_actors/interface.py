@@ -197,6 +197,13 @@ class EnvResponse(BaseModel):
     ) -> EnvResponse:
         return cls(success=False, error=failure, kind=kind, server_name=server_name, server_exit=server_exit)
 
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        # One per env call crosses Ray: a plain tuple pickles at a fraction of pydantic's default state
+        # (fields dict, fields-set set, extras), and the far side builds it through the validating
+        # constructor as before.
+        fields = (self.success, self.value, self.error, self.kind, self.server_exit, self.server_name)
+        return _env_response, fields
+
     @classmethod
     def from_exception(cls, exc: BaseException, server_name: str | None = None) -> EnvResponse:
         # Raised while running environment code (the server's `_guard`): the environment's fault.
@@ -204,6 +211,19 @@ class EnvResponse(BaseModel):
         failure = Failure.from_exception(exc)
         failure.fault = failure.fault or kind
         return cls.failed(failure, kind, server_name=server_name)
+
+
+def _env_response(
+    success: bool,
+    value: Any,
+    error: Failure | None,
+    kind: EnvCallKind,
+    server_exit: str | None,
+    server_name: str | None,
+) -> EnvResponse:
+    return EnvResponse(
+        success=success, value=value, error=error, kind=kind, server_exit=server_exit, server_name=server_name
+    )
 
 
 SessionMethod = Literal["reset", "step", "score", "agent"]
@@ -222,6 +242,11 @@ class EnvCall:
     score_if_done: bool = False
     """`step` only: a step that ends the episode also scores it and ends the session."""
 
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        # A slots dataclass pickles through `dataclasses.fields()` on both sides; its fields in order are
+        # all it is.
+        return EnvCall, (self.method, self.session_id, self.args, self.timeout_s, self.score_if_done)
+
 
 @dataclass(frozen=True, slots=True)
 class EnvAnswer:
@@ -229,6 +254,9 @@ class EnvAnswer:
 
     ticket: int
     response: EnvResponse | None
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return EnvAnswer, (self.ticket, self.response)  # see `EnvCall.__reduce__`
 
 
 @ref_target("environment")

@@ -22,9 +22,8 @@ import sys
 import tempfile
 import threading
 import time
-from collections import Counter, OrderedDict
-from collections.abc import Awaitable, Callable, Iterator
-from contextlib import contextmanager
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import ray
@@ -49,6 +48,7 @@ DEADLINE_FAILURE = "EnvDeadline"
 """`Failure.type` of a call that missed its deadline (raised here or by the pool)."""
 
 _SESSION_METHODS = ("reset", "step", "score", "close")
+_BATCHED_METHODS = frozenset({"reset", "step", "score", "agent"})
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ class EnvServer:
         """Sessions closed before their reset arrived (a cancelled open): their late reset is refused, so
         it cannot start a session nobody will close."""
         self._last_used: dict[str, float] = {}
-        self._busy: Counter[str] = Counter()
+        self._busy: dict[str, int] = {}
         """Calls in flight per session: a session in the middle of a call is never idle."""
         self._tickets = itertools.count()
         self._batched: dict[int, tuple[str, asyncio.Task[EnvResponse]]] = {}
@@ -167,33 +167,22 @@ class EnvServer:
     async def reset(
         self, session_id: str, task_index: int | None, task: dict[str, Any] | None, timeout: float
     ) -> EnvResponse:
-        with self._using(session_id):
-            return await self._guard(
-                "reset", min(timeout, self._limits.reset_s), self._reset(session_id, task_index, task)
-            )
+        return await self._run(EnvCall("reset", session_id, (task_index, task), timeout))
 
     async def step(
         self, session_id: str, message: dict[str, Any], timeout: float, score_if_done: bool = False
     ) -> EnvResponse:
         """One step. With `score_if_done`, a step that ends the episode also scores it and ends the session
         in the same call (two calls fewer per rollout); `timeout` bounds the whole of it."""
-        method = "step (scoring if done)" if score_if_done else "step"
-        limit = self._limits.step_s + (self._limits.score_s if score_if_done else 0.0)
-        with self._using(session_id):
-            return await self._guard(
-                method, min(timeout, limit), self._step(session_id, message, score_if_done)
-            )
+        return await self._run(EnvCall("step", session_id, (message,), timeout, score_if_done))
 
     async def score(self, session_id: str, timeout: float) -> EnvResponse:
-        with self._using(session_id):
-            return await self._guard("score", min(timeout, self._limits.score_s), self._score(session_id))
+        return await self._run(EnvCall("score", session_id, (), timeout))
 
     async def agent(self, session_id: str, endpoint: dict[str, Any], timeout: float) -> EnvResponse:
         """Run an agent environment's agent for the session against its rollout's endpoint (`agent.py`);
         ended early, like a step, when the session is closed."""
-        agent_timeout = max(0.0, timeout - AGENT_GUARD_SLACK_S)  # its own failure, with its tail, comes first
-        with self._using(session_id):
-            return await self._guard("agent", timeout, self._agent(session_id, endpoint, agent_timeout))
+        return await self._run(EnvCall("agent", session_id, (endpoint,), timeout))
 
     async def call_many(self, calls: list[EnvCall]) -> list[EnvAnswer]:
         """Several `reset` / `step` / `score` calls sent by one process in one Ray call (`direct.py`
@@ -201,33 +190,76 @@ class EnvServer:
         each call that finished by the time the first one did plus `BATCH_LINGER_S`, and carries no
         response for the rest, which `collect` answers later."""
         loop = asyncio.get_running_loop()
-        tickets = []
+        now, tickets = loop.time(), []
+        deadlines: dict[float, SharedDeadline] = {}  # calls with the same deadline share its timer
         for call in calls:
-            task = loop.create_task(self._batched_call(call))
+            if call.method in _BATCHED_METHODS:
+                timeout = self._deadline_s(call)
+                if (deadline := deadlines.get(timeout)) is None:
+                    deadline = deadlines[timeout] = SharedDeadline(loop, now + timeout)
+                deadline.join()
+                work = self._run(call, deadline)
+            else:
+                failure = Failure(type="CallerError", message=f"{call.method!r} cannot be batched")
+                work = _answer(EnvResponse.failed(failure, "caller", self._name))
             ticket = next(self._tickets)
-            self._batched[ticket] = (call.session_id, task)
-            task.add_done_callback(
-                lambda _, t=ticket: loop.call_later(UNCOLLECTED_TTL_S, self._batched.pop, t, None)
-            )
+            self._batched[ticket] = (call.session_id, loop.create_task(work))
             tickets.append(ticket)
+        # One timer per batch, not one per call: most answers are collected at once and it finds nothing.
+        loop.call_later(UNCOLLECTED_TTL_S, self._drop_uncollected, tickets, ())
+        await asyncio.sleep(0)  # the calls' first steps run now; most (a quick step) finish in it
         return await self.collect(tickets)
 
-    def _batched_call(self, call: EnvCall) -> Awaitable[EnvResponse]:
+    def _drop_uncollected(self, tickets: list[int], seen_done: tuple[int, ...]) -> None:
+        """Drop answers nobody collected: each one the sweep before found finished, so it has waited at least
+        `UNCOLLECTED_TTL_S`. Calls still running are looked at again a TTL later."""
+        for ticket in seen_done:
+            self._batched.pop(ticket, None)
+        running, done = [], []
+        for ticket in tickets:
+            entry = self._batched.get(ticket)
+            if entry is not None:
+                (done if entry[1].done() else running).append(ticket)
+        if running or done:
+            asyncio.get_running_loop().call_later(
+                UNCOLLECTED_TTL_S, self._drop_uncollected, running, tuple(done)
+            )
+
+    def _deadline_s(self, call: EnvCall) -> float:
+        """The call's deadline in seconds: the caller's, capped by the pool's limit for its method."""
+        limits = self._limits
         if call.method == "step":
-            return self.step(call.session_id, *call.args, call.timeout_s, score_if_done=call.score_if_done)
-        if call.method in ("reset", "score", "agent"):
-            return getattr(self, call.method)(call.session_id, *call.args, call.timeout_s)
-        failure = Failure(type="CallerError", message=f"{call.method!r} cannot be batched")
-        return _answer(EnvResponse.failed(failure, "caller", self._name))
+            return min(call.timeout_s, limits.step_s + (limits.score_s if call.score_if_done else 0.0))
+        if call.method == "reset":
+            return min(call.timeout_s, limits.reset_s)
+        if call.method == "score":
+            return min(call.timeout_s, limits.score_s)
+        return call.timeout_s  # an agent run: its own deadline sits inside the caller's
+
+    async def _run(self, call: EnvCall, deadline: SharedDeadline | None = None) -> EnvResponse:
+        """One session call, answered as an `EnvResponse` within its deadline (`_deadline_s`); `deadline`:
+        the timer it shares with the calls of its batch that have the same one."""
+        session_id, args = call.session_id, call.args
+        if call.method == "step":
+            label = "step (scoring if done)" if call.score_if_done else "step"
+            work = self._step(session_id, *args, call.score_if_done)
+        elif call.method == "reset":
+            label, work = "reset", self._reset(session_id, *args)
+        elif call.method == "score":
+            label, work = "score", self._score(session_id, *args)
+        else:  # its own failure, with its tail, comes before the call's deadline
+            agent_timeout = max(0.0, call.timeout_s - AGENT_GUARD_SLACK_S)
+            label, work = "agent", self._agent(session_id, *args, agent_timeout)
+        return await self._guard(label, self._deadline_s(call), work, session_id, deadline)
 
     async def collect(self, tickets: list[int]) -> list[EnvAnswer]:
         """Answers of batched calls: each one finished within `BATCH_LINGER_S` of the first to finish;
         None for those still running (ask again). A ticket nobody holds any more answers a failure."""
-        running = [self._batched[t][1] for t in tickets if t in self._batched]
-        if running:
-            done, pending = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
-            if pending:
-                await asyncio.wait(pending, timeout=BATCH_LINGER_S)
+        calls = [entry[1] for t in tickets if (entry := self._batched.get(t)) is not None]
+        if calls and not any(call.done() for call in calls):
+            await asyncio.wait(calls, return_when=asyncio.FIRST_COMPLETED)
+        if pending := [call for call in calls if not call.done()]:
+            await asyncio.wait(pending, timeout=BATCH_LINGER_S)
         answers: list[EnvAnswer] = []
         for ticket in tickets:
             entry = self._batched.get(ticket)
@@ -249,20 +281,10 @@ class EnvServer:
         asks: steps come here directly, so only this server knows). Unknown ids count as idle."""
         cutoff = time.monotonic() - idle_s
         return [
-            sid for sid in session_ids if not self._busy[sid] and self._last_used.get(sid, -math.inf) < cutoff
+            sid
+            for sid in session_ids
+            if sid not in self._busy and self._last_used.get(sid, -math.inf) < cutoff
         ]
-
-    @contextmanager
-    def _using(self, session_id: str) -> Iterator[None]:
-        self._busy[session_id] += 1
-        try:
-            yield
-        finally:
-            self._busy[session_id] -= 1
-            if not self._busy[session_id]:
-                del self._busy[session_id]
-            if session_id in self._sessions:
-                self._last_used[session_id] = time.monotonic()
 
     async def end_session(self, session_id: str, timeout: float) -> EnvResponse:
         for owner, task in list(self._batched.values()):  # its step or score still running stops here
@@ -270,10 +292,25 @@ class EnvServer:
                 task.cancel()
         return await self._guard("close", timeout, self._close(session_id))
 
-    async def _guard(self, method: str, timeout: float, work: Awaitable[Any]) -> EnvResponse:
-        scope = asyncio.timeout(timeout)  # a scope, not `wait_for`: no second task per call
+    async def _guard(
+        self,
+        method: str,
+        timeout: float,
+        work: Awaitable[Any],
+        session_id: str | None = None,
+        deadline: SharedDeadline | None = None,
+    ) -> EnvResponse:
+        """Run one call under its deadline (`timeout` from now, or the shared `deadline`) and answer it as
+        an `EnvResponse`. A session's call counts as busy while it runs (the reaper never takes it for
+        idle) and marks the session used when it ends."""
+        if session_id is not None:
+            self._busy[session_id] = self._busy.get(session_id, 0) + 1
+        # A scope, not `wait_for`: no second task per call.
+        scope = asyncio.timeout(timeout if deadline is None else None)
         try:
             async with scope:
+                if deadline is not None:
+                    deadline.enter(scope)
                 value = await work
             return EnvResponse.ok(value, self._name)
         except TimeoutError as exc:
@@ -284,6 +321,19 @@ class EnvServer:
             return EnvResponse.failed(missed, "env", server_name=self._name)
         except Exception as exc:
             return EnvResponse.from_exception(exc, self._name)
+        finally:
+            if deadline is not None:
+                deadline.leave(scope)
+            if session_id is not None:
+                self._release(session_id)
+
+    def _release(self, session_id: str) -> None:
+        if busy := self._busy[session_id] - 1:
+            self._busy[session_id] = busy
+        else:
+            del self._busy[session_id]
+        if session_id in self._sessions:
+            self._last_used[session_id] = time.monotonic()
 
     def _loaded(self) -> Any:
         if self._env is None:
@@ -365,6 +415,42 @@ class EnvServer:
             logger.warning(
                 "env server %s: close of scored session %s raised", self._name, session_id, exc_info=True
             )
+
+
+class SharedDeadline:
+    """One timer for the calls of a batch that share a deadline, in place of one timer each. Each call runs
+    in an `asyncio.timeout` scope with no timer of its own; when the shared one fires, every scope still
+    open is rescheduled to the deadline, so it expires exactly as its own timer would have made it."""
+
+    __slots__ = ("_when", "_open", "_members", "_timer", "_fired")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, when: float) -> None:
+        self._when = when
+        self._open: set[asyncio.Timeout] = set()
+        self._members = 0
+        """Calls that joined and have not ended; the timer is cancelled once none is left. A call
+        cancelled before it started never ends here: the timer then fires over nothing."""
+        self._fired = False
+        self._timer = loop.call_at(when, self._expire)
+
+    def join(self) -> None:
+        self._members += 1
+
+    def enter(self, scope: asyncio.Timeout) -> None:
+        self._open.add(scope)
+        if self._fired:  # it started past its deadline (a loop stalled that long): it expires at once
+            scope.reschedule(self._when)
+
+    def leave(self, scope: asyncio.Timeout) -> None:
+        self._open.discard(scope)
+        self._members -= 1
+        if not self._members:
+            self._timer.cancel()
+
+    def _expire(self) -> None:
+        self._fired = True
+        for scope in self._open:
+            scope.reschedule(self._when)
 
 
 _ENV_CALL_CODES = {EnvServer._reset.__code__, EnvServer._step.__code__, EnvServer._score.__code__}
