@@ -31,6 +31,7 @@ import ray
 from env_actors.agent import AGENT_GUARD_SLACK_S, AgentEndpoint, run_agent_session
 from env_actors.config import EnvCallLimits, EnvPoolConfig, EnvRuntimeEnv, EnvServerHealth
 from env_actors.interface import EnvAnswer, EnvCall, EnvResponse, ResetOut, ScoreOut, StepOut, check_index
+from env_actors.shared_deadline import SharedDeadline
 from rollout_actors.kernel import DEFAULT_ALLOWED_PREFIXES, CallerError, Failure, Ref, RefResolver
 from rollout_actors.kernel.collector import settle_actor
 from rollout_actors.kernel.loop_watch import HEARTBEAT_S, LoopWatch
@@ -415,42 +416,6 @@ class EnvServer:
             logger.warning(
                 "env server %s: close of scored session %s raised", self._name, session_id, exc_info=True
             )
-
-
-class SharedDeadline:
-    """One timer for the calls of a batch that share a deadline, in place of one timer each. Each call runs
-    in an `asyncio.timeout` scope with no timer of its own; when the shared one fires, every scope still
-    open is rescheduled to the deadline, so it expires exactly as its own timer would have made it."""
-
-    __slots__ = ("_when", "_open", "_members", "_timer", "_fired")
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, when: float) -> None:
-        self._when = when
-        self._open: set[asyncio.Timeout] = set()
-        self._members = 0
-        """Calls that joined and have not ended; the timer is cancelled once none is left. A call
-        cancelled before it started never ends here: the timer then fires over nothing."""
-        self._fired = False
-        self._timer = loop.call_at(when, self._expire)
-
-    def join(self) -> None:
-        self._members += 1
-
-    def enter(self, scope: asyncio.Timeout) -> None:
-        self._open.add(scope)
-        if self._fired:  # it started past its deadline (a loop stalled that long): it expires at once
-            scope.reschedule(self._when)
-
-    def leave(self, scope: asyncio.Timeout) -> None:
-        self._open.discard(scope)
-        self._members -= 1
-        if not self._members:
-            self._timer.cancel()
-
-    def _expire(self) -> None:
-        self._fired = True
-        for scope in self._open:
-            scope.reschedule(self._when)
 
 
 _ENV_CALL_CODES = {EnvServer._reset.__code__, EnvServer._step.__code__, EnvServer._score.__code__}
