@@ -27,8 +27,8 @@ from typing import Any
 
 from env_actors.config import EnvPoolConfig, EnvServerHealth, EnvServerInfo
 from env_actors.runtime_env_check import started_unless_pip_fails
-from env_actors.server import create_env_server
 from env_actors.sessions import OpenSessions
+from env_actors.spawn import create_env_server
 from rollout_actors.kernel import Failure, Ref
 from rollout_actors.kernel.faults import CallerError, ray_loss, runtime_env_failed
 from rollout_actors.kernel.metric import Metric
