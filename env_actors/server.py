@@ -4,16 +4,16 @@ It is "let it crash" code: it classifies every failure of environment code into 
 traceback is formatted here, before Ray strips it at the actor boundary) and otherwise makes no decisions.
 Deciding what a death or a stall means belongs to the supervisor (`supervisor.py`).
 
-Two event loops, by design: env calls run on the default concurrency group; `health` runs on the `probe`
-group, whose loop is its own thread. A probe therefore answers while environment code blocks the
-default loop, and reports how long that loop has been stalled (`loop_stall_s`): the supervisor treats a
-stall past `hang_timeout_s` like a frozen process. A frozen (SIGSTOPped) or lost process answers nothing.
+Three event loops, by design: calls arrive on Ray's default concurrency group and run their environment
+code on the server's own loop (`env_loop.py` says why); `health` runs on the `probe` group, whose loop is
+its own thread. A probe therefore answers while environment code blocks the env loop, and reports how
+long that loop has been stalled (`loop_stall_s`): the supervisor treats a stall past `hang_timeout_s`
+like a frozen process. A frozen (SIGSTOPped) or lost process answers nothing.
 """
 
 from __future__ import annotations
 
 import asyncio
-import inspect
 import itertools
 import logging
 import math
@@ -22,13 +22,14 @@ import sys
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from typing import Any
 
 import ray
 
 from env_actors.agent import AGENT_GUARD_SLACK_S, AgentEndpoint, run_agent_session
 from env_actors.config import EnvCallLimits, EnvServerHealth
+from env_actors.env_loop import EnvLoop, run_env_code
 from env_actors.interface import EnvAnswer, EnvCall, EnvResponse, ResetOut, ScoreOut, StepOut, check_index
 from env_actors.shared_deadline import SharedDeadline
 from rollout_actors.kernel import DEFAULT_ALLOWED_PREFIXES, CallerError, Failure, Ref, RefResolver
@@ -88,15 +89,23 @@ class EnvServer:
         """created -> constructing -> loading -> ready | failed; shown in readiness diagnostics."""
         self._sessions: dict[str, Any] = {}
         self._watch = LoopWatch()
-        """How long the default loop has gone without progress (the `LoopWatch` rule: load is no stall)."""
+        """How long the env loop has gone without progress (the `LoopWatch` rule: load is no stall)."""
         self._sampler: asyncio.Task | None = None
         self._loop_thread: int | None = None
-        """The default loop's thread: where a probe looks for the env call that blocks it."""
+        """The env loop's thread: where a probe looks for the env call that blocks it."""
+        self._env_loop = EnvLoop()
 
     async def start(self) -> EnvResponse:
-        """Construct the environment from its Ref and load it. Idempotent once ready."""
+        """Construct the environment from its Ref and load it, on the env loop. Idempotent once ready."""
         if self._env is not None:
             return EnvResponse.ok(self._ready_info(), self._name)
+        self._env_loop.start()
+        response = await self._env_loop.run(self._load())
+        if response.success:
+            settle_actor()  # the environment is loaded: it lives as long as this process
+        return response
+
+    async def _load(self) -> EnvResponse:
         self._loop_thread = threading.get_ident()
         self._watch.bind()
         try:
@@ -118,7 +127,6 @@ class EnvServer:
             self._env = None
             return EnvResponse.from_exception(exc, self._name)
         self._phase = "ready"
-        settle_actor()  # the environment is loaded: it lives as long as this process
         return EnvResponse.ok(info, self._name)
 
     def _ready_info(self) -> dict[str, Any]:
@@ -165,24 +173,29 @@ class EnvServer:
     async def reset(
         self, session_id: str, task_index: int | None, task: dict[str, Any] | None, timeout: float
     ) -> EnvResponse:
-        return await self._run(EnvCall("reset", session_id, (task_index, task), timeout))
+        return await self._env_loop.run(self._run(EnvCall("reset", session_id, (task_index, task), timeout)))
 
     async def step(
         self, session_id: str, message: dict[str, Any], timeout: float, score_if_done: bool = False
     ) -> EnvResponse:
         """One step. With `score_if_done`, a step that ends the episode also scores it and ends the session
         in the same call (two calls fewer per rollout); `timeout` bounds the whole of it."""
-        return await self._run(EnvCall("step", session_id, (message,), timeout, score_if_done))
+        return await self._env_loop.run(
+            self._run(EnvCall("step", session_id, (message,), timeout, score_if_done))
+        )
 
     async def score(self, session_id: str, timeout: float) -> EnvResponse:
-        return await self._run(EnvCall("score", session_id, (), timeout))
+        return await self._env_loop.run(self._run(EnvCall("score", session_id, (), timeout)))
 
     async def agent(self, session_id: str, endpoint: dict[str, Any], timeout: float) -> EnvResponse:
         """Run an agent environment's agent for the session against its rollout's endpoint (`agent.py`);
         ended early, like a step, when the session is closed."""
-        return await self._run(EnvCall("agent", session_id, (endpoint,), timeout))
+        return await self._env_loop.run(self._run(EnvCall("agent", session_id, (endpoint,), timeout)))
 
     async def call_many(self, calls: list[EnvCall]) -> list[EnvAnswer]:
+        return await self._env_loop.run(self._call_many(calls))
+
+    async def _call_many(self, calls: list[EnvCall]) -> list[EnvAnswer]:
         """Several `reset` / `step` / `score` calls sent by one process in one Ray call (`direct.py`
         batches a tick's worth). They run concurrently, each under its own deadline; the reply answers
         each call that finished by the time the first one did plus `BATCH_LINGER_S`, and carries no
@@ -192,7 +205,7 @@ class EnvServer:
         deadlines: dict[float, SharedDeadline] = {}  # calls with the same deadline share its timer
         for call in calls:
             if call.method in _BATCHED_METHODS:
-                timeout = self._deadline_s(call)
+                timeout = self._limits.deadline_s(call.method, call.timeout_s, call.score_if_done)
                 if (deadline := deadlines.get(timeout)) is None:
                     deadline = deadlines[timeout] = SharedDeadline(loop, now + timeout)
                 deadline.join()
@@ -206,7 +219,7 @@ class EnvServer:
         # One timer per batch, not one per call: most answers are collected at once and it finds nothing.
         loop.call_later(UNCOLLECTED_TTL_S, self._drop_uncollected, tickets, ())
         await asyncio.sleep(0)  # the calls' first steps run now; most (a quick step) finish in it
-        return await self.collect(tickets)
+        return await self._collect(tickets)
 
     def _drop_uncollected(self, tickets: list[int], seen_done: tuple[int, ...]) -> None:
         """Drop answers nobody collected: each one the sweep before found finished, so it has waited at least
@@ -223,19 +236,8 @@ class EnvServer:
                 UNCOLLECTED_TTL_S, self._drop_uncollected, running, tuple(done)
             )
 
-    def _deadline_s(self, call: EnvCall) -> float:
-        """The call's deadline in seconds: the caller's, capped by the pool's limit for its method."""
-        limits = self._limits
-        if call.method == "step":
-            return min(call.timeout_s, limits.step_s + (limits.score_s if call.score_if_done else 0.0))
-        if call.method == "reset":
-            return min(call.timeout_s, limits.reset_s)
-        if call.method == "score":
-            return min(call.timeout_s, limits.score_s)
-        return call.timeout_s  # an agent run: its own deadline sits inside the caller's
-
     async def _run(self, call: EnvCall, deadline: SharedDeadline | None = None) -> EnvResponse:
-        """One session call, answered as an `EnvResponse` within its deadline (`_deadline_s`); `deadline`:
+        """One session call, answered as an `EnvResponse` within its deadline (`EnvCallLimits.deadline_s`); `deadline`:
         the timer it shares with the calls of its batch that have the same one."""
         session_id, args = call.session_id, call.args
         if call.method == "step":
@@ -248,9 +250,18 @@ class EnvServer:
         else:  # its own failure, with its tail, comes before the call's deadline
             agent_timeout = max(0.0, call.timeout_s - AGENT_GUARD_SLACK_S)
             label, work = "agent", self._agent(session_id, *args, agent_timeout)
-        return await self._guard(label, self._deadline_s(call), work, session_id, deadline)
+        return await self._guard(
+            label,
+            self._limits.deadline_s(call.method, call.timeout_s, call.score_if_done),
+            work,
+            session_id,
+            deadline,
+        )
 
     async def collect(self, tickets: list[int]) -> list[EnvAnswer]:
+        return await self._env_loop.run(self._collect(tickets))
+
+    async def _collect(self, tickets: list[int]) -> list[EnvAnswer]:
         """Answers of batched calls: each one finished within `BATCH_LINGER_S` of the first to finish;
         None for those still running (ask again). A ticket nobody holds any more answers a failure."""
         calls = [entry[1] for t in tickets if (entry := self._batched.get(t)) is not None]
@@ -285,6 +296,9 @@ class EnvServer:
         ]
 
     async def end_session(self, session_id: str, timeout: float) -> EnvResponse:
+        return await self._env_loop.run(self._end_session(session_id, timeout))
+
+    async def _end_session(self, session_id: str, timeout: float) -> EnvResponse:
         for owner, task in list(self._batched.values()):  # its step or score still running stops here
             if owner == session_id:
                 task.cancel()
@@ -420,13 +434,3 @@ _ENV_CALL_CODES = {EnvServer._reset.__code__, EnvServer._step.__code__, EnvServe
 
 async def _answer(response: EnvResponse) -> EnvResponse:
     return response
-
-
-async def run_env_code(method: Callable[..., Any], *args: Any) -> Any:
-    """Call one environment method: a coroutine function on this loop, a plain function in a thread, so
-    synchronous environment code (a CPU-bound reward) leaves the loop turning and the server answering.
-    A thread cannot be stopped: past its deadline the call is answered as failed and the thread runs on."""
-    if inspect.iscoroutinefunction(method):
-        return await method(*args)
-    value = await asyncio.to_thread(method, *args)
-    return await value if inspect.isawaitable(value) else value
