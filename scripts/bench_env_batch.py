@@ -5,9 +5,10 @@ another revision, side by side in one run.
 
 `--base` is extracted with `git archive` into a scratch folder. Each measurement runs in a fresh process
 (one per tree and repeat, the two trees alternating, so drift on a shared machine falls on both alike): an
-`EnvServer` with an `EchoEnv` loaded in process (what `start` does, minus Ray), `--batch` sessions, then
-`--rounds` batches of one step per session through `call_many` (and `collect` for any call not answered in
-the first reply). Two figures per step: the server alone, and with the batch pickled both ways as it
+`EnvServer` with an `EchoEnv` loaded in process (what `start` does, minus Ray; a tree whose server runs
+environment code on a loop of its own starts that loop, so each batch crosses it as in the actor),
+`--batch` sessions, then `--rounds` batches of one step per session through `call_many` (and `collect` for
+any call not answered in the first reply). Two figures per step: the server alone, and with the batch pickled both ways as it
 crosses Ray (the calls by the caller, the answers by the server, each unpickled on the far side; Ray's
 cloudpickle). The table shows the median of the repeats and the ratio base / this tree.
 """
@@ -42,6 +43,8 @@ def measure(batch: int, rounds: int) -> dict[str, float]:
     async def run(wire: bool) -> float:
         server = EnvServer(Ref(target="env_actors.faults.envs:EchoEnv"), "env-bench")
         server._env, server._phase = EchoEnv(num_tasks=batch, turns=10**9), "ready"
+        if hasattr(server, "_env_loop"):  # environment code on a loop of its own, as in the actor
+            server._env_loop.start()
         ids = [f"envsess-{i}" for i in range(batch)]
         await server.call_many([EnvCall("reset", sid, (i, None), 30.0) for i, sid in enumerate(ids)])
         message = {"role": "assistant", "content": "hello"}
