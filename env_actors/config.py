@@ -127,6 +127,16 @@ class EnvCallLimits:
             reset_s=config.reset_timeout_s, step_s=config.step_timeout_s, score_s=config.score_timeout_s
         )
 
+    def deadline_s(self, method: str, timeout_s: float, score_if_done: bool = False) -> float:
+        """A session call's deadline in seconds: the caller's, capped by the limit for its method."""
+        if method == "step":
+            return min(timeout_s, self.step_s + (self.score_s if score_if_done else 0.0))
+        if method == "reset":
+            return min(timeout_s, self.reset_s)
+        if method == "score":
+            return min(timeout_s, self.score_s)
+        return timeout_s  # an agent run: its own deadline sits inside the caller's
+
 
 class EnvServerHealth(Health):
     """An `EnvServer`'s answer to `health()`, from its probe loop (so it answers while env code blocks)."""

@@ -274,9 +274,8 @@ class EnvPool:
             await asyncio.sleep(SESSION_REAP_EVERY_S)
             cutoff = time.monotonic() - idle_s
             candidates: dict[str, list[str]] = {}
-            for session_id, session in self._sessions.items():
-                if session.last_used < cutoff:
-                    candidates.setdefault(session.worker, []).append(session_id)
+            for session_id, session in self._sessions.quiet_since(cutoff):
+                candidates.setdefault(session.worker, []).append(session_id)
             for worker, session_ids in candidates.items():
                 slot = self._supervisor.children.get(worker)
                 if slot is None or slot.state != "ready":
@@ -290,13 +289,14 @@ class EnvPool:
                     continue
                 now = time.monotonic()
                 for session_id in session_ids:
-                    session = self._sessions.get(session_id)
-                    if session is None:
+                    if session_id not in self._sessions:
                         continue
                     if session_id in idle:
                         self._supervisor.tasks.own(self.end_session(session_id, self._config.close_timeout_s))
                     else:
-                        session.last_used = now  # busy on its worker: look again a timeout from now
+                        self._sessions.touch(
+                            session_id, now
+                        )  # busy on its worker: asked again a timeout later
 
     def _no_live_worker(self) -> EnvResponse:
         sup = self._supervisor

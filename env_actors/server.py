@@ -4,41 +4,39 @@ It is "let it crash" code: it classifies every failure of environment code into 
 traceback is formatted here, before Ray strips it at the actor boundary) and otherwise makes no decisions.
 Deciding what a death or a stall means belongs to the supervisor (`supervisor.py`).
 
-Two event loops, by design: env calls run on the default concurrency group; `health` runs on the `probe`
-group, whose loop is its own thread. A probe therefore answers while environment code blocks the
-default loop, and reports how long that loop has been stalled (`loop_stall_s`): the supervisor treats a
-stall past `hang_timeout_s` like a frozen process. A frozen (SIGSTOPped) or lost process answers nothing.
+Three event loops, by design: calls arrive on Ray's default concurrency group and run their environment
+code on the server's own loop (`env_loop.py` says why); `health` runs on the `probe` group, whose loop is
+its own thread. A probe therefore answers while environment code blocks the env loop, and reports how
+long that loop has been stalled (`loop_stall_s`): the supervisor treats a stall past `hang_timeout_s`
+like a frozen process. A frozen (SIGSTOPped) or lost process answers nothing.
 """
 
 from __future__ import annotations
 
 import asyncio
-import inspect
 import itertools
 import logging
 import math
 import os
 import sys
-import tempfile
 import threading
 import time
-from collections import Counter, OrderedDict
-from collections.abc import Awaitable, Callable, Iterator
-from contextlib import contextmanager
+from collections import OrderedDict
+from collections.abc import Awaitable
 from typing import Any
 
 import ray
 
 from env_actors.agent import AGENT_GUARD_SLACK_S, AgentEndpoint, run_agent_session
-from env_actors.config import EnvCallLimits, EnvPoolConfig, EnvRuntimeEnv, EnvServerHealth
+from env_actors.config import EnvCallLimits, EnvServerHealth
+from env_actors.env_loop import EnvLoop, run_env_code
 from env_actors.interface import EnvAnswer, EnvCall, EnvResponse, ResetOut, ScoreOut, StepOut, check_index
+from env_actors.shared_deadline import SharedDeadline
 from rollout_actors.kernel import DEFAULT_ALLOWED_PREFIXES, CallerError, Failure, Ref, RefResolver
 from rollout_actors.kernel.collector import settle_actor
 from rollout_actors.kernel.loop_watch import HEARTBEAT_S, LoopWatch
 
 PROBE_GROUP = "probe"
-PROBE_GROUP_SIZE = 4  # a probe and slack for probes that outlived their caller's timeout
-MIN_SERVER_CONCURRENCY = 64
 BATCH_LINGER_S = 0.02
 """Once one call of a batch has answered, how long the others may take to join its reply. Slower ones are
 answered by a later `collect`, so a slow step never holds a fast one back by more than this."""
@@ -49,6 +47,7 @@ DEADLINE_FAILURE = "EnvDeadline"
 """`Failure.type` of a call that missed its deadline (raised here or by the pool)."""
 
 _SESSION_METHODS = ("reset", "step", "score", "close")
+_BATCHED_METHODS = frozenset({"reset", "step", "score", "agent"})
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +79,7 @@ class EnvServer:
         """Sessions closed before their reset arrived (a cancelled open): their late reset is refused, so
         it cannot start a session nobody will close."""
         self._last_used: dict[str, float] = {}
-        self._busy: Counter[str] = Counter()
+        self._busy: dict[str, int] = {}
         """Calls in flight per session: a session in the middle of a call is never idle."""
         self._tickets = itertools.count()
         self._batched: dict[int, tuple[str, asyncio.Task[EnvResponse]]] = {}
@@ -90,15 +89,23 @@ class EnvServer:
         """created -> constructing -> loading -> ready | failed; shown in readiness diagnostics."""
         self._sessions: dict[str, Any] = {}
         self._watch = LoopWatch()
-        """How long the default loop has gone without progress (the `LoopWatch` rule: load is no stall)."""
+        """How long the env loop has gone without progress (the `LoopWatch` rule: load is no stall)."""
         self._sampler: asyncio.Task | None = None
         self._loop_thread: int | None = None
-        """The default loop's thread: where a probe looks for the env call that blocks it."""
+        """The env loop's thread: where a probe looks for the env call that blocks it."""
+        self._env_loop = EnvLoop()
 
     async def start(self) -> EnvResponse:
-        """Construct the environment from its Ref and load it. Idempotent once ready."""
+        """Construct the environment from its Ref and load it, on the env loop. Idempotent once ready."""
         if self._env is not None:
             return EnvResponse.ok(self._ready_info(), self._name)
+        self._env_loop.start()
+        response = await self._env_loop.run(self._load())
+        if response.success:
+            settle_actor()  # the environment is loaded: it lives as long as this process
+        return response
+
+    async def _load(self) -> EnvResponse:
         self._loop_thread = threading.get_ident()
         self._watch.bind()
         try:
@@ -120,7 +127,6 @@ class EnvServer:
             self._env = None
             return EnvResponse.from_exception(exc, self._name)
         self._phase = "ready"
-        settle_actor()  # the environment is loaded: it lives as long as this process
         return EnvResponse.ok(info, self._name)
 
     def _ready_info(self) -> dict[str, Any]:
@@ -167,67 +173,102 @@ class EnvServer:
     async def reset(
         self, session_id: str, task_index: int | None, task: dict[str, Any] | None, timeout: float
     ) -> EnvResponse:
-        with self._using(session_id):
-            return await self._guard(
-                "reset", min(timeout, self._limits.reset_s), self._reset(session_id, task_index, task)
-            )
+        return await self._env_loop.run(self._run(EnvCall("reset", session_id, (task_index, task), timeout)))
 
     async def step(
         self, session_id: str, message: dict[str, Any], timeout: float, score_if_done: bool = False
     ) -> EnvResponse:
         """One step. With `score_if_done`, a step that ends the episode also scores it and ends the session
         in the same call (two calls fewer per rollout); `timeout` bounds the whole of it."""
-        method = "step (scoring if done)" if score_if_done else "step"
-        limit = self._limits.step_s + (self._limits.score_s if score_if_done else 0.0)
-        with self._using(session_id):
-            return await self._guard(
-                method, min(timeout, limit), self._step(session_id, message, score_if_done)
-            )
+        return await self._env_loop.run(
+            self._run(EnvCall("step", session_id, (message,), timeout, score_if_done))
+        )
 
     async def score(self, session_id: str, timeout: float) -> EnvResponse:
-        with self._using(session_id):
-            return await self._guard("score", min(timeout, self._limits.score_s), self._score(session_id))
+        return await self._env_loop.run(self._run(EnvCall("score", session_id, (), timeout)))
 
     async def agent(self, session_id: str, endpoint: dict[str, Any], timeout: float) -> EnvResponse:
         """Run an agent environment's agent for the session against its rollout's endpoint (`agent.py`);
         ended early, like a step, when the session is closed."""
-        agent_timeout = max(0.0, timeout - AGENT_GUARD_SLACK_S)  # its own failure, with its tail, comes first
-        with self._using(session_id):
-            return await self._guard("agent", timeout, self._agent(session_id, endpoint, agent_timeout))
+        return await self._env_loop.run(self._run(EnvCall("agent", session_id, (endpoint,), timeout)))
 
     async def call_many(self, calls: list[EnvCall]) -> list[EnvAnswer]:
+        return await self._env_loop.run(self._call_many(calls))
+
+    async def _call_many(self, calls: list[EnvCall]) -> list[EnvAnswer]:
         """Several `reset` / `step` / `score` calls sent by one process in one Ray call (`direct.py`
         batches a tick's worth). They run concurrently, each under its own deadline; the reply answers
         each call that finished by the time the first one did plus `BATCH_LINGER_S`, and carries no
         response for the rest, which `collect` answers later."""
         loop = asyncio.get_running_loop()
-        tickets = []
+        now, tickets = loop.time(), []
+        deadlines: dict[float, SharedDeadline] = {}  # calls with the same deadline share its timer
         for call in calls:
-            task = loop.create_task(self._batched_call(call))
+            if call.method in _BATCHED_METHODS:
+                timeout = self._limits.deadline_s(call.method, call.timeout_s, call.score_if_done)
+                if (deadline := deadlines.get(timeout)) is None:
+                    deadline = deadlines[timeout] = SharedDeadline(loop, now + timeout)
+                deadline.join()
+                work = self._run(call, deadline)
+            else:
+                failure = Failure(type="CallerError", message=f"{call.method!r} cannot be batched")
+                work = _answer(EnvResponse.failed(failure, "caller", self._name))
             ticket = next(self._tickets)
-            self._batched[ticket] = (call.session_id, task)
-            task.add_done_callback(
-                lambda _, t=ticket: loop.call_later(UNCOLLECTED_TTL_S, self._batched.pop, t, None)
-            )
+            self._batched[ticket] = (call.session_id, loop.create_task(work))
             tickets.append(ticket)
-        return await self.collect(tickets)
+        # One timer per batch, not one per call: most answers are collected at once and it finds nothing.
+        loop.call_later(UNCOLLECTED_TTL_S, self._drop_uncollected, tickets, ())
+        await asyncio.sleep(0)  # the calls' first steps run now; most (a quick step) finish in it
+        return await self._collect(tickets)
 
-    def _batched_call(self, call: EnvCall) -> Awaitable[EnvResponse]:
+    def _drop_uncollected(self, tickets: list[int], seen_done: tuple[int, ...]) -> None:
+        """Drop answers nobody collected: each one the sweep before found finished, so it has waited at least
+        `UNCOLLECTED_TTL_S`. Calls still running are looked at again a TTL later."""
+        for ticket in seen_done:
+            self._batched.pop(ticket, None)
+        running, done = [], []
+        for ticket in tickets:
+            entry = self._batched.get(ticket)
+            if entry is not None:
+                (done if entry[1].done() else running).append(ticket)
+        if running or done:
+            asyncio.get_running_loop().call_later(
+                UNCOLLECTED_TTL_S, self._drop_uncollected, running, tuple(done)
+            )
+
+    async def _run(self, call: EnvCall, deadline: SharedDeadline | None = None) -> EnvResponse:
+        """One session call, answered as an `EnvResponse` within its deadline (`EnvCallLimits.deadline_s`); `deadline`:
+        the timer it shares with the calls of its batch that have the same one."""
+        session_id, args = call.session_id, call.args
         if call.method == "step":
-            return self.step(call.session_id, *call.args, call.timeout_s, score_if_done=call.score_if_done)
-        if call.method in ("reset", "score", "agent"):
-            return getattr(self, call.method)(call.session_id, *call.args, call.timeout_s)
-        failure = Failure(type="CallerError", message=f"{call.method!r} cannot be batched")
-        return _answer(EnvResponse.failed(failure, "caller", self._name))
+            label = "step (scoring if done)" if call.score_if_done else "step"
+            work = self._step(session_id, *args, call.score_if_done)
+        elif call.method == "reset":
+            label, work = "reset", self._reset(session_id, *args)
+        elif call.method == "score":
+            label, work = "score", self._score(session_id, *args)
+        else:  # its own failure, with its tail, comes before the call's deadline
+            agent_timeout = max(0.0, call.timeout_s - AGENT_GUARD_SLACK_S)
+            label, work = "agent", self._agent(session_id, *args, agent_timeout)
+        return await self._guard(
+            label,
+            self._limits.deadline_s(call.method, call.timeout_s, call.score_if_done),
+            work,
+            session_id,
+            deadline,
+        )
 
     async def collect(self, tickets: list[int]) -> list[EnvAnswer]:
+        return await self._env_loop.run(self._collect(tickets))
+
+    async def _collect(self, tickets: list[int]) -> list[EnvAnswer]:
         """Answers of batched calls: each one finished within `BATCH_LINGER_S` of the first to finish;
         None for those still running (ask again). A ticket nobody holds any more answers a failure."""
-        running = [self._batched[t][1] for t in tickets if t in self._batched]
-        if running:
-            done, pending = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
-            if pending:
-                await asyncio.wait(pending, timeout=BATCH_LINGER_S)
+        calls = [entry[1] for t in tickets if (entry := self._batched.get(t)) is not None]
+        if calls and not any(call.done() for call in calls):
+            await asyncio.wait(calls, return_when=asyncio.FIRST_COMPLETED)
+        if pending := [call for call in calls if not call.done()]:
+            await asyncio.wait(pending, timeout=BATCH_LINGER_S)
         answers: list[EnvAnswer] = []
         for ticket in tickets:
             entry = self._batched.get(ticket)
@@ -249,31 +290,39 @@ class EnvServer:
         asks: steps come here directly, so only this server knows). Unknown ids count as idle."""
         cutoff = time.monotonic() - idle_s
         return [
-            sid for sid in session_ids if not self._busy[sid] and self._last_used.get(sid, -math.inf) < cutoff
+            sid
+            for sid in session_ids
+            if sid not in self._busy and self._last_used.get(sid, -math.inf) < cutoff
         ]
 
-    @contextmanager
-    def _using(self, session_id: str) -> Iterator[None]:
-        self._busy[session_id] += 1
-        try:
-            yield
-        finally:
-            self._busy[session_id] -= 1
-            if not self._busy[session_id]:
-                del self._busy[session_id]
-            if session_id in self._sessions:
-                self._last_used[session_id] = time.monotonic()
-
     async def end_session(self, session_id: str, timeout: float) -> EnvResponse:
+        return await self._env_loop.run(self._end_session(session_id, timeout))
+
+    async def _end_session(self, session_id: str, timeout: float) -> EnvResponse:
         for owner, task in list(self._batched.values()):  # its step or score still running stops here
             if owner == session_id:
                 task.cancel()
         return await self._guard("close", timeout, self._close(session_id))
 
-    async def _guard(self, method: str, timeout: float, work: Awaitable[Any]) -> EnvResponse:
-        scope = asyncio.timeout(timeout)  # a scope, not `wait_for`: no second task per call
+    async def _guard(
+        self,
+        method: str,
+        timeout: float,
+        work: Awaitable[Any],
+        session_id: str | None = None,
+        deadline: SharedDeadline | None = None,
+    ) -> EnvResponse:
+        """Run one call under its deadline (`timeout` from now, or the shared `deadline`) and answer it as
+        an `EnvResponse`. A session's call counts as busy while it runs (the reaper never takes it for
+        idle) and marks the session used when it ends."""
+        if session_id is not None:
+            self._busy[session_id] = self._busy.get(session_id, 0) + 1
+        # A scope, not `wait_for`: no second task per call.
+        scope = asyncio.timeout(timeout if deadline is None else None)
         try:
             async with scope:
+                if deadline is not None:
+                    deadline.enter(scope)
                 value = await work
             return EnvResponse.ok(value, self._name)
         except TimeoutError as exc:
@@ -284,6 +333,19 @@ class EnvServer:
             return EnvResponse.failed(missed, "env", server_name=self._name)
         except Exception as exc:
             return EnvResponse.from_exception(exc, self._name)
+        finally:
+            if deadline is not None:
+                deadline.leave(scope)
+            if session_id is not None:
+                self._release(session_id)
+
+    def _release(self, session_id: str) -> None:
+        if busy := self._busy[session_id] - 1:
+            self._busy[session_id] = busy
+        else:
+            del self._busy[session_id]
+        if session_id in self._sessions:
+            self._last_used[session_id] = time.monotonic()
 
     def _loaded(self) -> Any:
         if self._env is None:
@@ -372,66 +434,3 @@ _ENV_CALL_CODES = {EnvServer._reset.__code__, EnvServer._step.__code__, EnvServe
 
 async def _answer(response: EnvResponse) -> EnvResponse:
     return response
-
-
-async def run_env_code(method: Callable[..., Any], *args: Any) -> Any:
-    """Call one environment method: a coroutine function on this loop, a plain function in a thread, so
-    synchronous environment code (a CPU-bound reward) leaves the loop turning and the server answering.
-    A thread cannot be stopped: past its deadline the call is answered as failed and the thread runs on."""
-    if inspect.iscoroutinefunction(method):
-        return await method(*args)
-    value = await asyncio.to_thread(method, *args)
-    return await value if inspect.isawaitable(value) else value
-
-
-def create_env_server(name: str, env: Ref, config: EnvPoolConfig) -> ray.actor.ActorHandle:
-    """Create (not await) one EnvServer actor for a pool; the caller runs the readiness handshake."""
-    prefixes = config.allowed_ref_prefixes or DEFAULT_ALLOWED_PREFIXES
-    runtime_env = uploaded_runtime_env(config.runtime_env) if config.runtime_env is not None else None
-    python = runtime_env and runtime_env.get("py_executable")
-    if python and not os.access(python, os.X_OK):
-        # Ray retries a process whose interpreter is missing for ever: refused here, on the pool's node
-        # (interpreters are at the same path on every node), as the configuration's fault.
-        raise CallerError(f"the env pool's runtime_env.py_executable {python!r} is not an executable here")
-    actor = _EnvServerActor.options(
-        name=name,
-        num_cpus=config.num_cpus,
-        resources=dict(config.resources) or None,
-        max_concurrency=max(MIN_SERVER_CONCURRENCY, 2 * config.multiplex),
-        scheduling_strategy="SPREAD",  # one node's loss takes a fraction of the pool, not all of it
-        runtime_env=runtime_env,
-    )
-    return actor.remote(env, name, tuple(prefixes), EnvCallLimits.of(config), tuple(config.env_packages))
-
-
-_UPLOADED: dict[str, dict[str, Any]] = {}
-
-
-def uploaded_runtime_env(runtime_env: EnvRuntimeEnv) -> dict[str, Any]:
-    """`runtime_env` as Ray takes it for one actor: local `py_modules` and `working_dir` uploaded to the
-    cluster and named by URI. Ray uploads local folders itself only for a job's runtime env (`ray.init`);
-    a pool's own is uploaded here the same way (Ray's own upload step, content-addressed, once per
-    process and config), from the pool's node, where the paths the user gave are valid."""
-    key = runtime_env.model_dump_json()
-    if key not in _UPLOADED:
-        from ray._private.runtime_env.py_modules import upload_py_modules_if_needed
-        from ray._private.runtime_env.working_dir import upload_working_dir_if_needed
-
-        scratch = tempfile.gettempdir()
-        try:
-            env = upload_py_modules_if_needed(
-                runtime_env.ray_dict(), include_gitignore=True, scratch_dir=scratch
-            )
-            env = upload_working_dir_if_needed(env, include_gitignore=True, scratch_dir=scratch)
-        except Exception as exc:  # a missing folder, a non-package path: the pool's configuration
-            raise CallerError(f"the env pool's runtime_env could not be uploaded: {exc}") from exc
-        _UPLOADED[key] = env
-    return _UPLOADED[key]
-
-
-# Concurrency groups can only be declared here, not in `.options()`. No Ray-level restarts: the
-# supervisor replaces servers under its restart budget; Ray restarting them behind its back would hide
-# deaths and spend no budget.
-_EnvServerActor = ray.remote(
-    concurrency_groups={PROBE_GROUP: PROBE_GROUP_SIZE}, max_restarts=0, max_task_retries=0
-)(EnvServer)

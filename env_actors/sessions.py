@@ -8,7 +8,6 @@ sessions lives here and nowhere else, so no two records can disagree.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 
@@ -16,13 +15,16 @@ from dataclasses import dataclass
 class OpenSession:
     worker: str
     last_used: float
-    """When the pool last heard of it (placement, or its worker saying it is busy)."""
+    """When the pool last heard of it (placement, or its worker saying it is busy); set through
+    `OpenSessions.touch`, which keeps the order."""
     owner: str | None = None
     """The actor that opened it (a rollout worker); the pool ends it when that actor is lost."""
 
 
 class OpenSessions:
-    """Session id -> where it lives and who opened it, with a per-worker index kept in step."""
+    """Session id -> where it lives and who opened it, with a per-worker index kept in step. The ids are
+    kept in the order of `last_used` (a session is added, or touched, at the newest time), so the quiet
+    ones are found at the front, without a scan of the rest (`quiet_since`)."""
 
     def __init__(self) -> None:
         self._by_id: dict[str, OpenSession] = {}
@@ -41,6 +43,22 @@ class OpenSessions:
             if not on_worker:
                 del self._by_worker[session.worker]
         return session
+
+    def touch(self, session_id: str, now: float) -> None:
+        """The pool heard of the session at `now` (the monotonic clock, not earlier than any time given
+        before): it moves to the back of the order."""
+        session = self._by_id.pop(session_id)
+        session.last_used = now
+        self._by_id[session_id] = session
+
+    def quiet_since(self, cutoff: float) -> list[tuple[str, OpenSession]]:
+        """The sessions not heard of since `cutoff`, oldest first."""
+        quiet = []
+        for session_id, session in self._by_id.items():
+            if session.last_used >= cutoff:
+                break
+            quiet.append((session_id, session))
+        return quiet
 
     def drop_worker(self, worker: str) -> list[str]:
         """Forget every session on a worker that is gone; returns their ids."""
@@ -63,9 +81,6 @@ class OpenSessions:
 
     def owned_by(self, owner: str) -> list[str]:
         return [sid for sid, session in self._by_id.items() if session.owner == owner]
-
-    def items(self) -> Iterator[tuple[str, OpenSession]]:
-        return iter(list(self._by_id.items()))
 
     def __contains__(self, session_id: object) -> bool:
         return session_id in self._by_id

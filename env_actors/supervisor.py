@@ -27,8 +27,8 @@ from typing import Any
 
 from env_actors.config import EnvPoolConfig, EnvServerHealth, EnvServerInfo
 from env_actors.runtime_env_check import started_unless_pip_fails
-from env_actors.server import create_env_server
 from env_actors.sessions import OpenSessions
+from env_actors.spawn import create_env_server
 from rollout_actors.kernel import Failure, Ref
 from rollout_actors.kernel.faults import CallerError, ray_loss, runtime_env_failed
 from rollout_actors.kernel.metric import Metric
@@ -50,6 +50,9 @@ ENV_RESTARTS_USED = Metric(
 )
 
 DIAGNOSE_TIMEOUT_S = 0.5  # one probe to say why a server missed its readiness deadline
+METRICS_EVERY_S = 1.0
+"""The pool's gauges are read at most this often, and set only when they changed (the judge ticks ten
+times a second; Ray exports metrics every few seconds)."""
 
 __all__ = ["ServerSlot", "Supervisor", "resolve"]
 
@@ -121,6 +124,9 @@ class Supervisor(KernelSupervisor[ServerSlot], ChildKind[ServerSlot]):
         """The pool's record of open sessions, read here (placement, scaling), written by the pool."""
         self.num_tasks: int | None = None
         self._incarnation = uuid.uuid4().hex[:6]  # server names stay unique across pools of one name
+        self._gauges: dict[tuple[str, str | None], float] = {}
+        """The value each gauge (name, state tag) was last set to."""
+        self._next_record = 0.0
         super().__init__(name, self, config.supervision)
         self.floor = config.min_servers
 
@@ -233,11 +239,13 @@ class Supervisor(KernelSupervisor[ServerSlot], ChildKind[ServerSlot]):
         self.sessions.drop_worker(slot.name)
 
     def tick(self, now: float) -> None:
-        self._record()
         cfg = self.config
         ready, starting = self.ready(), self.starting()
         live = len(ready) + len(starting)
         sessions = sum(self.sessions.on(w.name) for w in ready)
+        if now >= self._next_record:
+            self._next_record = now + METRICS_EVERY_S
+            self._record(len(ready), len(starting), sessions)
         if live < self.floor:
             return  # the kernel spawns one more, on the budget
         if (
@@ -257,10 +265,14 @@ class Supervisor(KernelSupervisor[ServerSlot], ChildKind[ServerSlot]):
             if idle:
                 self.retire(min(idle, key=lambda w: w.idle_since), "idle: shrinking the pool", "shrunk")
 
-    def _record(self) -> None:
+    def _record(self, ready: int, starting: int, sessions: int) -> None:
         tags = {"pool": self.name, "env": self.env.target}
-        ready = self.ready()
-        ENV_WORKERS.record(len(ready), {**tags, "state": "ready"})
-        ENV_WORKERS.record(len(self.starting()), {**tags, "state": "starting"})
-        ENV_SESSIONS.record(sum(self.sessions.on(w.name) for w in ready), tags)
-        ENV_RESTARTS_USED.record(self.budget.used(), tags)
+        for metric, state, value in (
+            (ENV_WORKERS, "ready", ready),
+            (ENV_WORKERS, "starting", starting),
+            (ENV_SESSIONS, None, sessions),
+            (ENV_RESTARTS_USED, None, self.budget.used()),
+        ):
+            if self._gauges.get((metric.name, state)) != value:
+                self._gauges[metric.name, state] = value
+                metric.record(value, tags if state is None else {**tags, "state": state})

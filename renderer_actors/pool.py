@@ -23,8 +23,10 @@ Renderers are created by the pool, so they fate-share with it.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,7 +36,6 @@ from renderer_actors.calls import RendererSlot
 from renderer_actors.config import RendererPoolConfig, RendererPoolStats
 from renderer_actors.key import RendererKey
 from renderer_actors.renderer_set import RendererBudgetSpent, RendererChild, RendererSet, RendererStartupError
-from rollout_actors.kernel import new_id
 from rollout_actors.kernel.metric import Metric
 from rollout_actors.kernel.supervision import Health, Recent
 from rollout_actors.kernel.tasks import TaskOwner
@@ -73,6 +74,12 @@ class RendererPool:
         self._tasks: TaskOwner | None = None
         self._closed = False
         self._expired_slots = 0
+        self._gauges: dict[str, tuple[int, int]] = {}
+        """(renderers, slots held) per key as last recorded: a gauge is set again only when it changed."""
+        self._slot_ids = itertools.count()
+        self._incarnation = uuid.uuid4().hex[:8]
+        """Slot ids are this pool's incarnation and a count: unique, and no slot of a pool lost before
+        (under the same name) can be mistaken for one of this one's."""
 
     # ------------------------------------------------------------------------------------ slots
 
@@ -189,7 +196,7 @@ class RendererPool:
         self, pool: RendererSet, owner: str | None = None, known: frozenset[str] = frozenset()
     ) -> RendererSlot:
         renderer = pool.place()
-        slot_id = new_id("rslot")
+        slot_id = f"rslot-{self._incarnation}-{next(self._slot_ids)}"
         renderer.slots.add(slot_id)
         expires = time.monotonic() + self._config.slot_timeout_s
         self._slots[slot_id] = _HeldSlot(pool.key_json, renderer.name, expires, owner)
@@ -227,13 +234,22 @@ class RendererPool:
             self._reap(time.monotonic())
 
     def _reap(self, now: float) -> None:
-        for slot_id, slot in list(self._slots.items()):
-            if slot.expires <= now:
-                self._release(slot_id)
-                self._expired_slots += 1
+        # Slots are held in the order they were placed, so in the order they expire (one `slot_timeout_s`
+        # for all): the expired ones are at the front, and the scan stops at the first that is not.
+        expired = []
+        for slot_id, slot in self._slots.items():
+            if slot.expires > now:
+                break
+            expired.append(slot_id)
+        for slot_id in expired:
+            self._release(slot_id)
+        self._expired_slots += len(expired)
         for pool in self._keys.values():
-            RENDERERS.record(len(pool.children), {"key": pool.name})
-            SLOTS.record(sum(len(r.slots) for r in pool.children.values()), {"key": pool.name})
+            held = sum(len(r.slots) for r in pool.children.values())
+            if self._gauges.get(pool.name) != (figures := (len(pool.children), held)):
+                self._gauges[pool.name] = figures
+                RENDERERS.record(figures[0], {"key": pool.name})
+                SLOTS.record(figures[1], {"key": pool.name})
 
 
 def get_or_create_renderer_pool(

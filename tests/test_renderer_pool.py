@@ -137,6 +137,34 @@ def test_idle_renderers_beyond_one_are_retired(make_pool):
     run(scenario())
 
 
+def test_slots_never_released_expire_at_their_timeout_oldest_first_and_later_ones_stay(make_pool):
+    pool = make_pool(slot_timeout_s=2.0)
+    key = key_json()
+
+    async def scenario():
+        first = await asyncio.gather(*(pool.acquire.remote(key, 8) for _ in range(3)))
+        await asyncio.sleep(1.5)
+        later = await asyncio.gather(*(pool.acquire.remote(key, 8) for _ in range(2)))
+        assert await pool.release.remote(first[0].slot_id)  # released in time: it never expires
+        stats = await eventually(
+            lambda: _stats_once(pool, lambda s: s.expired_slots >= 2), timeout=10, interval=0.1
+        )
+        assert stats.expired_slots == 2 and stats.slots == 2  # the later ones are still held
+        assert not await pool.release.remote(first[1].slot_id)  # an expired slot is no longer held
+        stats = await eventually(
+            lambda: _stats_once(pool, lambda s: s.expired_slots >= 4), timeout=10, interval=0.1
+        )
+        assert stats.expired_slots == 4 and stats.slots == 0
+        assert not any([await pool.release.remote(slot.slot_id) for slot in later])
+
+    run(scenario())
+
+
+async def _stats_once(pool, holds):
+    stats = await pool.stats.remote()
+    return stats if holds(stats) else None
+
+
 def test_session_runs_a_token_exact_multi_turn_trajectory(make_pool):
     pool = make_pool()
     tools = [{"type": "function", "function": {"name": "search", "parameters": {"type": "object"}}}]

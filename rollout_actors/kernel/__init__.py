@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import math
 import re
 import threading
 import traceback as traceback_module
@@ -229,6 +230,35 @@ def is_ref_dict(value: Any) -> bool:
 
 def check_json(value: Any, where: str, depth: int = 0) -> None:
     """Refuse (ValueError) anything in a config that is not JSON or a Ref, or that nests absurdly deep."""
+    if not _plain_json(value, depth):
+        _check_json_exactly(value, where, depth)
+
+
+def _plain_json(value: Any, depth: int) -> bool:
+    """Whether `value` is JSON of the built-in types alone within the depth limit: the common case (every
+    env step's messages), walked without building a path per node. False hands it to the exact walk,
+    which names what is wrong, or accepts what only it knows (subclasses of the types, Refs)."""
+    if depth > MAX_CONFIG_DEPTH:
+        return False
+    kind = type(value)
+    if kind is str or kind is int or kind is bool or value is None:
+        return True
+    if kind is float:
+        return math.isfinite(value)
+    if kind is dict:
+        for key, item in value.items():
+            if type(key) is not str or not _plain_json(item, depth + 1):
+                return False
+        return True
+    if kind is list or kind is tuple:
+        for item in value:
+            if not _plain_json(item, depth + 1):
+                return False
+        return True
+    return False
+
+
+def _check_json_exactly(value: Any, where: str, depth: int = 0) -> None:
     if depth > MAX_CONFIG_DEPTH:
         raise ValueError(f"{where}: nested deeper than {MAX_CONFIG_DEPTH} levels")
     if value is None or isinstance(value, (str, int, bool, Ref)):
@@ -239,13 +269,13 @@ def check_json(value: Any, where: str, depth: int = 0) -> None:
         return
     if isinstance(value, (list, tuple)):
         for i, item in enumerate(value):
-            check_json(item, f"{where}[{i}]", depth + 1)
+            _check_json_exactly(item, f"{where}[{i}]", depth + 1)
         return
     if isinstance(value, dict):
         for key, item in value.items():
             if not isinstance(key, str):
                 raise ValueError(f"{where}: keys must be strings, got {key!r}")
-            check_json(item, f"{where}.{key}", depth + 1)
+            _check_json_exactly(item, f"{where}.{key}", depth + 1)
         return
     raise ValueError(f"{where}: {type(value).__name__} is not JSON; name code with a Ref instead")
 
