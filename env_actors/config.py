@@ -127,8 +127,8 @@ class EnvCallLimits:
             reset_s=config.reset_timeout_s, step_s=config.step_timeout_s, score_s=config.score_timeout_s
         )
 
-    def deadline_s(self, method: str, timeout_s: float, score_if_done: bool = False) -> float:
-        """A session call's deadline in seconds: the caller's, capped by the limit for its method."""
+    def timeout_s_of(self, method: str, timeout_s: float, score_if_done: bool = False) -> float:
+        """How long a session call may take (seconds): the caller's timeout, capped by its method's limit."""
         if method == "step":
             return min(timeout_s, self.step_s + (self.score_s if score_if_done else 0.0))
         if method == "reset":

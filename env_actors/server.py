@@ -205,7 +205,7 @@ class EnvServer:
         deadlines: dict[float, SharedDeadline] = {}  # calls with the same deadline share its timer
         for call in calls:
             if call.method in _BATCHED_METHODS:
-                timeout = self._limits.deadline_s(call.method, call.timeout_s, call.score_if_done)
+                timeout = self._limits.timeout_s_of(call.method, call.timeout_s, call.score_if_done)
                 if (deadline := deadlines.get(timeout)) is None:
                     deadline = deadlines[timeout] = SharedDeadline(loop, now + timeout)
                 deadline.join()
@@ -237,8 +237,8 @@ class EnvServer:
             )
 
     async def _run(self, call: EnvCall, deadline: SharedDeadline | None = None) -> EnvResponse:
-        """One session call, answered as an `EnvResponse` within its deadline (`EnvCallLimits.deadline_s`); `deadline`:
-        the timer it shares with the calls of its batch that have the same one."""
+        """One session call, answered as an `EnvResponse` within its time (`EnvCallLimits.timeout_s_of`);
+        `deadline`: the timer it shares with the calls of its batch that have the same one."""
         session_id, args = call.session_id, call.args
         if call.method == "step":
             label = "step (scoring if done)" if call.score_if_done else "step"
@@ -252,7 +252,7 @@ class EnvServer:
             label, work = "agent", self._agent(session_id, *args, agent_timeout)
         return await self._guard(
             label,
-            self._limits.deadline_s(call.method, call.timeout_s, call.score_if_done),
+            self._limits.timeout_s_of(call.method, call.timeout_s, call.score_if_done),
             work,
             session_id,
             deadline,
