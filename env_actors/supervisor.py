@@ -51,8 +51,8 @@ ENV_RESTARTS_USED = Metric(
 
 DIAGNOSE_TIMEOUT_S = 0.5  # one probe to say why a server missed its readiness deadline
 METRICS_EVERY_S = 1.0
-"""The pool's gauges are read at most this often, and set only when they changed (the judge ticks ten
-times a second; Ray exports metrics every few seconds)."""
+"""The pool's gauges are read at most this often (the judge ticks ten times a second; Ray exports metrics
+every few seconds)."""
 
 __all__ = ["ServerSlot", "Supervisor", "resolve"]
 
@@ -124,8 +124,6 @@ class Supervisor(KernelSupervisor[ServerSlot], ChildKind[ServerSlot]):
         """The pool's record of open sessions, read here (placement, scaling), written by the pool."""
         self.num_tasks: int | None = None
         self._incarnation = uuid.uuid4().hex[:6]  # server names stay unique across pools of one name
-        self._gauges: dict[tuple[str, str | None], float] = {}
-        """The value each gauge (name, state tag) was last set to."""
         self._next_record = 0.0
         super().__init__(name, self, config.supervision)
         self.floor = config.min_servers
@@ -267,12 +265,7 @@ class Supervisor(KernelSupervisor[ServerSlot], ChildKind[ServerSlot]):
 
     def _record(self, ready: int, starting: int, sessions: int) -> None:
         tags = {"pool": self.name, "env": self.env.target}
-        for metric, state, value in (
-            (ENV_WORKERS, "ready", ready),
-            (ENV_WORKERS, "starting", starting),
-            (ENV_SESSIONS, None, sessions),
-            (ENV_RESTARTS_USED, None, self.budget.used()),
-        ):
-            if self._gauges.get((metric.name, state)) != value:
-                self._gauges[metric.name, state] = value
-                metric.record(value, tags if state is None else {**tags, "state": state})
+        ENV_WORKERS.record(ready, {**tags, "state": "ready"})
+        ENV_WORKERS.record(starting, {**tags, "state": "starting"})
+        ENV_SESSIONS.record(sessions, tags)
+        ENV_RESTARTS_USED.record(self.budget.used(), tags)

@@ -74,8 +74,6 @@ class RendererPool:
         self._tasks: TaskOwner | None = None
         self._closed = False
         self._expired_slots = 0
-        self._gauges: dict[str, tuple[int, int]] = {}
-        """(renderers, slots held) per key as last recorded: a gauge is set again only when it changed."""
         self._slot_ids = itertools.count()
         self._incarnation = uuid.uuid4().hex[:8]
         """Slot ids are this pool's incarnation and a count: unique, and no slot of a pool lost before
@@ -245,11 +243,8 @@ class RendererPool:
             self._release(slot_id)
         self._expired_slots += len(expired)
         for pool in self._keys.values():
-            held = sum(len(r.slots) for r in pool.children.values())
-            if self._gauges.get(pool.name) != (figures := (len(pool.children), held)):
-                self._gauges[pool.name] = figures
-                RENDERERS.record(figures[0], {"key": pool.name})
-                SLOTS.record(figures[1], {"key": pool.name})
+            RENDERERS.record(len(pool.children), {"key": pool.name})
+            SLOTS.record(sum(len(r.slots) for r in pool.children.values()), {"key": pool.name})
 
 
 def get_or_create_renderer_pool(
