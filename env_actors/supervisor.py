@@ -51,8 +51,8 @@ ENV_RESTARTS_USED = Metric(
 
 DIAGNOSE_TIMEOUT_S = 0.5  # one probe to say why a server missed its readiness deadline
 METRICS_EVERY_S = 1.0
-"""The pool's gauges are read at most this often (the judge ticks ten times a second; Ray exports metrics
-every few seconds)."""
+"""The pool's gauges are set at most this often (the judge ticks ten times a second), and at least this
+often: Ray drops a gauge not set again within two export intervals (2 s by default)."""
 
 __all__ = ["ServerSlot", "Supervisor", "resolve"]
 

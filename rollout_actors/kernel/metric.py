@@ -10,17 +10,13 @@ from pydantic import BaseModel, ConfigDict
 
 _instruments: dict[str, Any] = {}
 _instruments_lock = threading.Lock()
-_gauge_values: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
-"""The value each gauge (by name and tags) was last set to in this process: setting it again is skipped."""
-MAX_GAUGE_SERIES = 4096  # remembered gauge values; forgotten all at once past this (one set each again)
 
 
 class Metric(BaseModel):
     """One metric, declared where it is recorded and exported through Ray's metrics API
     (`ray.util.metrics`): it shows in the Ray dashboard and on every node's Prometheus endpoint as
     `ray_rollouts_<name>`. The instrument is created in each process on first use; recording never
-    raises (a metric must not fail a rollout) and is a no-op outside a connected Ray worker. A gauge set
-    to the value it already holds is not set again: owners may record their gauges on every tick."""
+    raises (a metric must not fail a rollout) and is a no-op outside a connected Ray worker."""
 
     model_config = ConfigDict(frozen=True)
 
@@ -34,12 +30,6 @@ class Metric(BaseModel):
 
     def record(self, value: float = 1.0, tags: dict[str, str] | None = None) -> None:
         try:
-            if self.kind == "gauge":
-                series = (self.name, tuple(sorted(tags.items())) if tags else ())
-                if _gauge_values.get(series) == value:
-                    return
-                if len(_gauge_values) >= MAX_GAUGE_SERIES:
-                    _gauge_values.clear()
             instrument = _instruments.get(self.name) or self._create()
             if instrument is None:
                 return
@@ -47,7 +37,6 @@ class Metric(BaseModel):
                 instrument.inc(value, tags=tags)
             elif self.kind == "gauge":
                 instrument.set(value, tags=tags)
-                _gauge_values[series] = value
             else:
                 instrument.observe(value, tags=tags)
         except Exception:  # noqa: BLE001 - observability must never break the thing observed
