@@ -134,14 +134,21 @@ def test_a_cancellation_inside_a_shared_deadline_stays_a_cancellation():
     run(body())
 
 
+async def slow_beside_quick(server, slow: str):
+    """A batch of a slow step and a quick one: the reply answers the quick one only. Returns the slow
+    step's session and its (unanswered) reply."""
+    sid, other = await open_sessions(server, 2)
+    reply, _ = await server.call_many(
+        [EnvCall("step", sid, (says(slow),), 10.0), EnvCall("step", other, (says("now"),), 10.0)]
+    )
+    assert reply.response is None
+    return sid, reply
+
+
 def test_a_session_closed_while_its_batched_call_runs_answers_closed():
     async def body():
         server = loaded_server()
-        sid, other = await open_sessions(server, 2)
-        reply, _ = await server.call_many(
-            [EnvCall("step", sid, (says("sleep:5"),), 10.0), EnvCall("step", other, (says("now"),), 10.0)]
-        )
-        assert reply.response is None
+        sid, reply = await slow_beside_quick(server, "sleep:5")
         assert (await server.end_session(sid, 5.0)).success
         (closed,) = await server.collect([reply.ticket])
         assert closed.response.error.type == "EnvSessionClosed"
@@ -154,11 +161,7 @@ def test_an_answer_nobody_collected_is_kept_a_ttl_after_it_finished_then_dropped
 
     async def body():
         server = loaded_server()
-        sid, other = await open_sessions(server, 2)
-        reply, _ = await server.call_many(
-            [EnvCall("step", sid, (says("sleep:0.5"),), 10.0), EnvCall("step", other, (says("now"),), 10.0)]
-        )
-        assert reply.response is None
+        _, reply = await slow_beside_quick(server, "sleep:0.5")
         await asyncio.sleep(0.7)  # it finished at 0.5, the sweep at 0.4 saw it running
         assert reply.ticket in server._batched
         await asyncio.sleep(0.6)  # the sweep at 0.8 saw it done; the one at 1.2 dropped it
