@@ -50,9 +50,6 @@ ENV_RESTARTS_USED = Metric(
 )
 
 DIAGNOSE_TIMEOUT_S = 0.5  # one probe to say why a server missed its readiness deadline
-METRICS_EVERY_S = 1.0
-"""The pool's gauges are set at most this often (the judge ticks ten times a second), and at least this
-often: Ray drops a gauge not set again within two export intervals (2 s by default)."""
 
 __all__ = ["ServerSlot", "Supervisor", "resolve"]
 
@@ -124,7 +121,6 @@ class Supervisor(KernelSupervisor[ServerSlot], ChildKind[ServerSlot]):
         """The pool's record of open sessions, read here (placement, scaling), written by the pool."""
         self.num_tasks: int | None = None
         self._incarnation = uuid.uuid4().hex[:6]  # server names stay unique across pools of one name
-        self._next_record = 0.0
         super().__init__(name, self, config.supervision)
         self.floor = config.min_servers
 
@@ -241,9 +237,6 @@ class Supervisor(KernelSupervisor[ServerSlot], ChildKind[ServerSlot]):
         ready, starting = self.ready(), self.starting()
         live = len(ready) + len(starting)
         sessions = sum(self.sessions.on(w.name) for w in ready)
-        if now >= self._next_record:
-            self._next_record = now + METRICS_EVERY_S
-            self._record(len(ready), len(starting), sessions)
         if live < self.floor:
             return  # the kernel spawns one more, on the budget
         if (
@@ -263,9 +256,10 @@ class Supervisor(KernelSupervisor[ServerSlot], ChildKind[ServerSlot]):
             if idle:
                 self.retire(min(idle, key=lambda w: w.idle_since), "idle: shrinking the pool", "shrunk")
 
-    def _record(self, ready: int, starting: int, sessions: int) -> None:
+    def record(self) -> None:
         tags = {"pool": self.name, "env": self.env.target}
-        ENV_WORKERS.record(ready, {**tags, "state": "ready"})
-        ENV_WORKERS.record(starting, {**tags, "state": "starting"})
-        ENV_SESSIONS.record(sessions, tags)
+        ready = self.ready()
+        ENV_WORKERS.record(len(ready), {**tags, "state": "ready"})
+        ENV_WORKERS.record(len(self.starting()), {**tags, "state": "starting"})
+        ENV_SESSIONS.record(sum(self.sessions.on(w.name) for w in ready), tags)
         ENV_RESTARTS_USED.record(self.budget.used(), tags)

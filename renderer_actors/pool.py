@@ -36,7 +36,6 @@ from renderer_actors.calls import RendererSlot
 from renderer_actors.config import RendererPoolConfig, RendererPoolStats
 from renderer_actors.key import RendererKey
 from renderer_actors.renderer_set import RendererBudgetSpent, RendererChild, RendererSet, RendererStartupError
-from rollout_actors.kernel.metric import Metric
 from rollout_actors.kernel.supervision import Health, Recent
 from rollout_actors.kernel.tasks import TaskOwner
 
@@ -44,12 +43,6 @@ __all__ = ["RendererBudgetSpent", "RendererPool", "RendererStartupError", "get_o
 
 LOST_OWNER_MEMORY = 1_000  # lost owners remembered, so a slot one asked for before dying is refused
 POOL_MAX_CONCURRENCY = 10_000  # slots are instant; this only bounds how many callers may queue at once
-
-
-RENDERERS = Metric(kind="gauge", name="renderers", description="Renderer actors per key", tag_keys=("key",))
-SLOTS = Metric(  # the metric keeps its published name
-    kind="gauge", name="renderer_leases", description="Renderer slots held per key", tag_keys=("key",)
-)
 
 
 @dataclass
@@ -242,9 +235,6 @@ class RendererPool:
         for slot_id in expired:
             self._release(slot_id)
         self._expired_slots += len(expired)
-        for pool in self._keys.values():
-            RENDERERS.record(len(pool.children), {"key": pool.name})
-            SLOTS.record(sum(len(r.slots) for r in pool.children.values()), {"key": pool.name})
 
 
 def get_or_create_renderer_pool(

@@ -28,10 +28,15 @@ from renderer_actors.config import RendererKeyStats, RendererPoolConfig, Rendere
 from renderer_actors.key import RendererKey
 from rollout_actors.kernel import new_id
 from rollout_actors.kernel.faults import CallerError, LoadFailed, ray_loss, remote_cause
+from rollout_actors.kernel.metric import Metric
 from rollout_actors.kernel.supervisor import Child, ChildKind, RestartBudgetSpent, RetireCause, Supervisor
 
 log = logging.getLogger(__name__)
 
+RENDERERS = Metric(kind="gauge", name="renderers", description="Renderer actors per key", tag_keys=("key",))
+SLOTS = Metric(  # the metric keeps its published name
+    kind="gauge", name="renderer_leases", description="Renderer slots held per key", tag_keys=("key",)
+)
 FAILED_LOAD_LINGER_S = 5.0  # a renderer whose load failed answers its waiters with the failure this long
 RENDERER_MIN_CONCURRENCY = 64  # health checks and readiness waits on top of `multiplex` rollouts
 
@@ -157,6 +162,10 @@ class RendererSet(Supervisor[RendererChild], ChildKind[RendererChild]):
                 break
             self.retire(renderer, "idle", "shrunk")
             self.shrunk += 1
+
+    def record(self) -> None:
+        RENDERERS.record(len(self.children), {"key": self.name})
+        SLOTS.record(sum(len(r.slots) for r in self.children.values()), {"key": self.name})
 
 
 def _preference(renderer: RendererChild) -> tuple[bool, int, float]:

@@ -59,7 +59,6 @@ def test_rollouts_pools_and_lanes_appear_on_the_prometheus_endpoint(ray_session,
             workers=1,
             worker_num_cpus=0.25,
             env_pool={"num_cpus": 0.25},
-            renderer_pool={"reap_interval_s": 0.5},
             allowed_ref_prefixes=TEST_REF_PREFIXES,
         )
         async with RolloutPlane(config) as plane:

@@ -45,6 +45,9 @@ log = logging.getLogger(__name__)
 TICK_S = 0.1  # judging resolution: a wedge is declared within hang_timeout_s + TICK_S
 DEAF_S = 1.0  # a tick this late means the supervisor's own loop stalled: that time is nobody's silence
 RETIRED_MEMORY = 1_000  # retired children remembered: whoever finds one gone can ask why (`gone`)
+RECORD_EVERY_S = 1.0
+"""A kind's gauges are set this often, on the judging tick: at most (ten ticks a second would be waste), and
+at least (Ray drops a gauge that is not set again for a while: about 20 s with Ray 2.60)."""
 
 SpawnWhy = Literal["initial", "restart", "grow", "blamed"]
 """Why a child is spawned: `initial` (the set the owner started with) is free; so is `blamed`, the
@@ -146,6 +149,9 @@ class ChildKind(Generic[C]):
 
     def tick(self, now: float) -> None:
         """Growth and shrink policy, on every judging tick."""
+
+    def record(self) -> None:
+        """Set the kind's gauges (every `RECORD_EVERY_S`, on the judging tick)."""
 
 
 class Supervisor(Generic[C]):
@@ -337,7 +343,7 @@ class Supervisor(Generic[C]):
     # ------------------------------------------------------------------------------------ judging
 
     async def _judge(self) -> None:
-        last = time.monotonic()
+        last = recorded = time.monotonic()
         while not self.closed:
             await asyncio.sleep(TICK_S)
             now = time.monotonic()
@@ -357,6 +363,9 @@ class Supervisor(Generic[C]):
             if len(self.children) < self.floor:
                 self.spawn("restart")
             self.kind.tick(now)
+            if now - recorded >= RECORD_EVERY_S:
+                recorded = now
+                self.kind.record()
 
     async def _last_probe(self, child: C) -> None:
         """One more probe of a child judged wedged, on the probe's own timeout, then the verdict again:
