@@ -285,7 +285,7 @@ class Chaos:
             with contextlib.suppress(ProcessLookupError):  # the plane killed it as wedged: as it should
                 os.kill(pid, signal.SIGCONT)
             print(
-                f"           worker SIGSTOP      {slot.name}: {slot.cause or 'still judged alive'}",
+                f"           worker SIGSTOP      {slot.name}: {slot.gone.result()[0] if slot.gone.done() else 'still judged alive'}",
                 flush=True,
             )
 

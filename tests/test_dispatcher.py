@@ -34,7 +34,7 @@ class FakeSlot:
     name: str
     alive: bool = True
     how: str = "died"
-    lost: asyncio.Event = field(default_factory=asyncio.Event)
+    gone: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     calls: list[Dispatch] = field(default_factory=list)
     pending: list[asyncio.Future[str]] = field(default_factory=list)
 
@@ -62,7 +62,8 @@ class FakeWorkers:
 
     def declare_lost(self, slot, cause: str, how="died") -> None:
         slot.alive, slot.how = False, how
-        slot.lost.set()
+        if not slot.gone.done():
+            slot.gone.set_result((cause, how))
 
     def run(self, slot, payload: bytes) -> asyncio.Future[str]:
         dispatch = Dispatch.model_validate_json(payload)
@@ -175,7 +176,7 @@ def test_lost_workers_are_redispatched_under_one_lease_up_to_the_bound():
         lost = Loss(part="worker", how="died", name=slot.name)
         answer.set_exception(PartLost("killed", lost=lost, type_name="ActorDiedError"))
         for other in workers.slots:  # the plane's workers get replaced: new slots for the next dispatch
-            other.alive, other.lost = True, asyncio.Event()
+            other.alive, other.gone = True, asyncio.get_running_loop().create_future()
 
     async def scenario():
         host, workers, dispatcher = make(always_lost, rule=RedispatchRule(max_dispatches=3))

@@ -91,7 +91,7 @@ def test_wedged_worker_is_detected_within_hang_timeout(ray_session, standin):
             finally:
                 os.kill(pid, signal.SIGKILL)
             results = [await p.next_result(timeout=60) for _ in ids]
-            return victim.cause, results, p.stats()
+            return victim.gone.result()[0], results, p.stats()
 
     cause, results, stats = run(scenario())
     assert "hang_timeout_s" in cause  # found by the plane's liveness probe, not by Ray
@@ -109,7 +109,7 @@ def test_three_consecutive_losses_end_as_infrastructure(ray_session, standin):
                 slot = next(s for s in p._workers.live() if s.in_flight > 0)
                 ray.kill(slot.handle, no_restart=True)
                 killed += 1
-                await wait_until(lambda s=slot: s not in p._workers.slots, 10)
+                await wait_until(lambda s=slot: s not in p._workers.live(), 10)
             return await p.next_result(timeout=30), p.stats()
 
     result, stats = run(scenario())

@@ -208,7 +208,7 @@ def test_a_survivor_loaded_with_the_rollouts_of_three_lost_workers_is_not_judged
     heartbeats stream on a call already running, report a rollout loop that is busy, not stalled, and it
     is never killed."""
     results, survivor, stats = _lose_three_of_four(standin, 1024)
-    assert survivor.alive, survivor.cause
+    assert survivor.alive, survivor.gone
     assert stats.workers_lost == 3
     assert all(r.kind == "ok" for r in results), {(r.kind, r.error.type) for r in results if r.error}
 

@@ -406,7 +406,7 @@ class Dispatcher:
             return self._failed(record, "infrastructure", Failure.from_exception(exc))
         self._workers.dispatched(slot)
         record.slot = slot
-        lost = asyncio.ensure_future(slot.lost.wait())
+        lost = slot.gone  # the supervisor's: resolved when the worker is retired (never cancelled here)
         cancel = asyncio.ensure_future(record.cancelled.wait())
         wait_s = envelope.remaining_timeout_s + self.answer_grace_s
         try:
@@ -438,7 +438,6 @@ class Dispatcher:
         finally:
             self._workers.finished(slot)
             record.slot = None
-            lost.cancel()
             cancel.cancel()
             if not answer.done():
                 # A late answer from this attempt, if any, goes through `_late_answer`: delivered if the

@@ -4,19 +4,17 @@ The kernel decides what a loss means (Ray says it died, or nothing showed it ali
 and replaces it on the budget. What is the workers' own: readiness is `ping` (which starts the rollout
 loop's `LoopWatch`); signs of life come over one long-lived streaming call (`heartbeats`, see
 `worker.py`), so they are not queued behind the rollouts a loaded worker is still receiving; the set is
-kept at its size; `lost` tells every rollout waiting on a lost worker at once, so the plane can
+kept at its size; its `gone` tells every rollout waiting on a lost worker at once, so the plane can
 re-dispatch without waiting for Ray to notice, and `on_lost` lets the owners of what its rollouts held
 (env sessions, renderer slots) release it.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 from rollout_actors.kernel import How
 from rollout_actors.kernel.supervision import Health, RestartIntensity, Supervision
@@ -35,10 +33,6 @@ SUSPECT_AFTER_BEATS = 3  # heartbeats missed before a worker gets no new work (w
 @dataclass(eq=False)
 class WorkerSlot(Child):
     in_flight: int = 0
-    lost: asyncio.Event = field(default_factory=asyncio.Event)
-    cause: str = ""
-    how: How = "died"
-    """How it was lost, once `cause` is set: `died` (Ray said so) or `wedged` (judged silent)."""
     owner: str | None = None
     """The worker's actor id: the owner tag of the env sessions and renderer slots its rollouts take."""
     peak: int = 0
@@ -47,6 +41,11 @@ class WorkerSlot(Child):
     @property
     def alive(self) -> bool:
         return self.state != "retired"
+
+    @property
+    def how(self) -> How:
+        """How it was lost, once `gone` says it was: `wedged` (judged silent) or `died` (Ray said so)."""
+        return "wedged" if self.gone.done() and self.gone.result()[1] == "wedged" else "died"
 
 
 class WorkerSet(Supervisor[WorkerSlot], ChildKind[WorkerSlot]):
@@ -89,20 +88,10 @@ class WorkerSet(Supervisor[WorkerSlot], ChildKind[WorkerSlot]):
         super().__init__("rollout workers", self, settings)
         self.floor = size
 
-    @property
-    def slots(self) -> list[WorkerSlot]:
-        return self.ready()
-
     # ------------------------------------------------------------------------------------ dispatch
 
     def live(self) -> list[WorkerSlot]:
         return self.ready()
-
-    async def broadcast(self, method: str, *args: Any, timeout_s: float = 30.0) -> None:
-        """Call `method` on every live worker, each under `timeout_s`. A worker that does not answer is
-        left to liveness probing (it would be lost anyway); nothing here raises for it."""
-        calls = [asyncio.wait_for(getattr(s.handle, method).remote(*args), timeout_s) for s in self.live()]
-        await asyncio.gather(*calls, return_exceptions=True)
 
     def pick(self, within_capacity: bool = False) -> WorkerSlot | None:
         """The least-loaded live worker (with room, if asked), preferring those heard from lately: a worker
@@ -149,8 +138,6 @@ class WorkerSet(Supervisor[WorkerSlot], ChildKind[WorkerSlot]):
             yield Health(loop_stall_s=float(await beat))
 
     def on_retired(self, slot: WorkerSlot, reason: str, cause: RetireCause) -> None:
-        slot.cause, slot.how = reason, "wedged" if cause == "wedged" else "died"
-        slot.lost.set()
         if self._on_lost is not None and cause in ("died", "wedged"):
             try:
                 self._on_lost(slot)
