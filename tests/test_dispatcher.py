@@ -9,6 +9,8 @@ import sys
 from collections import Counter
 from dataclasses import dataclass, field
 
+from waiting import runner
+
 from rollout_actors.kernel import Loss
 from rollout_actors.kernel.faults import PartLost
 from rollout_actors.plane.dispatcher import Dispatcher
@@ -19,10 +21,7 @@ from rollout_actors.wire import ClientConfig, Dispatch, Ref, Result, RolloutRequ
 
 ENV = Ref(target="env_actors.examples.math_env:MathEnv")
 DEADLINE_S = 20
-
-
-def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, DEADLINE_S))
+run = runner(DEADLINE_S)
 
 
 def request(**fields) -> RolloutRequest:

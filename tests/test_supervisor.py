@@ -10,12 +10,14 @@ import time
 
 import pytest
 from ray.exceptions import ActorDiedError
+from waiting import runner
 
 from rollout_actors.kernel.faults import Unavailable
 from rollout_actors.kernel.supervision import Health, RestartIntensity, Supervision
 from rollout_actors.kernel.supervisor import Child, ChildKind, RestartBudgetSpent, Supervisor, TaskOwner
 
 DEADLINE_S = 20.0
+run = runner(DEADLINE_S)
 
 
 def settings(max_restarts: int = 2, hang_timeout_s: float = 0.5) -> Supervision:
@@ -76,10 +78,6 @@ class Fakes(ChildKind[Child]):
 
     def kill(self, child: Child) -> None:
         child.handle.killed = True
-
-
-def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, DEADLINE_S))
 
 
 async def until(predicate, timeout_s: float = 5.0) -> None:
