@@ -11,10 +11,12 @@ re-dispatch without waiting for Ray to notice, and `on_lost` lets the owners of 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from rollout_actors.kernel import How
 from rollout_actors.kernel.supervision import Health, RestartIntensity, Supervision
@@ -92,6 +94,12 @@ class WorkerSet(Supervisor[WorkerSlot], ChildKind[WorkerSlot]):
 
     def live(self) -> list[WorkerSlot]:
         return self.ready()
+
+    async def broadcast(self, method: str, *args: Any, timeout_s: float = 30.0) -> None:
+        """Call `method` on every live worker, each under `timeout_s`. A worker that does not answer is
+        left to liveness probing (it would be lost anyway); nothing here raises for it."""
+        calls = [asyncio.wait_for(getattr(s.handle, method).remote(*args), timeout_s) for s in self.live()]
+        await asyncio.gather(*calls, return_exceptions=True)
 
     def pick(self, within_capacity: bool = False) -> WorkerSlot | None:
         """The least-loaded live worker (with room, if asked), preferring those heard from lately: a worker
