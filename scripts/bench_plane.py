@@ -34,7 +34,11 @@ Measured (per way):
 
 The last three lines: `plane CPU per turn / single-process at C=2048` (CPU of every plane process but the
 stand-in per turn, over the single process's own CPU per turn), `plane/ideal at C=1024`, and
-`plane/single-process at C=2048: <wall (a) / wall (b)>`.
+`plane/single-process at C=2048: <wall (a) / wall (b)>`. With `--repeat N` the ways run N times at each C,
+in alternating order (ab, ba, ab, ...), each pair compared on its own, and these lines give the medians:
+the single process's own CPU per turn moves by a third from run to run on a shared machine, and one pair
+is one draw of it. `--profile` is for where the CPU goes, not for the ratio: py-spy's sampling raises the
+single process's CPU per turn more than the plane's.
 """
 
 from __future__ import annotations
@@ -393,20 +397,35 @@ async def main_async(args: argparse.Namespace) -> None:
     cpu_2048: float | None = None
     ideal_1024: float | None = None
     for c in args.concurrency:
-        results: dict[str, WayResult] = {}
-        for way in args.ways:
-            results[way] = await run_way(args, c, way)
-        print_table(args, c, results)
-        plane, single = results.get("a"), results.get("b")
-        if c == 2048 and plane and single:
-            ratio_2048 = plane.wall_s / single.wall_s
-            cpu_2048 = cpu_per_turn(plane) / cpu_per_turn(single)
-        if c == 1024 and plane and plane.turns:
-            ideal_1024 = plane.wall_s / (statistics.fmean(plane.turns) * args.latency)
+        cpu_ratios, wall_ratios, ideals = [], [], []
+        for repeat in range(args.repeat):
+            results: dict[str, WayResult] = {}
+            for way in args.ways if repeat % 2 == 0 else args.ways[::-1]:  # alternate: no way always first
+                results[way] = await run_way(args, c, way)
+            print_table(args, c, results)
+            plane, single = results.get("a"), results.get("b")
+            if plane and single:
+                cpu_ratios.append(cpu_per_turn(plane) / cpu_per_turn(single))
+                wall_ratios.append(plane.wall_s / single.wall_s)
+            if plane and plane.turns:
+                ideals.append(plane.wall_s / (statistics.fmean(plane.turns) * args.latency))
+        if args.repeat > 1 and cpu_ratios:
+            each = ", ".join(f"{r:.2f}" for r in cpu_ratios)
+            print(
+                f"C={c}: plane CPU per turn / single-process, each repeat: {each}; median {_median(cpu_ratios)}"
+            )
+        if c == 2048:
+            cpu_2048, ratio_2048 = _median(cpu_ratios), _median(wall_ratios)
+        if c == 1024:
+            ideal_1024 = _median(ideals)
     print()
     print(f"plane CPU per turn / single-process at C=2048: {_fmt(cpu_2048)}")
     print(f"plane/ideal at C=1024: {_fmt(ideal_1024)}")
     print(f"plane/single-process at C=2048: {_fmt(ratio_2048)}")
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
 
 
 def _fmt(ratio: float | None) -> str:
@@ -434,6 +453,12 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument(
         "--profile", default="", help="py-spy the plane's processes during each wave into DIR"
+    )
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="run the ways this many times at each C, in alternating order; the last lines give medians",
     )
     args = parser.parse_args()
     if args.quick:
