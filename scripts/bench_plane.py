@@ -412,7 +412,7 @@ async def main_async(args: argparse.Namespace) -> None:
         if args.repeat > 1 and cpu_ratios:
             each = ", ".join(f"{r:.2f}" for r in cpu_ratios)
             print(
-                f"C={c}: plane CPU per turn / single-process, each repeat: {each}; median {_median(cpu_ratios)}"
+                f"C={c}: plane CPU per turn / single-process, each repeat: {each}; median {_fmt(_median(cpu_ratios))}"
             )
         if c == 2048:
             cpu_2048, ratio_2048 = _median(cpu_ratios), _median(wall_ratios)
