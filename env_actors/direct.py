@@ -249,8 +249,7 @@ async def _send_places(batch: TickBatch) -> None:
     )
     for session_id, waiter, answer in zip(session_ids, batch.waiters, answers, strict=True):
         if answer.success:
-            name, handle = answer.value["server_name"], answer.value["handle"]
-            answer.value["handle"] = SERVERS.keep(name, known.get(name) if handle is None else handle)
+            answer.value["handle"] = SERVERS.keep(answer.value["server_name"], answer.value["handle"], known)
         if not waiter.done():
             waiter.set_result(answer)
         elif answer.success:  # its opener gave up meanwhile: the placement is ended at once

@@ -141,8 +141,7 @@ async def _send_acquires(key_json: str, multiplex: int, batch: TickBatch) -> Non
         if waiter.done():  # its owner gave up (timeout, cancellation) meanwhile
             unclaimed.append(slot.slot_id)
         else:
-            handle = known.get(slot.renderer_id) if slot.renderer is None else slot.renderer
-            waiter.set_result(replace(slot, renderer=RENDERERS.keep(slot.renderer_id, handle)))
+            waiter.set_result(replace(slot, renderer=RENDERERS.keep(slot.renderer_id, slot.renderer, known)))
     if unclaimed:
         try:
             await asyncio.wait_for(pool.release_many.remote(unclaimed), BATCH_CALL_TIMEOUT_S)

@@ -48,7 +48,6 @@ from rollout_actors.inference.standin import StandinServer
 from rollout_actors.plane import PlaneConfig, RolloutPlane
 from rollout_actors.wire import ClientConfig, Ref, RendererConfig, RolloutRequest, SamplingConfig
 
-ENV_TARGET = SANDBOX_ENV
 WALL_BOUND = 1.3  # wall over ideal the issue asks of C=8,192
 RSS_BOUND = 3 * 2**30  # bytes, every plane process together
 MAX_TOKENS = 256  # the scripted policy writes < 150 tokens a turn; nothing is cut
@@ -111,7 +110,7 @@ def _request(args: argparse.Namespace, server: StandinServer, i: int, warm: bool
     headers = {"X-Standin-Latency": "0"} if warm else {}
     return RolloutRequest(
         env=Ref(
-            target=ENV_TARGET, config={"num_tasks": 64, "turns": args.turns, "step_wait_s": args.step_wait}
+            target=SANDBOX_ENV, config={"num_tasks": 64, "turns": args.turns, "step_wait_s": args.step_wait}
         ),
         task_index=i % 64,
         client=ClientConfig(base_url=server.base_url, model=BUNDLED_MODEL, headers=headers),

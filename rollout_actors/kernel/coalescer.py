@@ -244,8 +244,7 @@ class KnownHandles:
 
         snapshot = known.snapshot()                    # held until the answer is in
         answers = await pool.place_many.remote(..., list(snapshot))
-        handle = answer_handle or snapshot[name]       # None in an answer: "you have it"
-        known.keep(name, handle)
+        handle = known.keep(name, answer_handle, snapshot)   # None in an answer: "you have it"
 
     Weak: a handle lives only as long as someone in the process holds it, so no actor outlives its pool's
     wish to let it go because a cache here remembered it. Names must name one incarnation, never reused."""
@@ -257,8 +256,11 @@ class KnownHandles:
         """The handles held now, strongly: a batch keeps them alive until its answer has been read."""
         return dict(self._handles.items())
 
-    def keep(self, name: str, handle: Any) -> Any:
-        """The process's one handle for `name`: the one kept already, else `handle` (kept from now on)."""
+    def keep(self, name: str, handle: Any, snapshot: dict[str, Any]) -> Any:
+        """The process's one handle for `name`: the one kept already, else `handle` (kept from now on). An
+        answer's `handle` of None means the asker holds it: the one in `snapshot`, which the ask named."""
+        if handle is None:
+            handle = snapshot.get(name)
         try:
             return self._handles.setdefault(name, handle)
         except TypeError:  # not weakly referenceable (a test double): used as given, not kept
