@@ -1,16 +1,18 @@
 """The kernel's coalescer answering a batch by callback (`answer_when`): one answer per waiter, exactly
-once, by the answer, its failure, or the batch's deadline. Ray-free: a concurrent future set from another
+once, by the answer, its failure, or the batch's deadline; and `KnownHandles`, which lets a batch's answer
+leave out the handles its asker holds. Ray-free: a concurrent future set from another
 thread stands in for a Ray `ObjectRef` (whose answer arrives on Ray's own thread)."""
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import gc
 import threading
 
 import pytest
 
-from rollout_actors.kernel.coalescer import TickBatch, TickCoalescer, answer_when
+from rollout_actors.kernel.coalescer import KnownHandles, TickBatch, TickCoalescer, answer_when
 
 
 class FakeRef:
@@ -127,3 +129,43 @@ def test_a_flush_that_raises_before_sending_fails_its_waiters_and_an_awaiting_fl
                 await waiter
 
     _scenario(body)
+
+
+class Handle:
+    """Stands in for an actor handle: weakly referenceable, compared by identity."""
+
+
+def test_known_handles_keep_one_handle_per_name_and_resolve_an_answer_of_none_from_the_ask():
+    known = KnownHandles()
+    first = Handle()
+    assert known.keep("renderer-1", first, known.snapshot()) is first
+    snapshot = known.snapshot()
+    assert snapshot == {"renderer-1": first}
+    # The pool answered None ("you hold it"): the handle is the one the ask named.
+    assert known.keep("renderer-1", None, snapshot) is first
+    # A second copy of the same actor's handle does not replace the one the process holds.
+    assert known.keep("renderer-1", Handle(), snapshot) is first
+    # The answer's None is read from the ask's snapshot itself, not from what is kept by then.
+    named = Handle()
+    assert KnownHandles().keep("renderer-3", None, {"renderer-3": named}) is named
+    # A name the ask did not hold and an answer without a handle: nothing to resolve it from.
+    assert known.keep("renderer-2", None, snapshot) is None
+    assert "renderer-2" not in known.snapshot()
+
+
+def test_known_handles_hold_a_handle_only_while_someone_else_does():
+    known = KnownHandles()
+    held = known.keep("env-server-1", Handle(), {})
+    snapshot = known.snapshot()
+    del held
+    gc.collect()
+    assert list(known.snapshot()) == ["env-server-1"]  # the in-flight ask's snapshot keeps it alive
+    del snapshot
+    gc.collect()
+    assert known.snapshot() == {}  # nobody holds it: the process forgets it, the pool may let it go
+
+
+def test_known_handles_pass_a_handle_that_cannot_be_weakly_held_through_unkept():
+    known = KnownHandles()
+    assert known.keep("double", "a-test-double", {}) == "a-test-double"
+    assert known.snapshot() == {}

@@ -91,10 +91,10 @@ class ChildKind(Generic[C]):
 
     supervisor: Supervisor[C]
     crash_loop_stops = False
-    stop_timeout_s = 10.0
-    """How long a graceful stop (`stop`) may take before the child is killed regardless."""
     """Stop spawning for good once more spawns failed in a row than the budget allows restarts (an
     environment that fails every load); otherwise spawns resume when the budget's window has room."""
+    stop_timeout_s = 10.0
+    """How long a graceful stop (`stop`) may take before the child is killed regardless."""
 
     def create(self, name: str) -> C:
         raise NotImplementedError
