@@ -328,7 +328,10 @@ class RendererSession:
         except Exception as exc:
             how = ray_loss(exc)
             if how is not None:  # the renderer (or the pool) died or cannot be reached
-                lost = Loss(part=part, how=how, call=method, step=self.step, name=name)
+                # Lost while it loaded the key: its `ready` carries nothing of this request, so the loss is
+                # no evidence against it (`culprit` False), like a load still under way at the deadline.
+                culprit = False if method == "ready" else None
+                lost = Loss(part=part, how=how, call=method, step=self.step, name=name, culprit=culprit)
                 if part == "renderer" and how == "died" and name is not None:
                     _notice_dead(self._pool, name)
                 raise PartLost(f"{what}: {lost.describe()}: {exit_detail(exc)}", lost=lost) from None

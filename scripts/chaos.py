@@ -44,7 +44,7 @@ import ray._private.utils as ray_utils
 from ray.cluster_utils import Cluster
 
 from env_actors.config import EnvPoolConfig
-from renderer_actors.config import RendererPoolStats
+from renderer_actors.config import RendererPoolConfig, RendererPoolStats
 from renderer_actors.tokenizer import BUNDLED_MODEL
 from rollout_actors.inference.server_actor import ServerSpec
 from rollout_actors.inference.server_set import InferenceServerSet
@@ -59,7 +59,10 @@ WORKERS = 4  # rollout workers, spread over the worker nodes
 WORKER_NODE_CPUS = 4  # logical: the actors mostly wait; the machine has two real cores
 HELD_CHECK_AFTER_S = 10.0
 RUN_DEADLINE_S = 1800.0  # a run that has not answered everything by then is a failure, not a wait
-ENV_RESTARTS = RestartIntensity(max_restarts=6, window_s=60.0)
+RESTARTS = RestartIntensity(max_restarts=6, window_s=60.0)
+"""The env servers' and the renderers' budgets: the schedule kills two of each, the node it removes may
+hold more, and growth draws on the same budget (DESIGN.md contract 9). The run measures recovery; a spent
+budget has tests of its own (`test_env_pool`, `test_renderer_pool`)."""
 
 
 def spent_losses(result: Result) -> bool:
@@ -155,8 +158,9 @@ def plane_config(args: argparse.Namespace) -> PlaneConfig:
             max_servers=6,
             num_cpus=0.25,
             hang_timeout_s=args.hang_timeout,
-            restart=ENV_RESTARTS,
+            restart=RESTARTS,
         ),
+        renderer_pool=RendererPoolConfig(restart=RESTARTS),
     )
 
 
@@ -397,12 +401,15 @@ def report(
     print("\nrestarts vs budget")
     print(
         f"  env servers            {pool.deaths} deaths, {pool.spawns} spawns ({pool.spawn_failures} failed), "
-        f"{pool.restarts_left} of {ENV_RESTARTS.max_restarts} restarts left in {ENV_RESTARTS.window_s:g} s, "
+        f"{pool.restarts_left} of {RESTARTS.max_restarts} restarts left in {RESTARTS.window_s:g} s, "
         f"{pool.budget_denials} denials"
     )
     rp = chaos.renderer_pool
     replaced, spawned = (rp.replaced, rp.spawned) if rp is not None else (0, 0)
-    print(f"  renderers              {replaced} replaced, {spawned} spawned")
+    print(
+        f"  renderers              {replaced} replaced, {spawned} spawned "
+        f"(budget {RESTARTS.max_restarts} in {RESTARTS.window_s:g} s, growth included)"
+    )
     print(
         f"  inference servers      {servers.restarts} restarted (budget {servers.budget.intensity.max_restarts} in {servers.budget.intensity.window_s:g} s)"
     )

@@ -18,6 +18,7 @@ from renderer_actors.session import BridgeStep, RendererCallerError, RendererLoa
 from renderer_actors.tokenizer import BUNDLED_MODEL
 from rollout_actors.kernel import Loss
 from rollout_actors.kernel.faults import PartLost, Unavailable
+from rollout_actors.plane.redispatch import REDISPATCH
 from rollout_actors.wire import RendererConfig
 
 FAST = {"idle_timeout_s": 600.0, "reap_interval_s": 0.2, "probe_interval_s": 0.5, "hang_timeout_s": 10.0}
@@ -404,3 +405,38 @@ def test_a_renderer_killed_while_it_starts_is_replaced_not_held_as_a_startup_fai
     prompt, stats = run(scenario())
     assert prompt
     assert stats.startup_failures == 0 and stats.replaced == 1
+
+
+def test_a_renderer_that_dies_while_a_session_waits_for_its_load_is_no_evidence_against_the_request(
+    make_pool,
+):
+    """A session waiting on `ready` sent the renderer nothing of its request: the renderer's death there
+    (killed, its node lost) is a lost part the plane re-dispatches as collateral (`culprit` False), never
+    poison however often it happens, and it spends none of the request's dispatches. Seen under chaos: two
+    renderers killed while loading made 31 of 400 healthy rollouts poison, and spent a dispatch of most."""
+    pool = make_pool()
+
+    async def scenario():
+        key = key_json()
+        held = await pool.acquire.remote(key, 4)  # the key's first slot: its renderer starts loading
+        opening = asyncio.ensure_future(
+            RendererSession.open(pool, BUNDLED_MODEL, RendererConfig(multiplex=4), timeout=60)
+        )
+
+        async def waiting_on_the_load() -> bool:  # the session holds its slot on that renderer
+            return (await key_stats(pool, key)).loads == [2]
+
+        await eventually(waiting_on_the_load, 30, interval=0.02)
+        assert not (await key_stats(pool, key)).renderers[0].ready, "loaded before the kill: no test"
+        ray.kill(held.renderer, no_restart=True)
+        with pytest.raises(PartLost) as lost:
+            await opening
+        dead = held.renderer_id
+        assert lost.value.lost == Loss(
+            part="renderer", how="died", call="ready", step=0, name=dead, culprit=False
+        )
+        assert lost.value.failure.lost == lost.value.lost  # as data, for the plane
+        assert REDISPATCH.decide([lost.value.lost] * 2) == "redispatch"  # twice at that point: not poison
+        assert REDISPATCH.decide([lost.value.lost] * REDISPATCH.max_dispatches) == "redispatch"  # not spent
+
+    run(scenario(), 120)
