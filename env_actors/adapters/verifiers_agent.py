@@ -32,8 +32,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from env_actors.adapters import FrameworkLoop, PackageGate, import_framework
-from env_actors.adapters.verifiers_v1 import bounded_tasks, check_plugged, plugin_module, task_of
+from env_actors.adapters import FrameworkLoop, PackageGate
+from env_actors.adapters.verifiers_v1 import bounded_tasks, check_plugged, import_v1, plugin_module, task_of
 from env_actors.agent import AgentEndpoint, AgentEnvironment, AgentFailed
 from env_actors.interface import Reset, ScoreOut, check_index
 from rollout_actors.kernel import CallerError, check_json
@@ -76,15 +76,7 @@ class VerifiersV1AgentEnv(AgentEnvironment):
         self._gate.allow(prefixes)
 
     def load(self) -> None:
-        import_framework("verifiers", "verifiers>=0.4,<0.5")
-        try:
-            import verifiers.v1 as vf  # noqa: PLC0415 - the pool's own verifiers, imported at load
-        except ImportError as exc:
-            raise CallerError(
-                f"this verifiers has no v1 API ({exc}); run this pool with verifiers>=0.4,<0.5"
-            ) from exc
-        from verifiers.v1.utils import loaders  # noqa: PLC0415
-
+        vf, loaders = import_v1()
         self._vf = vf
         self._gate.check(plugin_module(self._taskset_id))
         harness_id = str(self._harness.get("id") or "")

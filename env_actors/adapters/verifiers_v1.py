@@ -83,16 +83,7 @@ class VerifiersV1Env(Environment):
         self._gate.allow(prefixes)
 
     def load(self) -> None:
-        import_framework("verifiers", "verifiers>=0.4,<0.5")
-        try:
-            import verifiers.v1 as vf  # noqa: PLC0415 - the pool's own verifiers, imported at load
-        except ImportError as exc:
-            raise CallerError(
-                f"this verifiers has no v1 API ({exc}); run this pool with verifiers>=0.4,<0.5, or use "
-                "env_actors.adapters.verifiers_classic for a classic environment"
-            ) from exc
-        from verifiers.v1.utils import loaders  # noqa: PLC0415
-
+        vf, loaders = import_v1(", or use env_actors.adapters.verifiers_classic for a classic environment")
         self._vf = vf
         self._gate.check(plugin_module(self._taskset_id))
         check_plugged(self._gate, self._taskset_config)
@@ -254,6 +245,20 @@ class VerifiersV1Env(Environment):
             components={name: reward.score for name, reward in rewards.items()},
             metrics=metrics,
         )
+
+
+def import_v1(hint: str = "") -> tuple[Any, Any]:
+    """verifiers' v1 API and its loaders: the pool's own verifiers, imported at load. A verifiers without
+    them is the pool's configuration at fault (`hint`: what else the caller could do)."""
+    import_framework("verifiers", "verifiers>=0.4,<0.5")
+    try:
+        import verifiers.v1 as vf  # noqa: PLC0415
+        from verifiers.v1.utils import loaders  # noqa: PLC0415
+    except ImportError as exc:
+        raise CallerError(
+            f"this verifiers has no v1 API ({exc}); run this pool with verifiers>=0.4,<0.5{hint}"
+        ) from exc
+    return vf, loaders
 
 
 def bounded_tasks(taskset: Any, limit: int | None, taskset_id: str) -> tuple[Any, list[Any]]:
