@@ -300,6 +300,10 @@ class RendererSession:
         deadline and keeps it) within the deadline, every failure a kernel fault."""
         name = self.renderer_id if part == "renderer" else None
         what = f"{part} {name} {method}" if name else f"{part} {method}"
+        # `ready` (the key's load) carries nothing of this request: whatever becomes of the renderer during
+        # it is no evidence against the request (`culprit` False): re-dispatched within its own bound,
+        # never poison. A load that hangs or fails is the pool's to end (`ready_timeout_s`).
+        culprit = False if method == "ready" else None
         left = deadline - time.monotonic()
         try:
             if left <= 0:
@@ -310,13 +314,9 @@ class RendererSession:
                 return await call
         except TimeoutError:
             _cancel(call)
+            lost = Loss(part=part, how="wedged", call=method, step=self.step, name=name, culprit=culprit)
             if method == "ready":
-                # Still loading when the call's time ran out: alive, and nothing of this request's doing
-                # (a load that hangs or fails is the pool's to end: `ready_timeout_s`). Re-dispatched,
-                # never counted as poison evidence (`culprit` False), within its own bound.
-                lost = Loss(part=part, how="wedged", call=method, step=self.step, name=name, culprit=False)
                 raise PartLost(f"{what}: still loading when the call's time ran out", lost=lost) from None
-            lost = Loss(part=part, how="wedged", call=method, step=self.step, name=name)
             raise PartLost(f"{what} did not answer within its deadline", lost=lost) from None
         except RenderCallFailed as exc:
             failure = exc.failure
@@ -328,9 +328,6 @@ class RendererSession:
         except Exception as exc:
             how = ray_loss(exc)
             if how is not None:  # the renderer (or the pool) died or cannot be reached
-                # Lost while it loaded the key: its `ready` carries nothing of this request, so the loss is
-                # no evidence against it (`culprit` False), like a load still under way at the deadline.
-                culprit = False if method == "ready" else None
                 lost = Loss(part=part, how=how, call=method, step=self.step, name=name, culprit=culprit)
                 if part == "renderer" and how == "died" and name is not None:
                     _notice_dead(self._pool, name)

@@ -3,11 +3,14 @@ exceptions are mapped in one place, and the re-dispatch rule reads types, never 
 
 from __future__ import annotations
 
+import asyncio
 import pickle
+import time
 
 import pytest
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayTaskError
 
+from renderer_actors.session import RendererSession
 from rollout_actors.kernel import Failure, Loss
 from rollout_actors.kernel.faults import (
     CallerError,
@@ -143,3 +146,43 @@ def test_a_fault_raised_on_the_renderer_side_reaches_the_rollout_typed_as_it_was
         fault = _far_fault(RayTaskError("f", "traceback text", cause), f"renderer {method}", method)
         assert isinstance(fault, expected) and fault.kind == kind, (cause, fault)
         assert fault.failure.lost is None and fault.failure.traceback
+
+
+def test_a_renderer_session_blames_no_request_for_what_happens_to_its_renderer_during_the_load():
+    """A session's `ready` carries nothing of its request: a renderer that outlives the call still loading,
+    or dies during it, is collateral (`culprit` False). Past the load, nobody can tell (None)."""
+
+    class Pool:  # where a session reports a dead renderer
+        def __init__(self) -> None:
+            self.lost: list[str] = []
+            self.renderer_lost = self
+
+        def remote(self, renderer_id: str) -> None:
+            self.lost.append(renderer_id)
+
+    def never() -> asyncio.Future:  # an unanswered ref (a coroutine is a batched call: it keeps its own)
+        return asyncio.get_running_loop().create_future()
+
+    async def dies() -> None:
+        raise ActorDiedError()
+
+    async def loss_of(call, method: str) -> Loss:
+        session = RendererSession(pool, key=None, multiplex=1, key_json="{}")
+        session.renderer_id = "renderer-1"
+        with pytest.raises(PartLost) as lost:
+            await session._remote(call(), time.monotonic() + 0.05, "renderer", method)
+        return lost.value.lost
+
+    async def body() -> None:
+        assert await loss_of(never, "ready") == Loss(
+            part="renderer", how="wedged", call="ready", step=0, name="renderer-1", culprit=False
+        )
+        assert await loss_of(dies, "ready") == Loss(
+            part="renderer", how="died", call="ready", step=0, name="renderer-1", culprit=False
+        )
+        assert (await loss_of(never, "bridge")).culprit is None
+        assert (await loss_of(dies, "bridge")).culprit is None
+
+    pool = Pool()
+    asyncio.run(asyncio.wait_for(body(), 30))
+    assert pool.lost == ["renderer-1", "renderer-1"]  # each death reported to the pool, which replaces it

@@ -130,8 +130,9 @@ class Loss(BaseModel):
     culprit: bool | None = None
     """Whether this request's own call wedged the part: True when the part named it; False when it named
     another request's call (this one was collateral) or the loss says nothing of this request (a
-    renderer lost or still loading while the request waited for its load, a pool that gave no verdict); None when nobody can tell (a death, a frozen
-    process). The poison rule never counts a loss whose culprit is False."""
+    renderer lost or still loading while the request waited for its load, a pool that gave no verdict);
+    None when nobody can tell (a death, a frozen process). The poison rule never counts a loss whose
+    culprit is False."""
 
     def point(self) -> tuple[str, str, str | None, int | None]:
         """What makes two losses "the same way at the same point": part, how, call, step."""
