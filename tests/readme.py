@@ -1,4 +1,5 @@
-"""The README's code, read back for the tests that run it (`test_readme.py`, `test_job_submit.py`)."""
+"""The README's and the docs' code, read back for the tests that run it (`test_readme.py`,
+`test_job_submit.py`, `test_docs.py`)."""
 
 from __future__ import annotations
 
@@ -24,9 +25,10 @@ class Block:
         return f"L{self.line}:{self.heading}"
 
 
-def blocks(lang: str | None = None) -> list[Block]:
+def blocks(lang: str | None = None, path: Path = README) -> list[Block]:
+    """The fenced blocks of `path` (the README unless told), in `lang` or all."""
     found, heading, fence, body = [], "", None, []
-    for number, line in enumerate(README.read_text().splitlines(), 1):
+    for number, line in enumerate(path.read_text().splitlines(), 1):
         if fence is None and line.startswith("#"):
             heading = line.lstrip("#").strip()
         elif fence is None and line.startswith("```"):
