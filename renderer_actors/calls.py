@@ -17,6 +17,30 @@ from pydantic import BaseModel, Field
 from rollout_actors.kernel import Failure
 from rollout_actors.kernel.renamed import warn_renamed
 
+ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+"""Roles a conversation may hold; a renderer that silently skipped another would drop it from the prompt."""
+NEW_MESSAGE_ROLES = frozenset({"user", "tool", "system"})
+"""Roles a bridge accepts: sampled assistant turns are the completion ids themselves, never re-rendered."""
+
+
+def check_new_messages(messages: list[dict[str, Any]]) -> None:
+    """Refuse what a bridge must not render: assistant turns (they are sampled ids, and re-rendering them
+    is exactly the drift contract 7 forbids) and unknown roles. ValueError: the caller's mistake."""
+    for i, message in enumerate(messages):
+        if isinstance(message, dict) and message.get("role") == "assistant":
+            raise ValueError(
+                f"new_messages[{i}] is an assistant message: sampled turns are bridged from their "
+                "completion ids, never rendered from text"
+            )
+    check_roles(messages, NEW_MESSAGE_ROLES, "new_messages")
+
+
+def check_roles(messages: list[dict[str, Any]], allowed: frozenset[str], where: str) -> None:
+    for i, message in enumerate(messages):
+        role = message.get("role") if isinstance(message, dict) else None
+        if role not in allowed:
+            raise ValueError(f"{where}[{i}] has role {role!r}; expected one of {sorted(allowed)}")
+
 
 @dataclass(frozen=True, slots=True)
 class RendererSlot:

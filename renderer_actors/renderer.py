@@ -32,7 +32,15 @@ from collections.abc import Sequence
 from typing import Any
 
 from renderer_actors.bundled import BUNDLED_RENDERER
-from renderer_actors.calls import BridgeReply, BridgeRequest, Rendered, StartReply
+from renderer_actors.calls import (
+    ROLES,
+    BridgeReply,
+    BridgeRequest,
+    Rendered,
+    StartReply,
+    check_new_messages,
+    check_roles,
+)
 from renderer_actors.config import DEFAULT_RENDERER_PREFIXES
 from renderer_actors.key import RendererKey
 from renderer_actors.library import build_library_renderer
@@ -40,10 +48,6 @@ from renderer_actors.parse import ParsedCompletion, from_library
 from renderer_actors.template_shape import BUNDLED_SHAPE, ThinkShape, probe_close, probe_shape, template_ids
 from renderer_actors.tokenizer import FastTokenizer
 
-ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
-"""Roles a conversation may hold; a renderer that silently skipped another would drop it from the prompt."""
-NEW_MESSAGE_ROLES = frozenset({"user", "tool", "system"})
-"""Roles a bridge accepts: sampled assistant turns are the completion ids themselves, never re-rendered."""
 SHOWN_TOKENS = 12  # tokens of each side a fork reason quotes
 
 
@@ -291,22 +295,3 @@ def _library_reasoning(reasoning: str | None, parsed: Any, text: str, prompt_tex
         if opened and not text.split("</think>", 1)[0].replace("<think>", "").strip():
             return ""
     return reasoning
-
-
-def check_new_messages(messages: list[dict[str, Any]]) -> None:
-    """Refuse what a bridge must not render: assistant turns (they are sampled ids, and re-rendering them
-    is exactly the drift contract 7 forbids) and unknown roles. ValueError: the caller's mistake."""
-    for i, message in enumerate(messages):
-        if isinstance(message, dict) and message.get("role") == "assistant":
-            raise ValueError(
-                f"new_messages[{i}] is an assistant message: sampled turns are bridged from their "
-                "completion ids, never rendered from text"
-            )
-    check_roles(messages, NEW_MESSAGE_ROLES, "new_messages")
-
-
-def check_roles(messages: list[dict[str, Any]], allowed: frozenset[str], where: str) -> None:
-    for i, message in enumerate(messages):
-        role = message.get("role") if isinstance(message, dict) else None
-        if role not in allowed:
-            raise ValueError(f"{where}[{i}] has role {role!r}; expected one of {sorted(allowed)}")

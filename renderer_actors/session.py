@@ -37,11 +37,17 @@ import ray
 from ray.exceptions import RayTaskError
 
 from renderer_actors.batching import RenderCallFailed, batched_calls
-from renderer_actors.calls import BridgeReply, BridgeRequest, History, RendererInfo, StartReply
+from renderer_actors.calls import (
+    BridgeReply,
+    BridgeRequest,
+    History,
+    RendererInfo,
+    StartReply,
+    check_new_messages,
+)
 from renderer_actors.config import RendererConfig
 from renderer_actors.key import RendererKey
 from renderer_actors.parse import ParsedCompletion
-from renderer_actors.renderer import check_new_messages
 from rollout_actors.kernel import CallerError, Loss, Part
 from rollout_actors.kernel.faults import (
     Fault,

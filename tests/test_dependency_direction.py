@@ -6,6 +6,8 @@ functions), so a new import that breaks the direction fails here rather than in 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -88,3 +90,18 @@ def test_each_part_of_rollout_actors_imports_only_the_parts_below_it(folder):
         if module.startswith("rollout_actors.") and part(module) in NEVER[folder]
     }
     assert paths and not broken, sorted(broken)
+
+
+CLIENT_MODULES = ("rollout_actors.rollout.worker", "renderer_actors.session", "rollout_actors.agent.history")
+SERVER_ONLY = ("renderers", "renderer_actors.renderer", "renderer_actors.bundled")
+"""What only a renderer actor loads: the `renderers` library and its model families."""
+
+
+@pytest.mark.parametrize("module", CLIENT_MODULES)
+def test_a_renderer_client_does_not_load_the_renderer_library(module):
+    """Clients do not import servers: checking a bridge's message roles must not load every model family
+    into every rollout worker (measured: 8 MB of RSS per worker process)."""
+    probe = f"import sys, {module}; print(sorted(m for m in {SERVER_ONLY!r} if m in sys.modules))"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"

@@ -23,7 +23,7 @@ from typing import Any
 
 import orjson
 
-from renderer_actors.renderer import NEW_MESSAGE_ROLES
+from renderer_actors.calls import NEW_MESSAGE_ROLES
 
 Message = dict[str, Any]
 
