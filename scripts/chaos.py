@@ -269,7 +269,7 @@ class Chaos:
         for slot in candidates:
             with contextlib.suppress(Exception):
                 info = await asyncio.wait_for(slot.handle.ping.remote(), 10)
-                return slot, info["pid"]
+                return slot, info.pid
         raise RuntimeError("no rollout worker answered")
 
     async def kill_worker(self, plane: RolloutPlane) -> str:

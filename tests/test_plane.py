@@ -84,7 +84,7 @@ def test_wedged_worker_is_detected_within_hang_timeout(ray_session, standin):
             ids = [await p.submit(slow_request(standin, 1.0, i)) for i in range(4)]
             await wait_until(lambda: all(s.in_flight > 0 for s in p._workers.live()), 20)
             victim = p._workers.live()[0]
-            pid = (await victim.handle.ping.remote())["pid"]
+            pid = (await victim.handle.ping.remote()).pid
             os.kill(pid, signal.SIGSTOP)  # frozen: Ray alone would leave its calls pending for ever
             try:
                 await wait_until(lambda: not victim.alive, 10)

@@ -139,7 +139,7 @@ class WorkerSet(Supervisor[WorkerSlot], ChildKind[WorkerSlot]):
         return WorkerSlot(name, self._cls.options(name=name).remote(self._limits, name))
 
     async def handshake(self, slot: WorkerSlot) -> None:
-        slot.owner = (await slot.handle.ping.remote()).get("actor_id")
+        slot.owner = (await slot.handle.ping.remote()).actor_id
 
     async def signs(self, slot: WorkerSlot) -> AsyncIterator[Health]:
         async for beat in slot.handle.heartbeats.remote(self.settings.probe_interval_s):

@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import ray
+from pydantic import BaseModel, ConfigDict
 
 from rollout_actors.agent.endpoint import endpoint_stats
 from rollout_actors.kernel.coalescer import batch_counts, batch_window, set_batch_window
@@ -38,6 +39,20 @@ PROBE_GROUP = "probe"
 PROBE_GROUP_SIZE = 4  # a heartbeat stream, and slack for one reopened while the old one winds down
 
 log = logging.getLogger(__name__)
+
+
+class WorkerInfo(BaseModel):
+    """A `RolloutWorker`'s answer to `ping`, its readiness call."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    actor_id: str
+    """The owner tag of the env sessions and renderer slots this worker's rollouts take."""
+    pid: int
+    in_flight: int
+    """Rollouts running on the worker now."""
+    done: int
+    """Rollouts the worker has finished since it started."""
 
 
 class RolloutWorker:
@@ -145,16 +160,15 @@ class RolloutWorker:
         await asyncio.wait_for(self._unpaused.wait(), timeout)
         return True
 
-    async def ping(self) -> dict[str, Any]:
-        """Readiness: answered on the rollout event loop, whose heartbeat it starts. `actor_id` is the
-        owner tag of the env sessions and renderer slots this worker's rollouts take."""
+    async def ping(self) -> WorkerInfo:
+        """Readiness: answered on the rollout event loop, whose heartbeat it starts."""
         self._loop_watch.bind()
-        return {
-            "in_flight": len(self._running),
-            "done": self._done,
-            "pid": os.getpid(),
-            "actor_id": ray.get_runtime_context().get_actor_id(),
-        }
+        return WorkerInfo(
+            actor_id=ray.get_runtime_context().get_actor_id(),
+            pid=os.getpid(),
+            in_flight=len(self._running),
+            done=self._done,
+        )
 
     @ray.method(concurrency_group=PROBE_GROUP, num_returns="streaming")
     async def heartbeats(self, interval_s: float) -> AsyncIterator[float]:
