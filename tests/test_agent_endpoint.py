@@ -87,7 +87,7 @@ def test_a_route_serves_only_its_own_rollouts_key_and_refuses_calls_once_revoked
 
 def test_a_call_extends_what_was_seen_or_forks_with_the_reason():
     opening = [{"role": "system", "content": "s"}, {"role": "user", "content": "compute 1+2"}]
-    answered = {"role": "assistant", "content": None, "reasoning_content": "think", "tool_calls": [CALL]}
+    answered = {"role": "assistant", "content": None, "reasoning": "think", "tool_calls": [CALL]}
     seen = Seen([*opening, answered], tools_key([TOOL]))
     tool = {"role": "tool", "tool_call_id": "call_1", "content": "3"}
     # The SDK's echo: content "" or missing, reasoning dropped, arguments re-spaced, another call id.
