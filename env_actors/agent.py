@@ -36,6 +36,8 @@ from functools import cache
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
+import psutil
+
 try:  # openai >= 3 ships its own fork of httpx
     import httpx2 as httpx
 except ImportError:  # pragma: no cover - openai 1.x / 2.x
@@ -49,6 +51,7 @@ if TYPE_CHECKING:  # imported by `client()`: the SDK costs every env server ~1.5
 
 OUTPUT_TAIL_CHARS = 4000  # of an agent's output, kept for its failure message: the end is what explains it
 KILL_GRACE_S = 2.0  # SIGTERM, then this long, then SIGKILL: an agent that ignores SIGTERM still ends
+END_POLL_S = 0.02  # how often an ending program's processes are looked at: a few polls end most
 AGENT_GUARD_SLACK_S = 1.0
 """The agent's own deadline ends this long before its call's (the `EnvServer`'s guard), so the agent's
 failure, with its output tail, is what a rollout reports, not a bare deadline."""
@@ -204,7 +207,8 @@ async def run_program(
     """Run an agent program to its exit with the endpoint in its environment (`OPENAI_BASE_URL`,
     `OPENAI_API_KEY`, `OPENAI_MODEL`). A non-zero exit raises `AgentFailed` with the output tail. The
     program runs in its own process group, which is killed (SIGTERM, then SIGKILL after `KILL_GRACE_S`)
-    whenever this coroutine ends before the program did: cancelled, timed out, failed."""
+    whenever this coroutine ends, with the descendants that left it; the coroutine ends (returns, raises,
+    or is cancelled) only once they are gone."""
     environ = {**os.environ, **(env or {}), **endpoint.environ()}
     stdout: list[str] = []
     kept = 0
@@ -247,25 +251,74 @@ async def _process_group(argv: Sequence[str], environ: dict[str, str], stdin: bo
     try:
         yield process
     finally:
-        await asyncio.shield(_kill_group(process))
+        # Awaited to the end even through a second cancel: the run ends only once its processes did.
+        ending = asyncio.ensure_future(_end_program(process))
+        cancelled = False
+        while not ending.done():
+            try:
+                await asyncio.shield(ending)
+            except asyncio.CancelledError:
+                cancelled = True
+        if cancelled:
+            raise asyncio.CancelledError
 
 
-async def _kill_group(process: Any) -> None:
-    """End the agent's process group: SIGTERM, then SIGKILL after the grace. Also when the leader has
-    exited, since a child it left behind is still in the group."""
-    for sig, grace in ((signal.SIGTERM, KILL_GRACE_S), (signal.SIGKILL, KILL_GRACE_S)):
-        try:
+async def _end_program(process: Any) -> None:
+    """End the agent program and every process it started: its process group (also when the program has
+    exited, since a child it left behind is still in the group) and its descendants that left the group (a
+    child that made a session of its own), found before any is signalled. SIGTERM, then SIGKILL after the
+    grace; returns once the program is reaped and none of the others runs (an orphan is left a zombie at
+    most: reaping it is its new parent's job), or after the grace of SIGKILL (a process stuck in the kernel).
+    A descendant that left both the group and the tree (a double fork whose middle exited) is out of reach."""
+    if process.returncode is not None and not _group_alive(process.pid):
+        return  # the common end: the program exited and left nothing behind
+    started: dict[int, psutil.Process] = {}
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        # Found again before SIGKILL (a child forked during the grace), keeping those found before SIGTERM:
+        # once the program is gone, the descendants that left its group are no longer its descendants.
+        started.update({p.pid: p for p in _started_by(process.pid) if p.pid not in started})
+        for child in started.values():
+            with contextlib.suppress(psutil.Error, OSError):
+                if os.getpgid(child.pid) != process.pid:  # the group's members get it from killpg, once
+                    child.send_signal(sig)  # psutil checks the pid is still the process it found
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(process.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            break  # nothing is left in the group
+        if await _ended(process, list(started.values()), KILL_GRACE_S):
+            return
+
+
+def _started_by(leader: int) -> list[psutil.Process]:
+    """The live processes of the program's group and of its process tree, the program included."""
+    found: dict[int, psutil.Process] = {}
+    with contextlib.suppress(psutil.Error):
+        root = psutil.Process(leader)
+        found = {p.pid: p for p in [root, *root.children(recursive=True)]}
+    for candidate in psutil.process_iter():
+        with contextlib.suppress(psutil.Error, OSError):
+            if candidate.pid not in found and os.getpgid(candidate.pid) == leader:
+                found[candidate.pid] = candidate
+    return list(found.values())
+
+
+async def _ended(process: Any, started: list[psutil.Process], grace: float) -> bool:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + grace
+    while True:
         if process.returncode is None:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(process.wait(), grace)
-        if process.returncode is not None and not _group_alive(process.pid):
-            break
-    if process.returncode is None:
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(process.wait(), KILL_GRACE_S)
+                await asyncio.wait_for(process.wait(), max(0.0, min(END_POLL_S, deadline - loop.time())))
+        if process.returncode is not None and not any(_running(p) for p in started):
+            return True
+        if loop.time() >= deadline:
+            return False
+        await asyncio.sleep(END_POLL_S)
+
+
+def _running(process: psutil.Process) -> bool:
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 def _group_alive(pgid: int) -> bool:

@@ -31,8 +31,9 @@ Rules an environment follows:
   `rollout_actors.kernel.CallerError`, which the rollout reports as a `caller` result. Any other exception is
   the environment's fault and is reported as `infrastructure`, with its traceback.
 - Messages use the OpenAI chat format. Assistant messages arrive as
-  `{"role": "assistant", "content": ..., "tool_calls": [{"id", "type": "function", "function": {"name",
-  "arguments"}}]}` where `arguments` is a JSON string (or already a dict). A step's message also carries
+  `{"role": "assistant", "content": ..., "reasoning": ..., "tool_calls": [{"id", "type": "function",
+  "function": {"name", "arguments"}}]}` where `arguments` is a JSON string (or already a dict) and
+  `reasoning` (vLLM 0.33's name, in every mode) is there when the model reasoned. A step's message also carries
   `raw_text` (`RAW_TEXT_KEY`): the completion as the model wrote it, reasoning and tool-call markup
   included, for environments that parse text themselves; it is not part of the conversation. Tools, if
   any, are OpenAI function tools: `{"type": "function", "function": {"name", "description",

@@ -48,7 +48,8 @@ class ParsedCompletion(BaseModel):
     tool_calls: list[ToolCall] = Field(default_factory=list)
     """Every tool-call attempt, whatever its status."""
     message: dict[str, Any] = Field(default_factory=dict)
-    """`{"role": "assistant", "content", "reasoning_content"?, "tool_calls"?}`; tool calls in OpenAI
+    """`{"role": "assistant", "content", "reasoning"?, "tool_calls"?}` (`reasoning`: the name vLLM 0.33
+    answers with and chat mode hands on, so an environment reads one field in every mode); tool calls in OpenAI
     format with `arguments` as a JSON string (the sampled text where it can be located). Calls whose
     status is not runnable (`invalid_json`, `missing_name`, `unclosed`, `malformed_structure`) are
     reported in `tool_calls` but left out of the message: there is nothing an environment could run."""
@@ -129,12 +130,30 @@ def raw_arguments(raw: str, arguments: Any) -> str:
     return json.dumps(arguments, ensure_ascii=False)
 
 
+def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The conversation as chat templates (and the library) read it: an assistant's reasoning under both
+    names, as vLLM 0.33 hands it over. The plane names it `reasoning`; templates read `reasoning_content`;
+    an agent program may echo either. The list itself when no message needs it (the common turn)."""
+    out = messages
+    for i, message in enumerate(messages):
+        if message.get("role") != "assistant":
+            continue
+        named = message.get("reasoning")
+        reasoning = named if named is not None else message.get("reasoning_content")
+        if reasoning is None or named == message.get("reasoning_content"):
+            continue  # none, or under both names already
+        if out is messages:
+            out = list(messages)
+        out[i] = {**message, "reasoning": reasoning, "reasoning_content": reasoning}
+    return out
+
+
 def _message(
     content: str | None, reasoning: str | None, calls: list[ToolCall], ids: Sequence[int]
 ) -> dict[str, Any]:
     message: dict[str, Any] = {"role": "assistant", "content": content}
     if reasoning is not None:
-        message["reasoning_content"] = reasoning
+        message["reasoning"] = reasoning
     runnable = [call for call in calls if call.status in RUNNABLE]
     if runnable:
         # Deterministic ids where the format has none: the same completion parses to the same message.

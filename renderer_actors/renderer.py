@@ -44,7 +44,7 @@ from renderer_actors.calls import (
 from renderer_actors.config import DEFAULT_RENDERER_PREFIXES
 from renderer_actors.key import RendererKey
 from renderer_actors.library import build_library_renderer
-from renderer_actors.parse import ParsedCompletion, from_library
+from renderer_actors.parse import ParsedCompletion, from_library, template_messages
 from renderer_actors.template_shape import BUNDLED_SHAPE, ThinkShape, probe_close, probe_shape, template_ids
 from renderer_actors.tokenizer import FastTokenizer
 
@@ -124,6 +124,7 @@ class Renderer:
         tools: list[dict[str, Any]] | None = None,
         add_generation_prompt: bool = True,
     ) -> Rendered:
+        messages = template_messages(messages)
         if self.family == "default":
             return self._render_by_template(messages, tools, add_generation_prompt)
         library = self._history_renderer or self.library
@@ -145,6 +146,7 @@ class Renderer:
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, add_generation_prompt: bool
     ) -> list[int]:
         """The conversation's ids as the model's template renders them (the reference for every turn)."""
+        messages = template_messages(messages)
         if self.family == "default":
             return template_ids(self.tokenizer, messages, tools, add_generation_prompt, self.template_kwargs)
         if self._history_renderer is not None:

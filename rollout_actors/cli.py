@@ -4,6 +4,7 @@ rollouts run                          # embedded defaults: local Ray, stand-in s
 rollouts run --base-url http://vllm:8000/v1 --model Qwen/Qwen3-8B --env env_actors.examples.math_env:MathEnv
 rollouts run --config run.toml [--print-config]     # every option as a TOML file; flags override it
 rollouts report rollouts-20261130-120000.jsonl --png report.png
+rollouts pool-python ~/.pools/vf04 verifiers==0.4.0  # an env pool's interpreter (runtime_env py_executable)
 """
 
 from __future__ import annotations
@@ -122,6 +123,15 @@ def _parser() -> argparse.ArgumentParser:
         default=argparse.SUPPRESS,
         help="no progress bar: a plain status line every few seconds (e.g. under ray job submit)",
     )
+    pool_python = sub.add_parser(
+        "pool-python",
+        help="build an env pool's interpreter (runtime_env py_executable): packages over this one's",
+        description="Create a virtualenv at HOME that sees this interpreter's packages (ray, this project) "
+        "under its own, install the requirements into it, and print its python: an env pool's "
+        "`runtime_env.py_executable` for a stack whose packages clash with the plane's.",
+    )
+    pool_python.add_argument("home", help="the virtualenv's folder (recreated)")
+    pool_python.add_argument("requirements", nargs="*", help="what pip installs there, e.g. verifiers==0.4.0")
     report = sub.add_parser("report", help="summarise a finished run's JSON lines (and plot it)")
     report.add_argument("results", help="the JSON-lines file a run wrote")
     report.add_argument("--png", default=None, help="write the plots to this PNG file")
@@ -162,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if args.command == "report":
         return report(args.results, args.png)
+    if args.command == "pool-python":
+        return pool_python(args.home, args.requirements)
     try:
         config = load_run_config(args.config, overrides_from_flags(args))
     except ConfigError as exc:
@@ -188,6 +200,17 @@ def _runtime_env_arg(text: str) -> dict:
     if "working_dir" in value:
         value["working_dir"] = local(value["working_dir"])
     return value
+
+
+def pool_python(home: str, requirements: list[str]) -> int:
+    from env_actors.pool_python import PoolPythonError, build_pool_python
+
+    try:
+        print(build_pool_python(home, requirements))
+    except PoolPythonError as exc:
+        print(f"rollouts pool-python: {exc}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def report(path: str, png: str | None) -> int:

@@ -2,10 +2,11 @@
 built once into a cache folder and reused (`RAY_ROLLOUTS_STACKS`, default `~/.cache/ray-rollouts/stacks`).
 
 The packages clash with the plane's own (verifiers 0.4 needs `openai<3`, 0.3 brings `datasets`, the plane
-runs `openai` 3.x), so they never go into the test interpreter. A stack's virtualenv sees the cluster's
-packages (`--system-site-packages`: ray, pydantic, this project) under its own, which win; env pools run
-it through `runtime_env.py_executable`. Building needs PyPI (as `pip install -e .[test]` does); a stack
-that fails to build fails the tests that need it, with pip's output.
+runs `openai` 3.x), so they never go into the test interpreter. A stack is built the way a user builds a
+pool's interpreter (`env_actors.pool_python`, `rollouts pool-python`): its virtualenv sees the packages of
+the interpreter running the tests (ray, pydantic, this project; a venv's or not) under its own, which win;
+env pools run it through `runtime_env.py_executable`. Building needs PyPI (as `pip install -e .[test]`
+does); a stack that fails to build fails the tests that need it, with pip's output.
 """
 
 from __future__ import annotations
@@ -13,10 +14,11 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+from env_actors.pool_python import LAYER_PTH, build_pool_python
 
 STACKS = {
     "skyrl-gym": ["skyrl-gym==0.4.0"],
@@ -24,7 +26,6 @@ STACKS = {
     "verifiers-0.4": ["verifiers==0.4.0"],
 }
 """The releases the adapters are tested against."""
-BUILD_TIMEOUT_S = 1200  # a cold build on a 2-core CI machine takes a few minutes; past this pip is stuck
 FRAMEWORK_ENVS = Path(__file__).parent / "framework_envs"
 """The test environments, shipped to the pools with `runtime_env.py_modules`."""
 FRAMEWORK_VF_TASKS = Path(__file__).parent / "framework_vf_tasks"
@@ -40,7 +41,8 @@ def cache_dir() -> Path:
 def stack_python(name: str) -> str:
     """The interpreter of stack `name`, built first if the cache lacks it (concurrent callers wait)."""
     requirements = STACKS[name]
-    key = hashlib.sha256(f"{sys.version}|{sys.prefix}|{requirements}".encode()).hexdigest()[:12]
+    # The interpreter it layers over and how (a stack of another layout is never reused) are in the key.
+    key = hashlib.sha256(f"{sys.version}|{sys.prefix}|{LAYER_PTH}|{requirements}".encode()).hexdigest()[:12]
     home = cache_dir() / f"{name}-{key}"
     python = home / "bin" / "python"
     ready = home / ".ready"
@@ -49,16 +51,6 @@ def stack_python(name: str) -> str:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not ready.exists():
             started = time.monotonic()
-            _run([sys.executable, "-m", "venv", "--clear", "--system-site-packages", str(home)])
-            _run(
-                [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", *requirements]
-            )
+            build_pool_python(home, requirements)
             ready.write_text(f"built in {time.monotonic() - started:.0f} s\n")
     return str(python)
-
-
-def _run(command: list[str]) -> None:
-    done = subprocess.run(command, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
-    if done.returncode != 0:
-        tail = (done.stdout + done.stderr)[-4000:]
-        raise RuntimeError(f"building a test stack failed: {' '.join(command)}\n{tail}")

@@ -87,7 +87,7 @@ def test_a_route_serves_only_its_own_rollouts_key_and_refuses_calls_once_revoked
 
 def test_a_call_extends_what_was_seen_or_forks_with_the_reason():
     opening = [{"role": "system", "content": "s"}, {"role": "user", "content": "compute 1+2"}]
-    answered = {"role": "assistant", "content": None, "reasoning_content": "think", "tool_calls": [CALL]}
+    answered = {"role": "assistant", "content": None, "reasoning": "think", "tool_calls": [CALL]}
     seen = Seen([*opening, answered], tools_key([TOOL]))
     tool = {"role": "tool", "tool_call_id": "call_1", "content": "3"}
     # The SDK's echo: content "" or missing, reasoning dropped, arguments re-spaced, another call id.
@@ -118,25 +118,71 @@ print(f"pids {os.getpid()} {child.pid}", flush=True)
 time.sleep(600)
 """
 
+CHILD_THAT_LEFT_THE_GROUP = """
+import os, subprocess, sys, time
+ignore = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print(flush=True); time.sleep(600)"
+child = subprocess.Popen(
+    [sys.executable, "-c", ignore],
+    stdout=subprocess.PIPE,
+    start_new_session=True,  # a session and process group of its own, as a daemonising tool makes
+)
+child.stdout.readline()  # it ignores SIGTERM from here on
+print(f"pids {os.getpid()} {child.pid}", flush=True)
+time.sleep(600)
+"""
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan's reaping is its new parent's business), without a race between
+    looking the pid up and reading its state."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+async def _started(access: AgentAccess) -> list[int]:
+    deadline = time.monotonic() + 30
+    while "pids" not in access.output_tail():
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.05)
+    pids = [int(p) for p in access.output_tail().split("pids", 1)[1].split()[:2]]
+    assert all(_running(pid) for pid in pids)
+    return pids
+
 
 def test_a_subprocess_agent_and_what_it_forked_end_with_its_run():
     access = AgentAccess(base_url="http://127.0.0.1:9/v1", api_key="sk-agent-key-0123456789", model="m")
 
     async def scenario():
         run = asyncio.ensure_future(run_program([sys.executable, "-c", CHILD_AND_SLEEP], access))
-        deadline = time.monotonic() + 30
-        while "pids" not in access.output_tail():
-            assert time.monotonic() < deadline
-            await asyncio.sleep(0.05)
-        pids = [int(p) for p in access.output_tail().split("pids", 1)[1].split()[:2]]
-        assert all(psutil.pid_exists(pid) for pid in pids)
+        pids = await _started(access)
         run.cancel()
         with pytest.raises(asyncio.CancelledError):
             await run
-        return pids
+        # The run ends only once its processes did: looked at right away, no wait that could hide a race.
+        assert not any(_running(pid) for pid in pids)
 
-    pids = asyncio.run(asyncio.wait_for(scenario(), 60))
-    assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie" for pid in pids)
+    asyncio.run(asyncio.wait_for(scenario(), 60))
+
+
+def test_a_child_that_left_the_agents_group_and_ignores_sigterm_ends_with_a_twice_cancelled_run():
+    access = AgentAccess(base_url="http://127.0.0.1:9/v1", api_key="sk-agent-key-0123456789", model="m")
+
+    async def scenario():
+        run = asyncio.ensure_future(run_program([sys.executable, "-c", CHILD_THAT_LEFT_THE_GROUP], access))
+        leader, child = await _started(access)
+        run.cancel()
+        deadline = time.monotonic() + 30
+        while _running(leader):  # SIGTERM sent: the run is ending its processes (the child outlives it)
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.02)
+        run.cancel()  # a second cancel while it waits out the child's grace
+        with pytest.raises(asyncio.CancelledError):
+            await run
+        assert not _running(leader) and not _running(child)
+
+    asyncio.run(asyncio.wait_for(scenario(), 60))
 
 
 class Env:

@@ -59,14 +59,17 @@ def plane(env_pools: dict[str, Any]) -> RolloutPlane:
     )
 
 
-def request(standin, env: Ref, index: int, seed: int, mode: str = "token") -> RolloutRequest:
+def request(
+    standin, env: Ref, index: int, seed: int, mode: str = "token", think_rate: float | None = None
+) -> RolloutRequest:
+    headers = {"X-Standin-Correct-Rate": "0.5"}
+    if think_rate is not None:  # the stand-in's policy reasons this often in token mode (chat mode: always)
+        headers["X-Standin-Think-Rate"] = str(think_rate)
     return RolloutRequest(
         env=env,
         task_index=index,
         mode=mode,
-        client=ClientConfig(
-            base_url=standin.base_url, model=BUNDLED_MODEL, headers={"X-Standin-Correct-Rate": "0.5"}
-        ),
+        client=ClientConfig(base_url=standin.base_url, model=BUNDLED_MODEL, headers=headers),
         sampling=SamplingConfig(max_tokens=200, seed=seed),
         max_turns=6,  # more than any test environment allows: each ends its episodes itself
         return_messages=True,
@@ -139,8 +142,16 @@ CASES = {
     "vf1-raises": [(vf_v1(plugged_reward("explodes")), 0, 71)],
     "vf1-runtime": [(vf_v1(plugged_reward("on_disk")), 0, 72)],
     "vf1-agent": [(VF_V1_AGENT_ENV, i % 4, 61 + i, "agent") for i in range(4)],
+    **{
+        f"{label}-{mode}": [(env, i % 4, 81 + i, mode, 1.0) for i in range(4)]
+        for label, env in (
+            ("vf-reasoned", vf_classic("reasoning")),
+            ("vf1-reasoned", vf_v1(plugged_reward("reasoned"))),
+        )
+        for mode in ("token", "chat")
+    },
 }
-"""label -> (env, task index, seed[, mode]) of the rollouts one plane runs, every framework in its own pool."""
+"""label -> (env, task index, seed[, mode[, think rate]]) of the rollouts one plane runs, every framework in its own pool."""
 
 
 @pytest.fixture(scope="module")
@@ -280,6 +291,25 @@ def test_verifiers_v1_with_its_own_harness_in_agent_mode_matches_token_mode_toke
         [sample] = trainer_samples(result)
         assert sum(sample.loss_mask) == sum(len(t.completion_ids) for t in result.turns)
     assert len({r.reward for r in agent}) > 1, "the stand-in's answers should earn different rewards"
+
+
+def test_a_reward_that_reads_the_reasoning_gets_it_in_chat_mode_as_in_token_mode(plane_results):
+    """One field, one name, end to end: chat mode's reasoning (the server parsed it) reaches the environment
+    as token mode's does (the renderer parsed it), in both verifiers APIs."""
+
+    def reasoned(result: Result) -> float:  # what the rollout recorded: the turns' reasoning
+        return 1.0 if any(t.reasoning for t in result.turns) else 0.0
+
+    for label, seen in (
+        ("vf-reasoned", lambda r: r.metrics["reasoned"]),
+        ("vf1-reasoned", lambda r: r.components["reasoned"]),
+    ):
+        token, chat = plane_results[f"{label}-token"], plane_results[f"{label}-chat"]
+        for result in token + chat:
+            assert result.kind == "ok", result.error
+            assert seen(result) == reasoned(result), (label, [t.reasoning for t in result.turns])
+        assert all(reasoned(r) for r in token + chat), "the stand-in reasons on every turn here"
+        assert [seen(r) for r in chat] == [seen(r) for r in token] == [1.0] * len(token)
 
 
 def _rows_command(stack: str) -> list[str]:

@@ -13,7 +13,7 @@ import sys
 import time
 
 import pytest
-from readme import block, blocks, commands
+from readme import README, block, blocks, commands
 
 from renderer_actors.tokenizer import BUNDLED_MODEL
 
@@ -22,6 +22,10 @@ PYTHON_BLOCK_DEADLINE_S = 240
 NOT_RUN = {
     "pip install -e": "CI's own first step (`.ci/run`) installs '.[test]', a superset of every install here",
     "pytest": "the suite itself",
+    "python3 -m venv .venv": "CI's own first step (`.ci/run`) creates a fresh venv, `.venv-ci`",
+    ". .venv/bin/activate": "CI's own (`.ci/run`), in its `.venv-ci`",
+    "rollouts pool-python": "installs verifiers from PyPI; test_pool_python.py runs the subcommand with local "
+    "wheels, and test_env_adapters.py's framework stacks are built by the same code",
     "ray stop": "stops every Ray process of the user, this suite's included; test_job_submit ends its head "
     "by its own processes instead",
     "ray get-auth-token": "writes the user's ~/.ray/auth_token; the dev-loop test gives its head a private token",
@@ -91,6 +95,16 @@ def test_quick_start_runs_the_main_job_on_embedded_defaults(tmp_path):
     (results,) = list(tmp_path.glob("rollouts-*.jsonl"))
     assert len(results.read_text().splitlines()) == 256
     assert time.monotonic() - started < 280
+
+
+def test_ci_runs_the_readme_test_command_in_a_venv_of_its_own():
+    """`.ci/run` is the README's test line, in a venv it creates afresh (`.venv-ci`, so a developer's
+    `.venv` is never replaced): nothing installed on the machine can hide a dependency the project lacks."""
+    code = [line.split(" #", 1)[0].strip() for line in block("Quick start", "bash").code.splitlines()]
+    (line,) = [command for command in code if command.endswith("pytest")]
+    ci = (README.parent / ".ci" / "run").read_text().splitlines()
+    assert ci[-1] == line.replace(".venv", ".venv-ci"), ci[-1]
+    assert "rm -rf .venv-ci" in ci
 
 
 def test_every_readme_command_is_run_by_a_test_or_says_why_not():

@@ -76,9 +76,13 @@ def case(name: str) -> tuple[Renderer, Any, dict[str, Any]]:
 
 
 def template(hf: Any, kwargs: dict[str, Any], messages, tools, add_generation_prompt: bool) -> list[int]:
-    """The reference: the template's own render, tokenised by Hugging Face."""
+    """The reference: the template's own render, tokenised by Hugging Face, of the messages as vLLM hands
+    them over (an assistant's `reasoning` under both names)."""
+    handed = [
+        {**m, "reasoning_content": m["reasoning"]} if m.get("reasoning") is not None else m for m in messages
+    ]
     ids = hf.apply_chat_template(
-        messages,
+        handed,
         tools=tools,
         add_generation_prompt=add_generation_prompt,
         tokenize=True,

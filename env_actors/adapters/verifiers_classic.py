@@ -259,7 +259,7 @@ def _response(vf: Any, message: Message) -> Any:
     calls = sampled_tool_calls(vf, message)
     reply = vf.ResponseMessage(
         content=message.get("content"),
-        reasoning_content=message.get("reasoning_content"),
+        reasoning_content=message.get("reasoning"),  # the plane's name for it, in every mode
         tool_calls=calls or None,
         finish_reason="tool_calls" if calls else "stop",
         is_truncated=False,

@@ -337,7 +337,7 @@ def _response(vf: Any, message: Message) -> Any:
     calls = sampled_tool_calls(vf, message)
     reply = vf.AssistantMessage(
         content=message.get("content"),
-        reasoning_content=message.get("reasoning_content"),
+        reasoning_content=message.get("reasoning"),  # the plane's name for it, in every mode
         tool_calls=calls or None,
     )
     finish = "tool_calls" if calls else "stop"

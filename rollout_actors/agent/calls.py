@@ -125,8 +125,8 @@ class AgentCalls:
         prompt_tokens = self._context
         self._context += len(turn.completion_ids)
         message = {"role": "assistant", "content": assistant.get("content")}
-        if assistant.get("reasoning_content") is not None:
-            message["reasoning_content"] = assistant["reasoning_content"]
+        if assistant.get("reasoning") is not None:
+            message["reasoning"] = assistant["reasoning"]  # vLLM 0.33's field
         if assistant.get("tool_calls"):
             message["tool_calls"] = assistant["tool_calls"]
             finish = "tool_calls"

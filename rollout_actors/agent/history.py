@@ -11,7 +11,7 @@ previous call's messages and tools plus the assistant message it answered) and c
   retried call). The trajectory starts a new branch from a full render of the call, explicitly.
 
 An echoed assistant message matches on content and tool calls (name and arguments, as JSON values); its
-tool-call ids and a missing `reasoning_content` are not compared, since SDKs drop or rename both (the
+tool-call ids and a missing `reasoning` are not compared, since SDKs drop or rename both (the
 sampled reasoning stays in the prompt: the trajectory bridges the sampled ids, not the echo).
 """
 
@@ -78,8 +78,8 @@ def _same(known: Message, sent: Message) -> bool:
             return False
         if _calls(known) != _calls(sent):
             return False
-        reasoning = sent.get("reasoning_content")
-        return reasoning is None or reasoning == known.get("reasoning_content")
+        reasoning = sent.get("reasoning", sent.get("reasoning_content"))  # the name vLLM 0.33 renames
+        return reasoning is None or reasoning == known.get("reasoning")
     return _text(known.get("content")) == _text(sent.get("content")) and all(
         known.get(key) == sent.get(key) for key in ("name", "tool_call_id")
     )

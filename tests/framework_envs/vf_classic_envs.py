@@ -7,6 +7,7 @@
   turn), for up to two tries.
 - `group`: a rubric with a group reward function (refused at load by the adapter).
 - `raises`: a reward function that raises (a score failure, never a silent 0.0).
+- `reasoning`: a reward that reads the model's reasoning (weight 0.5): whether it reasoned at all.
 """
 
 import re
@@ -73,6 +74,15 @@ def group_diversity(completions) -> list[float]:
     return [1.0 / answers.count(a) for a in answers]
 
 
+def reasoned(completion) -> float:
+    """Whether the model reasoned before answering: verifiers hands the reasoning over as `reasoning_content`."""
+    for message in completion:
+        get = message.get if isinstance(message, dict) else lambda key, m=message: getattr(m, key, None)
+        if get("role") == "assistant" and get("reasoning_content"):
+            return 1.0
+    return 0.0
+
+
 def explodes(completion) -> float:
     raise ZeroDivisionError("the grader divided by zero")
 
@@ -101,7 +111,11 @@ def load_environment(kind: str = "tools"):
     if kind == "follow_up":
         rubric = vf.Rubric(funcs=[correct, boxed], weights=[1.0, 0.2])
         return FollowUpMath(dataset=Dataset.from_list(rows), rubric=rubric, max_turns=2)
-    funcs = {"group": [correct, group_diversity], "raises": [correct, explodes]}[kind]
+    funcs = {
+        "group": [correct, group_diversity],
+        "raises": [correct, explodes],
+        "reasoning": [correct, reasoned],
+    }[kind]
     return vf.SingleTurnEnv(
         dataset=Dataset.from_list(rows), rubric=vf.Rubric(funcs=funcs, weights=[1.0, 0.5])
     )

@@ -4,7 +4,8 @@
 Installed as a top-level package, as verifiers loads tasksets by id (`framework-vf-tasks`); the env
 pools ship it with `runtime_env.py_modules`. The config plugs in more, as `vf-eval`'s `--env.taskset.task.*`
 would: `task.rewards.explodes.fn = "framework_vf_tasks:explodes"` (a reward that raises),
-`task.rewards.on_disk.fn = "framework_vf_tasks:on_disk"` (a reward that needs a runtime).
+`task.rewards.on_disk.fn = "framework_vf_tasks:on_disk"` (a reward that needs a runtime),
+`task.rewards.reasoned.fn = "framework_vf_tasks:reasoned"` (a reward that reads the model's reasoning).
 """
 
 import re
@@ -56,6 +57,10 @@ class MathTaskset(vf.Taskset[MathTask, vf.TasksetConfig]):
 
 async def explodes(trace: vf.Trace) -> float:
     raise ZeroDivisionError("the grader divided by zero")
+
+
+async def reasoned(trace: vf.Trace) -> float:
+    return 1.0 if any(m.reasoning_content for m in trace.assistant_messages) else 0.0
 
 
 async def on_disk(trace: vf.Trace, runtime: vf.Runtime) -> float:
