@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from env_actors.config import EnvPoolConfig, EnvServerHealth, EnvServerInfo
-from env_actors.runtime_env_check import started_unless_pip_fails
+from env_actors.runtime_env_check import started_unless_env_fails
 from env_actors.sessions import OpenSessions
 from env_actors.spawn import create_env_server
 from rollout_actors.kernel import Failure, Ref
@@ -176,8 +176,8 @@ class Supervisor(KernelSupervisor[ServerSlot], ChildKind[ServerSlot]):
 
     async def handshake(self, slot: ServerSlot) -> None:
         try:
-            # pip's verdict on the pool's own packages, beside Ray's slower build of them
-            response = await started_unless_pip_fails(
+            # the pool's own packages and interpreter checked beside Ray's start, which reports neither soon
+            response = await started_unless_env_fails(
                 resolve(slot.handle.start.remote()), self.config.runtime_env
             )
         except Exception as exc:

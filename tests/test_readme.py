@@ -74,6 +74,48 @@ def test_python_block_runs(snippet, ray_session, standin):
         exec(code, namespace)
 
 
+ORCHESTRATOR_CPUS = 2
+"""What a plain `ray.init()` gives on a 2-core machine: as many CPUs as the default lanes' two rollout
+workers ask, none left for an env server or a renderer unless the plane fits its requests to the cluster."""
+ORCHESTRATOR_DEADLINE_S = 240  # two runs of the example in one Ray of its own; the old way waited 141 s each
+
+
+@pytest.mark.slow
+@pytest.mark.ray  # the example runs in a Ray of its own, sized as a 2-core machine's `ray.init()`
+@pytest.mark.timeout(ORCHESTRATOR_DEADLINE_S + 30)
+def test_the_orchestrator_example_runs_on_a_two_cpu_ray_and_names_a_missing_key(standin):
+    example = block("Using it from an orchestrator", "python")
+    with_key = _substitute(example.code, standin.base_url)
+    without_key = with_key.replace('"RAY_ROLLOUTS_TEST_SECRET"', '"RAY_ROLLOUTS_UNSET_KEY"')
+    assert without_key != with_key
+    script = "\n".join(
+        [
+            "import ray",
+            f"ray.init(address='local', num_cpus={ORCHESTRATOR_CPUS}, include_dashboard=False)",
+            f"exec(compile({with_key!r}, 'README.md', 'exec'), {{'__name__': '__readme__'}})",
+            "print('--- the key variable unset', flush=True)",
+            f"exec(compile({without_key!r}, 'README.md', 'exec'), {{'__name__': '__readme__'}})",
+        ]
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_ROLLOUTS_UNSET_KEY")}
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=ORCHESTRATOR_DEADLINE_S,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    with_key_out, without_key_out = done.stdout.split("--- the key variable unset")
+    kinds = ("ok", "model", "env", "infrastructure", "caller", "cancelled")
+    answered = [line for line in with_key_out.splitlines() if line.split(" ", 1)[0] in kinds]
+    assert [line.split(" ", 1)[0] for line in answered] == ["ok"] * 8, with_key_out
+    refused = [line for line in without_key_out.splitlines() if line.split(" ", 1)[0] in kinds]
+    assert len(refused) == 8, without_key_out
+    for line in refused:  # the caller's own mistake, and which variable, in the example's own output
+        assert line.startswith("caller ") and "RAY_ROLLOUTS_UNSET_KEY" in line, line
+
+
 @pytest.mark.slow
 @pytest.mark.ray  # `rollouts run` starts a Ray of its own
 @pytest.mark.timeout(300)

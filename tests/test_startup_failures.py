@@ -1,16 +1,23 @@
 """Deterministic startup failures fail fast and once (DESIGN.md contract 8): a renderer key that cannot load
 fails every waiting and new rollout of that key with the load's traceback, without re-dispatching any,
 `caller` where the request named something no hub could serve, `infrastructure` otherwise; the failure is
-remembered for the key (no second renderer spawned for it while held). Real renderer actors."""
+remembered for the key (no second renderer spawned for it while held); an env pool whose interpreter cannot
+start a Ray worker fails every rollout of its pool as `caller`, quoting the interpreter's own error, long
+before the readiness deadline. Real actors."""
 
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import ray
 from env_pools import TEST_REF_PREFIXES
 
+from renderer_actors.tokenizer import BUNDLED_MODEL
 from rollout_actors.plane import PlaneConfig, RolloutPlane
 from rollout_actors.wire import ClientConfig, Ref, RendererConfig, RolloutRequest, SamplingConfig
 
@@ -63,3 +70,67 @@ def test_a_tokenizer_that_cannot_load_fails_every_rollout_of_its_key_once_and_is
     assert {(r.kind, r.error.fault, r.attempts) for r in nowhere} == {("caller", "load", 1)}
     assert stats.redispatched == 0 and stats.kinds["infrastructure"] == 32 and stats.kinds["caller"] == 2
     assert renderers.startup_failures == 2  # one load per key, not one per rollout or per wave
+
+
+MATH = Ref(target="env_actors.examples.math_env:MathEnv")
+INTERPRETER_DEADLINE_S = (
+    60  # well below the readiness wait (120 s) an interpreter that cannot start used to cost
+)
+
+
+def venv_python(folder, *, ray_module: str | None = None) -> str:
+    """A fresh virtualenv's interpreter, without this suite's packages (no `ray`), or with a `ray` package
+    whose import runs `ray_module`."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(folder)], check=True, timeout=120)
+    python = str(folder / "bin" / "python")
+    if ray_module is not None:
+        where = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
+        site = subprocess.run([python, "-c", where], capture_output=True, text=True, check=True).stdout
+        (Path(site.strip()) / "ray").mkdir(parents=True)
+        (Path(site.strip()) / "ray" / "__init__.py").write_text(ray_module)
+    return python
+
+
+def test_a_pool_interpreter_that_cannot_start_a_ray_worker_fails_every_rollout_as_caller_with_its_error(
+    ray_session, standin, tmp_path
+):
+    bare = venv_python(tmp_path / "bare")
+    crashing = venv_python(
+        tmp_path / "crashing", ray_module="raise RuntimeError('planted: ray broke here')\n"
+    )
+    pools = {
+        CALC.target: {"num_cpus": 0.25, "runtime_env": {"py_executable": bare}},
+        MATH.target: {"num_cpus": 0.25, "runtime_env": {"py_executable": crashing}},
+    }
+    config = PlaneConfig(
+        lanes={"train": 64},
+        workers=1,
+        worker_num_cpus=0.25,
+        env_pools=pools,
+        allowed_ref_prefixes=TEST_REF_PREFIXES,
+    )
+    requests = [
+        request(standin, BUNDLED_MODEL, i).model_copy(update={"env": env})
+        for env in (CALC, MATH)
+        for i in range(8)
+    ]
+
+    async def scenario():
+        async with RolloutPlane(config) as plane:
+            submitted = time.monotonic()
+            for item in requests:
+                await plane.submit(item)
+            results = [await plane.next_result(timeout=INTERPRETER_DEADLINE_S) for _ in requests]
+            print(
+                f"\ninterpreter cannot start a Ray worker: 16 rollouts answered {time.monotonic() - submitted:.1f} s after submit"
+            )
+            return {r.request_id: r for r in results}
+
+    by_id = asyncio.run(asyncio.wait_for(scenario(), INTERPRETER_DEADLINE_S))
+    for item in requests:
+        result = by_id[item.request_id]
+        python, cause = (
+            (bare, "No module named 'ray'") if item.env == CALC else (crashing, "planted: ray broke here")
+        )
+        assert result.kind == "caller" and result.attempts == 1, result.error
+        assert python in result.error.message and cause in result.error.message, result.error.message

@@ -49,6 +49,11 @@ class PlaneConfig(BaseModel):
     """RolloutWorker actors; `None` sizes from the lane bounds and `rollouts_per_worker`."""
     rollouts_per_worker: int = 1024
     worker_num_cpus: float = 1.0
+    fit_cpus: bool | None = None
+    """Scale every CPU request of the plane's actors (workers, renderers, env servers) down at `start()`
+    when the cluster's free CPUs cannot hold its smallest working set (`rollout_actors.plane.sizing`).
+    None: where the cluster cannot grow, a local Ray this process started (`ray.init()`); on a cluster an
+    autoscaler grows, a set that does not fit is named in a warning and left to it."""
     hang_timeout_s: float = 30.0
     """A worker that misses liveness probes this long is lost (Ray takes ~65 s to declare a hung node)."""
     probe_interval_s: float = 2.0

@@ -39,6 +39,7 @@ from rollout_actors.plane.naming import PoolNames
 from rollout_actors.plane.placement import Placement, prefix_key
 from rollout_actors.plane.redispatch import RedispatchRule
 from rollout_actors.plane.shared_pools import SharedPools
+from rollout_actors.plane.sizing import cpu_fit, started_here
 from rollout_actors.plane.stats import PlaneStats, WorkerStats
 from rollout_actors.plane.streams import ResultStreams
 from rollout_actors.plane.submission import Intake
@@ -153,6 +154,7 @@ class RolloutPlane:
     async def start(self) -> RolloutPlane:
         if not ray.is_initialized():
             ray.init()
+        self._fit_to_cluster()
         # Side by side: a worker looks its pools up per dispatch, so neither start waits for the other.
         started = await asyncio.gather(self._pools.start(), self._workers.start(), return_exceptions=True)
         failed = [outcome for outcome in started if isinstance(outcome, BaseException)]
@@ -167,6 +169,17 @@ class RolloutPlane:
             self._controller_task = asyncio.get_running_loop().create_task(self._controller.run())
         self._started = True
         return self
+
+    def _fit_to_cluster(self) -> None:
+        """Scale the actors' CPU requests to the cluster's free CPUs where they cannot all start and the
+        cluster cannot grow (`PlaneConfig.fit_cpus`); say so either way: never a silent wait for CPUs."""
+        fit = cpu_fit(self.config, self._workers.floor, ray.available_resources().get("CPU", 0.0))
+        if fit.scale < 1 and (started_here() if self.config.fit_cpus is None else self.config.fit_cpus):
+            log.warning("%s: every CPU request scaled by %.3g to fit", fit.describe(), fit.scale)
+            self.config = self._pools.config = fit.config
+            self._workers.num_cpus = fit.config.worker_num_cpus
+        elif fit.need > fit.free:
+            log.warning("%s: its actors wait for CPUs (an autoscaler's, or a release)", fit.describe())
 
     async def close(self) -> None:
         """Cancel what is still running, then stop workers and pools. Every request still gets its result."""

@@ -49,7 +49,8 @@ POOL_READY_TIMEOUT_S = 60.0  # the renderer pool's own process start (it loads n
 class SharedPools:
     def __init__(self, names: PoolNames, config: PlaneConfig) -> None:
         self._names = names
-        self._config = config
+        self.config = config
+        """What pools are started with (the plane fits its CPU requests to the cluster at `start`)."""
         self._driver_node: str | None = None
         self._renderer: SupervisedPool | None = None
         self._env: dict[str, tuple[SupervisedPool, asyncio.Future[Any]]] = {}
@@ -64,7 +65,7 @@ class SharedPools:
             "renderer pool",
             self._names.renderer_pool,
             self._start_renderer_pool,
-            self._config.pool_supervision,
+            self.config.pool_supervision,
         )
         await self._renderer.start()
 
@@ -82,7 +83,7 @@ class SharedPools:
                 f"env pool {env.target} ({key})",
                 self._names.env_pool(env),
                 lambda name: self._start_env_pool(env, name),
-                self._config.pool_supervision,
+                self.config.pool_supervision,
             )
             entry = self._env[key] = (pool, asyncio.ensure_future(pool.start()))
             entry[1].add_done_callback(lambda done, key=key: self._stamp_failure(key, done))
@@ -174,7 +175,7 @@ class SharedPools:
 
     async def _start_renderer_pool(self, name: str) -> Any:
         handle = get_or_create_renderer_pool(
-            name, self._config.renderer_pool, scheduling_strategy=await self._placement()
+            name, self.config.renderer_pool, scheduling_strategy=await self._placement()
         )
         try:
             await asyncio.wait_for(handle.health.remote(), POOL_READY_TIMEOUT_S)
@@ -184,21 +185,21 @@ class SharedPools:
         return handle
 
     async def _start_env_pool(self, env: Ref, name: str) -> Any:
-        config: EnvPoolConfig = self._config.env_pools.get(env.target, self._config.env_pool)
+        config: EnvPoolConfig = self.config.env_pools.get(env.target, self.config.env_pool)
         if config.allowed_ref_prefixes is None:  # the plane's allowlist, unless the pool names its own
-            config = config.model_copy(update={"allowed_ref_prefixes": self._config.allowed_ref_prefixes})
+            config = config.model_copy(update={"allowed_ref_prefixes": self.config.allowed_ref_prefixes})
         return await start_env_pool(
             name,
             env,
             config,
-            ready_timeout=self._config.env_ready_timeout_s,
+            ready_timeout=self.config.env_ready_timeout_s,
             scheduling_strategy=await self._placement(),
         )
 
     async def _placement(self) -> NodeAffinitySchedulingStrategy:
         """Pinned (not soft: Ray's soft affinity moves an actor elsewhere whenever it likes) to the
         configured node while it is alive, else to the driver's node, which lives as long as the plane."""
-        wanted = self._config.pool_supervision.node_id
+        wanted = self.config.pool_supervision.node_id
         if wanted is not None and wanted != self._driver_node:
             nodes = await asyncio.to_thread(ray.nodes)  # a GCS call: kept off the plane's event loop
             if any(node["NodeID"] == wanted and node["Alive"] for node in nodes):

@@ -75,6 +75,8 @@ class WorkerSet(Supervisor[WorkerSlot], ChildKind[WorkerSlot]):
     ) -> None:
         self._names = names
         self._cls = remote_worker_class(num_cpus)
+        self.num_cpus = num_cpus
+        """Each worker's CPU request, from the next spawn on (the plane fits it to the cluster at start)."""
         self._limits = limits
         self._capacity = capacity
         """Rollouts one worker is sized for. Beyond it, a dispatch waits for a replacement being started
@@ -136,7 +138,9 @@ class WorkerSet(Supervisor[WorkerSlot], ChildKind[WorkerSlot]):
 
     def create(self, name: str) -> WorkerSlot:
         name = f"{self._names.prefix}/worker-{self.spawns}"
-        return WorkerSlot(name, self._cls.options(name=name).remote(self._limits, name))
+        return WorkerSlot(
+            name, self._cls.options(name=name, num_cpus=self.num_cpus).remote(self._limits, name)
+        )
 
     async def handshake(self, slot: WorkerSlot) -> None:
         slot.owner = (await slot.handle.ping.remote()).actor_id
