@@ -144,7 +144,8 @@ class EnvServerHealth(Health):
     phase: str
     """`created`, `constructing`, `loading`, `ready` or `failed`."""
     blocking: str | None = None
-    """The session whose env call holds the server's loop, once it has held it a while."""
+    """The session whose env call holds the server's loop, once it has held it a while, or whose env code
+    runs on in a thread past its call's deadline (`env_calls`; `loop_stall_s` then counts from there)."""
     sessions: int = 0
     calls: int = 0
     """Env calls running now (an operator, or a test, sees a call start without guessing)."""
