@@ -194,6 +194,9 @@ class EnvPoolStats(BaseModel):
     culprit_replacements: int = 0
     """Servers wedged by a known session's call and replaced outside the restart budget: the request that
     wedged each is charged instead (its poison bound limits what it costs)."""
+    quarantined: int = 0
+    """Servers started for one suspect session alone (quarantine: its request lost env servers at one point
+    among other sessions twice), outside the restart budget."""
     spawning_stopped: str | None = None
     """Set when the pool gave up spawning (a crash loop); why."""
     retired: list[str] = Field(default_factory=list)
