@@ -11,8 +11,9 @@ The kernel decides what a death means (probes, wedges, retirement, replacement o
   the initial `min_servers` (replacement or growth) spends one restart from the budget, but one:
 - blame: a server judged wedged while one session's call blocked its loop (`ServerSlot.blocking`, named
   by its probe answers; asked once more before retirement when they named nobody) is replaced outside
-  the budget; so is a server started for one suspect session alone (quarantine, `spawn_alone`). That request pays for it instead: its poison bound (two servers at one point,
-  `max_dispatches` in all) limits what it costs, and its fellow sessions are told they were collateral.
+  the budget, and so is a server started for one suspect session alone (quarantine, `spawn_alone`).
+  That request pays for it instead: its poison bound (two servers at one point, `max_dispatches` in
+  all) limits what it costs, and its fellow sessions are told they were collateral.
   Losses nobody can be blamed for (deaths, wedges of unknown cause, spawn failures) spend the budget.
 """
 

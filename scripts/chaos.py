@@ -408,9 +408,8 @@ def report(
         f"  re-dispatched          {stats.redispatched}  (results by attempts: {dict(sorted(attempts.items()))})"
     )
     print(f"  duplicates dropped     {stats.duplicates_dropped}")
-    print(
-        f"  quarantined            {stats.counters.get('quarantined', 0)}  (run alone on an env server of its own)"
-    )
+    quarantined = stats.counters.get("quarantined", 0)
+    print(f"  quarantined            {quarantined}  (dispatched alone on an env server of its own)")
     print(f"  rollout workers lost   {stats.workers_lost}")
     pool = chaos.env_pool
     print("\nrestarts vs budget")
