@@ -145,7 +145,8 @@ class EnvServerHealth(Health):
     phase: str
     """`created`, `constructing`, `loading`, `ready` or `failed`."""
     blocking: str | None = None
-    """The session whose env call holds the server's loop, once it has held it a while."""
+    """The session whose env call holds the server's loop, once it has held it a while, or whose env code
+    runs on in a thread past its call's deadline (`env_calls`; `loop_stall_s` then counts from there)."""
     sessions: int = 0
     calls: int = 0
     """Env calls running now (an operator, or a test, sees a call start without guessing)."""
@@ -194,6 +195,9 @@ class EnvPoolStats(BaseModel):
     culprit_replacements: int = 0
     """Servers wedged by a known session's call and replaced outside the restart budget: the request that
     wedged each is charged instead (its poison bound limits what it costs)."""
+    quarantined: int = 0
+    """Servers started for one suspect session alone (quarantine: its request lost env servers at one point
+    among other sessions twice), outside the restart budget."""
     spawning_stopped: str | None = None
     """Set when the pool gave up spawning (a crash loop); why."""
     retired: list[str] = Field(default_factory=list)

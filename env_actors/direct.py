@@ -141,10 +141,16 @@ async def call_server(
     return unwrap(response, method)
 
 
-async def place(pool: Any, session_id: str, timeout: float) -> tuple[str, Any]:
-    """(server name, handle) the pool placed the new session on; `EnvCallFailed` if it could not."""
-    value = await pool_call(_place(pool, session_id, timeout), timeout, "place")
-    return value["server_name"], value["handle"]
+async def place(pool: Any, session_id: str, timeout: float, alone: bool = False) -> tuple[str, Any]:
+    """(server name, handle) the pool placed the new session on; `EnvCallFailed` if it could not. `alone`:
+    on a server started for it alone (quarantine: rare, so asked on its own, not batched)."""
+    if not alone:
+        value = await pool_call(_place(pool, session_id, timeout), timeout, "place")
+        return value["server_name"], value["handle"]
+    wait_s = min(timeout, MAX_PLACE_WAIT_S)
+    answer = resolve(pool.place_alone.remote(session_id, process_owner(), wait_s))
+    value = await pool_call(answer, wait_s + POOL_NOTICE_TIMEOUT_S, "place")
+    return value["server_name"], SERVERS.keep(value["server_name"], value["handle"], {})
 
 
 async def pool_call(answer: Awaitable[EnvResponse], wait_s: float, method: str) -> Any:

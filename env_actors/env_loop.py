@@ -18,6 +18,8 @@ import threading
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
+from env_actors.env_calls import in_thread
+
 try:
     from uvloop import new_event_loop  # as Ray's own loops, where it is installed
 except ImportError:  # pragma: no cover - platforms without uvloop
@@ -50,8 +52,9 @@ class EnvLoop:
 async def run_env_code(method: Callable[..., Any], *args: Any) -> Any:
     """Call one environment method: a coroutine function on this loop, a plain function in a thread, so
     synchronous environment code (a CPU-bound reward) leaves the loop turning and the server answering.
-    A thread cannot be stopped: past its deadline the call is answered as failed and the thread runs on."""
+    A thread cannot be stopped: past its deadline the call is answered as failed and the thread runs on,
+    tagged with its call (`env_calls`), so a thread stuck for good wedges the server, named."""
     if inspect.iscoroutinefunction(method):
         return await method(*args)
-    value = await asyncio.to_thread(method, *args)
+    value = await asyncio.to_thread(in_thread, method, *args)
     return await value if inspect.isawaitable(value) else value

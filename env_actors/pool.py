@@ -125,15 +125,8 @@ class EnvPool:
         held = frozenset(known or ())
         answers = []
         for session_id in session_ids:
-            if self._closed:
-                answers.append(self._closed_response())
-                continue
-            if owner is not None and owner in self._lost_owners:
-                lost = Failure(type="OwnerLost", message=f"the opener {owner} was lost; nothing is placed")
-                answers.append(EnvResponse.failed(lost))
-                continue
-            if session_id in self._sessions:
-                answers.append(_caller_failure("DuplicateEnvSession", f"session id {session_id!r} is in use"))
+            if (refused := self._refused(session_id, owner)) is not None:
+                answers.append(refused)
                 continue
             slot = await self._supervisor.wait_for(self._supervisor.least_busy, wait_s)
             if slot is None:
@@ -143,6 +136,35 @@ class EnvPool:
             handle = None if slot.name in held else slot.handle
             answers.append(EnvResponse.ok({"server_name": slot.name, "handle": handle}, slot.name))
         return answers
+
+    async def place_alone(self, session_id: str, owner: str | None, wait_s: float) -> EnvResponse:
+        """Place a new session alone on a server started for it (quarantine: the request's earlier
+        dispatches lost env servers at one point among other sessions, so a loss here names it). That
+        server takes no other session while this one is open, then serves like any other; its spawn is
+        the request's cost, bounded by its dispatches, not the restart budget's. Waits for it up to
+        `wait_s`; the value is as `place_many`'s, with the handle."""
+        if (refused := self._refused(session_id, owner)) is not None:
+            return refused
+        slot = self._supervisor.spawn_alone(session_id)
+        if slot is None:
+            return self._no_live_worker()
+        await asyncio.wait({slot.up}, timeout=wait_s)
+        if (refused := self._refused(session_id, owner)) is not None or slot.state != "ready":
+            slot.alone_for = None  # it serves like any other server, once it is ready
+            return refused or self._no_live_worker()
+        self._sessions.add(session_id, slot.name, time.monotonic(), owner)
+        return EnvResponse.ok({"server_name": slot.name, "handle": slot.handle}, slot.name)
+
+    def _refused(self, session_id: str, owner: str | None) -> EnvResponse | None:
+        """Why a new session cannot be placed (the pool closed, its opener lost, its id taken), or None."""
+        if self._closed:
+            return self._closed_response()
+        if owner is not None and owner in self._lost_owners:
+            lost = Failure(type="OwnerLost", message=f"the opener {owner} was lost; nothing is placed")
+            return EnvResponse.failed(lost)
+        if session_id in self._sessions:
+            return _caller_failure("DuplicateEnvSession", f"session id {session_id!r} is in use")
+        return None
 
     async def close_owned(self, owner: str) -> int:
         """The actor `owner` was lost (a rollout worker killed or dead): end every session it opened, on
@@ -171,8 +193,10 @@ class EnvPool:
         retired = self._supervisor.retired.get(worker)
         reason, cause = retired.gone.result() if retired else (f"died: {detail}", "died")
         how = "wedged" if cause == "wedged" else "died"
-        blocking = retired.blocking if retired is not None and how == "wedged" else None
-        culprit = None if blocking is None or session_id is None else blocking == session_id
+        named = None  # the call that wedged it, else the one session it held (alone, it lost it)
+        if retired is not None:
+            named = (retired.blocking if how == "wedged" else None) or retired.only_session
+        culprit = None if named is None or session_id is None else named == session_id
         return reason, how, culprit
 
     async def worker_unreachable(self, worker: str) -> None:
@@ -208,6 +232,7 @@ class EnvPool:
             restarts_left=sup.budget.remaining(),
             budget_denials=sup.budget_denials,
             culprit_replacements=sup.spawned_for["blamed"],
+            quarantined=sup.spawned_for["quarantine"],
             spawning_stopped=sup.stopped,
             retired=[
                 f"{name}: {c.gone.result()[0]}" for name, c in list(sup.retired.items())[-RETIRED_SHOWN:]
@@ -263,6 +288,8 @@ class EnvPool:
     def _forget(self, session_id: str) -> None:
         session = self._sessions.pop(session_id)
         slot = self._supervisor.children.get(session.worker) if session else None
+        if slot is not None and slot.alone_for == session_id:
+            slot.alone_for = None  # its quarantine is over: it serves like any other server
         if slot is not None and not self._sessions.on(slot.name):
             slot.idle_since = time.monotonic()
 

@@ -8,7 +8,8 @@ Three event loops, by design: calls arrive on Ray's default concurrency group an
 code on the server's own loop (`env_loop.py` says why); `health` runs on the `probe` group, whose loop is
 its own thread. A probe therefore answers while environment code blocks the env loop, and reports how
 long that loop has been stalled (`loop_stall_s`): the supervisor treats a stall past `hang_timeout_s`
-like a frozen process. A frozen (SIGSTOPped) or lost process answers nothing.
+like a frozen process. Environment code stuck in a thread past its call's deadline (`env_calls`) is
+reported the same way, its session named. A frozen (SIGSTOPped) or lost process answers nothing.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import ray
 
 from env_actors.agent import AGENT_GUARD_SLACK_S, AgentEndpoint, run_agent_session
 from env_actors.config import EnvCallLimits, EnvServerHealth
+from env_actors.env_calls import CALL, CallTag, stuck_call
 from env_actors.env_loop import EnvLoop, run_env_code
 from env_actors.interface import EnvAnswer, EnvCall, EnvResponse, ResetOut, ScoreOut, StepOut, check_index
 from env_actors.shared_deadline import SharedDeadline
@@ -143,10 +145,15 @@ class EnvServer:
         if self._sampler is None and self._loop_thread is not None:
             self._sampler = asyncio.create_task(self._sample())  # on this, the probe group's loop
         stall = self._watch.stall_s() if self._loop_thread is not None else 0.0
+        blocking = self._blocking_session() if stall > BLOCKING_AFTER_S else None
+        if (stuck := stuck_call()) is not None and stuck[1] > stall:
+            # Env code stuck in a thread past its call's deadline: that thread is lost for good (and with
+            # it, for an adapter's framework loop, every session's calls), while the env loop turns.
+            blocking, stall = stuck
         return EnvServerHealth(
             phase=self._phase,
             loop_stall_s=stall,
-            blocking=self._blocking_session() if stall > BLOCKING_AFTER_S else None,
+            blocking=blocking,
             sessions=len(self._sessions),
             calls=sum(self._busy.values()),
             pid=os.getpid(),
@@ -315,8 +322,10 @@ class EnvServer:
         """Run one call under its deadline (`timeout` from now, or the shared `deadline`) and answer it as
         an `EnvResponse`. A session's call counts as busy while it runs (the reaper never takes it for
         idle) and marks the session used when it ends."""
+        tagged = None
         if session_id is not None:
             self._busy[session_id] = self._busy.get(session_id, 0) + 1
+            tagged = CALL.set(CallTag(session_id, time.monotonic() + timeout))  # this call's task only
         # A scope, not `wait_for`: no second task per call.
         scope = asyncio.timeout(timeout if deadline is None else None)
         try:
@@ -338,6 +347,8 @@ class EnvServer:
                 deadline.leave(scope)
             if session_id is not None:
                 self._release(session_id)
+            if tagged is not None:
+                CALL.reset(tagged)
 
     def _release(self, session_id: str) -> None:
         if busy := self._busy[session_id] - 1:

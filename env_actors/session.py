@@ -81,10 +81,12 @@ class EnvSession:
         task_index: int | None = None,
         task: dict[str, Any] | None = None,
         timeout: float = 60.0,
+        alone: bool = False,
     ) -> EnvSession:
-        """Start a session for a task (by index, or the task itself) on the least-busy ready server."""
+        """Start a session for a task (by index, or the task itself) on the least-busy ready server; with
+        `alone`, on a server started for it that takes no other session while it is open (quarantine)."""
         session_id = new_id("envsess")
-        server_name, server = await place(pool, session_id, timeout)
+        server_name, server = await place(pool, session_id, timeout, alone)
         try:
             value = await call_server(
                 pool, server, server_name, "reset", session_id, (task_index, task), timeout, step=0

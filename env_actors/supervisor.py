@@ -11,8 +11,9 @@ The kernel decides what a death means (probes, wedges, retirement, replacement o
   the initial `min_servers` (replacement or growth) spends one restart from the budget, but one:
 - blame: a server judged wedged while one session's call blocked its loop (`ServerSlot.blocking`, named
   by its probe answers; asked once more before retirement when they named nobody) is replaced outside
-  the budget. That request pays for it instead: its poison bound (two servers at one point,
-  `max_dispatches` in all) limits what it costs, and its fellow sessions are told they were collateral.
+  the budget, and so is a server started for one suspect session alone (quarantine, `spawn_alone`).
+  That request pays for it instead: its poison bound (two servers at one point, `max_dispatches` in
+  all) limits what it costs, and its fellow sessions are told they were collateral.
   Losses nobody can be blamed for (deaths, wedges of unknown cause, spawn failures) spend the budget.
 """
 
@@ -91,6 +92,10 @@ class ServerSlot(Child):
     does not overwrite a newer one."""
     unreachable_at: float | None = None
     """When a session last found it unreachable; it takes no new session until it shows life after that."""
+    alone_for: str | None = None
+    """The session it was started for alone (quarantine): it takes no other while that one is open."""
+    only_session: str | None = None
+    """The one session it held when it was retired, if it held exactly one: its loss is that session's."""
 
     def info(self, sessions: int) -> EnvServerInfo:
         state = "ready" if self.state == "ready" else "starting"
@@ -131,12 +136,20 @@ class Supervisor(KernelSupervisor[ServerSlot], ChildKind[ServerSlot]):
         probes went unanswered, or that a session found unreachable, gets no new session (it would fail
         at once, so its count would drop and draw every re-dispatched session onto it) until it answers
         again or is judged wedged."""
-        ready = self.ready()
+        ready = [w for w in self.ready() if w.alone_for is None]
         if not ready:
             return None
         now = time.monotonic()
         trusted = [w for w in ready if not self._suspect(w, now)] or ready
         return min(trusted, key=lambda w: (self.sessions.on(w.name), w.inflight))
+
+    def spawn_alone(self, session_id: str) -> ServerSlot | None:
+        """A server started for `session_id` alone (quarantine), outside the restart budget: a request is
+        quarantined only after losing env servers at one point twice, and its dispatches bound it."""
+        slot = self.spawn("quarantine")
+        if slot is not None:
+            slot.alone_for = session_id
+        return slot
 
     def _suspect(self, slot: ServerSlot, now: float) -> bool:
         quiet_s = max(
@@ -226,9 +239,11 @@ class Supervisor(KernelSupervisor[ServerSlot], ChildKind[ServerSlot]):
         slot.idle_since = time.monotonic()
 
     def on_retired(self, slot: ServerSlot, reason: str, cause: RetireCause) -> None:
+        # A server holding one session (in quarantine, or by chance) was lost by it, if by anyone: what it
+        # names when no probe named the call that wedged it, and what names a death (`EnvPool.worker_lost`).
+        slot.only_session = self.sessions.only_one_on(slot.name)
         if cause == "wedged" and slot.blocking is None:
-            # No answer named the call, but a server holding one session can only have been wedged by it.
-            slot.blocking = self.sessions.only_one_on(slot.name)
+            slot.blocking = slot.only_session
         # Their calls fail on the dead server; `end_session` finds them gone.
         self.sessions.drop_worker(slot.name)
 

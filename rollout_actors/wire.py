@@ -288,6 +288,9 @@ class Dispatch(BaseModel):
     """The actor name of the serving env pool incarnation (`pool_lookup.PoolRoute`)."""
     renderer_pool: str | None = None
     """The actor name of the serving renderer pool incarnation; None for a chat-mode rollout."""
+    quarantine: bool = False
+    """Its env session runs alone on an env server of its own, where a loss names it: its earlier
+    dispatches lost env servers at one point, each among other sessions (`plane.redispatch`)."""
 
     def rollout_request(self) -> RolloutRequest:
         """The request as this dispatch runs it: the plane's endpoint, model, policy and time left."""

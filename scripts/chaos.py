@@ -16,10 +16,12 @@ hang_timeout_s + 5 s; SIGKILL of one stand-in (its server set replaces it); and 
 removed (`cluster.remove_node`), chosen among those that hold a rollout worker and none of the plane's
 pool actors (losing those is issue 17's business, not this run's).
 
-It prints kills by kind, results by kind (and failure type), re-dispatches, duplicates dropped, restarts
+It prints kills by kind, results by kind (and failure type), the poison rows (when each was answered, what
+each dispatch lost), re-dispatches, quarantines, duplicates dropped, restarts
 against their budgets, p50/p99/max latency (submission to answer) with and without kills, the env
 sessions and renderer slots still held 10 s after the last result, the targets met or missed, and as
-its last line `answered exactly once: n/R`.
+its last line `answered exactly once: n/R`. Every rollout is healthy, so a target is that none answers
+`env`.
 """
 
 from __future__ import annotations
@@ -88,6 +90,8 @@ KILLS = [
 @dataclass
 class RunOutcome:
     wall_s: float
+    started_at: float
+    """When it began (wall clock), for the times of the rows it reports."""
     latencies: list[float]
     results: dict[str, list[Result]]
     """request id -> every result that reached the caller for it (exactly one, if all is well)."""
@@ -186,7 +190,7 @@ async def run(args: argparse.Namespace, servers: InferenceServerSet, chaos: Chao
                 latencies.append(time.monotonic() - submitted)
                 results[result.request_id].append(result)
 
-        started = time.monotonic()
+        started, started_at = time.monotonic(), time.time()
         consumers = []
         schedule = asyncio.ensure_future(chaos(plane, started)) if chaos is not None else None
         for group in range(groups):
@@ -197,6 +201,7 @@ async def run(args: argparse.Namespace, servers: InferenceServerSet, chaos: Chao
         wall = time.monotonic() - started
         outcome = RunOutcome(
             wall_s=wall,
+            started_at=started_at,
             latencies=latencies,
             results=results,
             stats=None,
@@ -388,6 +393,13 @@ def report(
         )
         for path, count in paths.most_common():
             print(f"    {count:>5}  {path}")
+    poison = [r for r in final if r.error is not None and r.error.fault == "poison"]
+    if poison:
+        print("  poison rows (answered at, s into the run; what each dispatch lost):")
+        for r in sorted(poison, key=lambda r: r.finished_at or 0.0):
+            at = (r.finished_at or chaos.started_at) - chaos.started_at
+            chain = " -> ".join(f"{loss.describe()} (culprit {loss.culprit})" for loss in r.error.losses)
+            print(f"    {at:7.1f} s  {r.kind:<15} {chain}")
     attempts = Counter(r.attempts for r in final)
     stats = chaos.stats
     assert stats is not None  # the run records them before it returns
@@ -396,6 +408,8 @@ def report(
         f"  re-dispatched          {stats.redispatched}  (results by attempts: {dict(sorted(attempts.items()))})"
     )
     print(f"  duplicates dropped     {stats.duplicates_dropped}")
+    quarantined = stats.counters.get("quarantined", 0)
+    print(f"  quarantined            {quarantined}  (dispatched alone on an env server of its own)")
     print(f"  rollout workers lost   {stats.workers_lost}")
     pool = chaos.env_pool
     print("\nrestarts vs budget")
@@ -435,6 +449,10 @@ def report(
         f"{by_kind.get('ok', 0)} ok, {model} model (the killed stand-in had {chaos.standin_in_flight} "
         f"in flight), {budget_spent} re-dispatch budget spent, {other} other"
     )
+    # Every rollout is healthy (the calculator environment): `env` would be a trainer masking our kills
+    # as the environment's bug (DESIGN.md contract 5: a death nobody was named for never makes poison).
+    env_kind = by_kind.get("env", 0)
+    print(f"  {'met ' if env_kind == 0 else 'MISS'} no healthy rollout answered `env`: {env_kind}")
     leaked = sum(chaos.held.values())
     print(
         f"  {'met ' if leaked == 0 else 'MISS'} nothing held {HELD_CHECK_AFTER_S:g} s after the last result: {leaked}"

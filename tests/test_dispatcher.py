@@ -283,3 +283,27 @@ def test_an_envelope_runs_the_request_on_the_adapter_with_the_base_models_tokeni
     assert (runs.request_id, runs.lease_id) == (req.request_id, req.lease_id)
     assert req.client.model == "m" and req.policy_version is None  # the caller's request is untouched
     assert Dispatch.model_validate_json(envelope.model_dump_json()) == envelope  # it crosses as JSON
+
+
+def test_a_request_whose_env_servers_died_twice_among_others_runs_alone_then_ends_on_its_own_merit():
+    """Two anonymous env-server deaths at one point (an outside kill of each server it was on): not poison
+    (contract 5), the third dispatch runs in quarantine (`Dispatch.quarantine`) and its answer stands."""
+    anonymous = Loss(part="env server", how="died", call="step", step=1, culprit=None)
+
+    def behaviour(workers, slot, dispatch, answer):
+        if dispatch.attempt < 3:
+            failure = PartLost("killed", lost=anonymous).failure
+            answer.set_result(_answer(dispatch, "infrastructure", error=failure))
+        else:
+            answer.set_result(_answer(dispatch))
+
+    async def scenario():
+        host, workers, dispatcher = make(behaviour, rule=RedispatchRule(max_dispatches=3))
+        await drive(dispatcher, request())
+        calls = sorted((c for s in workers.slots for c in s.calls), key=lambda c: c.attempt)
+        return host.delivered, calls, dispatcher.counters
+
+    delivered, calls, counters = run(scenario())
+    assert [r.kind for r in delivered] == ["ok"] and delivered[0].attempts == 3
+    assert [c.quarantine for c in calls] == [False, False, True]
+    assert counters["quarantined"] == 1 and counters["redispatched"] == 2

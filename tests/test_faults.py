@@ -102,17 +102,39 @@ def test_collateral_losses_never_make_poison_and_do_not_spend_the_dispatch_budge
 
 
 def test_a_loss_nobody_was_blamed_for_is_poison_evidence_only_where_no_part_could_have_named_it():
-    """Unknown culprit (None): a death or a renderer's wedge still counts (nothing could name the call);
-    an env server's wedge does not (its probes name the call that wedges it, so naming nobody means its
-    answers were lost under load); an unreachable node never does. Each still spends a dispatch."""
+    """Unknown culprit (None): a renderer's death or wedge still counts (nothing could name the call); an
+    env server's does not on its own (it names the call that wedged it, or the one session it held: naming
+    nobody, it was lost among several sessions: an outside kill, an OOM, probes lost under load); an
+    unreachable node never does. Each still spends a dispatch."""
     rule = RedispatchRule(max_dispatches=3)
     unnamed = loss(culprit=None)
-    assert rule.decide([unnamed, unnamed]) == "redispatch"
+    assert rule.decide([unnamed]) == "redispatch"
     assert rule.decide([unnamed, unnamed, unnamed]) == "spent"  # not collateral: its dispatches spent
     assert rule.decide([unnamed, loss(), loss()]) == "poison"  # its own two, the unnamed one aside
-    assert rule.decide([loss(how="died", culprit=None)] * 2) == "poison"  # it kills its server each time
     assert rule.decide([loss("renderer", "wedged", "bridge", 2, None)] * 2) == "poison"
+    assert rule.decide([loss("renderer", "died", "bridge", 2, None)] * 2) == "poison"
     assert rule.decide([loss(how="unreachable", culprit=None)] * 2) == "redispatch"
+
+
+def test_two_anonymous_env_server_deaths_never_make_poison_they_send_the_request_into_quarantine():
+    """Contract 5: a death nobody was named for (an outside kill, an OOM) never makes a healthy request
+    poison. Two at one point would have: the request runs alone instead (quarantine), where a death names
+    it; that death, beside them, is proof. Seen under chaos: 9 of 2,000 healthy rollouts answered `env`
+    poison after two env servers were killed from outside."""
+    rule = RedispatchRule(max_dispatches=3)
+    anonymous = loss(how="died", culprit=None)
+    alone = loss(how="died", culprit=True)  # the server held its session alone when it died
+    assert rule.decide([anonymous]) == "redispatch"
+    assert rule.decide([anonymous, anonymous]) == "quarantine"
+    assert rule.decide([anonymous, anonymous, alone]) == "poison"  # it killed its server alone: proof
+    assert rule.poison([anonymous, anonymous, alone])[0] == "env"
+    assert rule.decide([anonymous, alone]) == "poison"  # an environment that kills every server it is on
+    assert rule.decide([alone, alone]) == "poison"  # alone from the start: two dispatches, as before
+    assert rule.decide([anonymous, anonymous, anonymous]) == "spent"  # never poison, however often
+    assert rule.decide([anonymous, loss(how="died", step=2, culprit=None)]) == "redispatch"  # not one point
+    assert RedispatchRule(max_dispatches=2).decide([anonymous, anonymous]) == "spent"  # no dispatch left
+    wedged = loss(culprit=None)  # a wedge whose probes named nobody, among several sessions
+    assert rule.decide([wedged, wedged]) == "quarantine" and rule.decide([wedged, wedged, loss()]) == "poison"
 
 
 def test_the_rule_is_declared_data_that_refuses_unknown_keys():

@@ -147,6 +147,45 @@ def test_an_env_server_that_dies_at_the_same_step_of_every_dispatch_makes_the_ro
     assert result.attempts == 2 and stats.redispatched == 1 and stats.poisoned == 1
 
 
+def test_env_servers_killed_from_outside_twice_under_healthy_rollouts_make_none_of_them_poison(
+    ray_session, standin
+):
+    """Contract 5: a death nobody was named for never makes a healthy request poison. The pool's one env
+    server is SIGKILLed while four healthy rollouts are in their first step, and its replacement again
+    at the same step: each rollout lost two servers at one point, among other sessions. None is answered
+    `env` poison; each runs its third dispatch alone on a server of its own (quarantine) and ends `ok`.
+    On 6adb045 all four ended `env` (PoisonRequest)."""
+    slow_echo = Ref(target="env_actors.faults.envs:EchoEnv", config={"turns": 1, "step_delay": 8.0})
+    env_pool = {"num_cpus": 0.1, "max_servers": 1, "restart": {"max_restarts": 5, "window_s": 60}}
+
+    async def scenario():
+        async with plane(workers=1, max_dispatches=3, env_pool=env_pool) as p:
+            ids = [await p.submit(request(standin, i, env=slow_echo)) for i in range(4)]
+            pool = await named(p.names.env_pool(slow_echo))
+            killed: set[int] = set()
+
+            async def all_four_stepping():  # a fresh server, its four sessions in their step
+                for server in (await pool.stats.remote()).servers:
+                    if server.state == "ready" and server.pid not in killed:
+                        health = await ray.get_actor(server.name).health.remote()
+                        if health.calls == 4:
+                            return server
+                return None
+
+            for _ in range(2):
+                server = await eventually(all_four_stepping, timeout=90)
+                os.kill(server.pid, signal.SIGKILL)
+                killed.add(server.pid)
+            results = await results_of(p, len(ids))
+            return results, p.stats(), await pool.stats.remote()
+
+    results, stats, pool_stats = run(scenario())
+    assert [r.kind for r in results] == ["ok"] * 4, [r.error for r in results]
+    assert [r.attempts for r in results] == [3] * 4
+    assert stats.poisoned == 0 and stats.counters["quarantined"] == 4
+    assert pool_stats.quarantined == 4 and pool_stats.budget_denials == 0, pool_stats
+
+
 def test_a_rollout_whose_renderer_stays_unavailable_is_redispatched(ray_session, standin):
     """The renderer freezes (SIGSTOP) under a rollout: its call misses the call deadline, the rollout is
     re-dispatched, and once the frozen renderer is gone the second attempt ends `ok`."""

@@ -24,6 +24,7 @@ from collections.abc import Coroutine
 from types import ModuleType
 from typing import Any, TypeVar
 
+from env_actors.env_calls import on_loop
 from rollout_actors.kernel import CallerError
 
 T = TypeVar("T")
@@ -68,8 +69,9 @@ def import_framework(module: str, wanted: str) -> ModuleType:
 
 class FrameworkLoop:
     """An event loop on a thread of its own for a framework's coroutines (verifiers is async, and its
-    reward functions may block for seconds on CPU): whatever they do, the server's own loop keeps turning,
-    so the server never looks wedged. Sessions share it, as they would share the framework's own loop."""
+    reward functions may block for seconds on CPU): whatever they do, the server's own loop keeps turning.
+    Sessions share it, as they would share the framework's own loop; so a coroutine that blocks it past its
+    call's deadline (a tool's `time.sleep`) wedges the server, its session named (`env_calls.on_loop`)."""
 
     def __init__(self, name: str) -> None:
         self._loop = asyncio.new_event_loop()
@@ -82,7 +84,7 @@ class FrameworkLoop:
 
     async def run(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run `coro` on the framework's loop and wait for it here. Cancelling the waiter cancels it."""
-        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        future = asyncio.run_coroutine_threadsafe(on_loop(coro), self._loop)
         try:
             return await asyncio.wrap_future(future)
         except asyncio.CancelledError:

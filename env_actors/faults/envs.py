@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from env_actors.adapters import FrameworkLoop
 from env_actors.interface import Environment, Message, Reset, ScoreOut, StepOut, check_index
 from rollout_actors.kernel import CallerError, ref_target
 
@@ -195,6 +196,41 @@ class BlocksLoopEnv(EchoEnv):
         if self.blocking_tasks is None or state.index < self.blocking_tasks:
             time.sleep(self.block_s)
         return await super().step(state, assistant_message)
+
+
+class BlocksThreadEnv(EchoEnv):
+    """Each step (of the tasks below `blocking_tasks`; of all without it) blocks its thread with a
+    synchronous sleep; the rest are healthy echoes. `step` is a plain method, which the server runs in its
+    thread pool, as skyrl-gym's are: a hung step holds one of a few threads for good."""
+
+    def __init__(self, block_s: float = FOREVER_S, blocking_tasks: int | None = None, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.block_s, self.blocking_tasks = block_s, blocking_tasks
+
+    def _block(self, state: _Episode) -> None:
+        if self.blocking_tasks is None or state.index < self.blocking_tasks:
+            time.sleep(self.block_s)
+
+    def step(self, state: _Episode, assistant_message: Message) -> StepOut:  # type: ignore[override]
+        self._block(state)
+        return asyncio.run(EchoEnv.step(self, state, assistant_message))
+
+
+class BlocksFrameworkLoopEnv(BlocksThreadEnv):
+    """`BlocksThreadEnv` whose steps run as coroutines on one event loop of the environment's own, shared by
+    every session, as a verifiers adapter runs verifiers (`FrameworkLoop`): a blocking step is a classic
+    tool that calls `time.sleep`, and every session's later calls wait behind it."""
+
+    def __init__(self, **kwargs: Any):
+        super().__init__(**kwargs)
+        self._loop = FrameworkLoop("blocks-framework-loop")
+
+    async def step(self, state: _Episode, assistant_message: Message) -> StepOut:  # type: ignore[override]
+        return await self._loop.run(self._framework_step(state, assistant_message))
+
+    async def _framework_step(self, state: _Episode, assistant_message: Message) -> StepOut:
+        self._block(state)
+        return await EchoEnv.step(self, state, assistant_message)
 
 
 class StepRaisesEnv(EchoEnv):

@@ -49,12 +49,13 @@ RECORD_EVERY_S = 1.0
 """A kind's gauges are set this often, on the judging tick: at most (ten ticks a second would be waste), and
 at least (Ray drops a gauge that is not set again for a while: about 20 s with Ray 2.60)."""
 
-SpawnWhy = Literal["initial", "restart", "grow", "blamed"]
+SpawnWhy = Literal["initial", "restart", "grow", "blamed", "quarantine"]
 """Why a child is spawned: `initial` (the set the owner started with) is free; so is `blamed`, the
 replacement of a ready child whose loss the kind blamed on something with a bound of its own
-(`ChildKind.budgets_replacement`). `restart` and `grow` spend one restart from the budget (DESIGN.md
-contract 9: scale-up draws on the same budget)."""
-FREE_SPAWNS: frozenset[SpawnWhy] = frozenset({"initial", "blamed"})
+(`ChildKind.budgets_replacement`), and `quarantine`, a child started for one suspect request alone (its
+dispatches bound it). `restart` and `grow` spend one restart from the budget (DESIGN.md contract 9:
+scale-up draws on the same budget)."""
+FREE_SPAWNS: frozenset[SpawnWhy] = frozenset({"initial", "blamed", "quarantine"})
 RetireCause = Literal["died", "wedged", "spawn_failed", "shrunk", "shutdown"]
 
 

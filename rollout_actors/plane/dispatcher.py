@@ -305,6 +305,8 @@ class Dispatcher:
         """What each lost dispatch lost, oldest first: the chain every answer after a loss carries."""
         base: Result | None = None
         """The last attempt's own result (its turns, its times): what a poison or spent answer builds on."""
+        quarantine = False
+        """Whether this dispatch runs alone on an env server of its own (`RedispatchRule`: quarantine)."""
         for attempt in range(1, rule.most_dispatches + 1):
             if record.cancelled.is_set():
                 return self._cancelled(record, "before dispatch")
@@ -338,6 +340,7 @@ class Dispatcher:
                 remaining_timeout_s=left,
                 env_pool=env_pool,
                 renderer_pool=renderer_pool,
+                quarantine=quarantine,
             )
             outcome = await self._attempt(record, envelope, slot)
             last: Failure | None = None
@@ -377,11 +380,14 @@ class Dispatcher:
                 )
                 return self._after_losses(record, base, "infrastructure", spent.failure, attempt)
             self.counters["redispatched"] += 1
+            quarantine = decision == "quarantine"
+            self.counters["quarantined"] += quarantine
             log.warning(
-                "re-dispatching rollout %s (lease %s, worker %s): %s",
+                "re-dispatching rollout %s (lease %s, worker %s%s): %s",
                 request.request_id,
                 request.lease_id,
                 slot.name,
+                ", in quarantine" if quarantine else "",
                 losses[-1].describe(),
             )
             # Spread re-dispatches over a moment: a node's workers are reported dead one by one over

@@ -104,15 +104,17 @@ async def run_rollout(
     pools: PoolDirectory,
     limits: LoopLimits = LoopLimits(),
     policy: PolicyState = FixedPolicy(),
+    quarantine: bool = False,
 ) -> Result:
     """Run one rollout to its single result. Never raises: a cancelled rollout releases what it holds and
-    answers `cancelled` with the turns it had sampled."""
+    answers `cancelled` with the turns it had sampled. `quarantine`: its env session runs alone on an env
+    server of its own (`wire.Dispatch.quarantine`)."""
     started = time.time()
     state = _Trajectory()
     scope = asyncio.timeout(request.timeout_s)
     try:
         async with scope:
-            await _run(request, pools, policy, limits, state, scope)
+            await _run(request, pools, policy, limits, state, scope, quarantine)
         kind, error = "ok", None
     except TimeoutError as exc:
         if scope.expired():
@@ -164,6 +166,7 @@ async def _run(
     limits: LoopLimits,
     state: _Trajectory,
     scope: asyncio.Timeout,
+    quarantine: bool = False,
 ) -> None:
     if request.client.base_url is None:
         # Without this the SDK would fall back to $OPENAI_BASE_URL or api.openai.com.
@@ -175,7 +178,11 @@ async def _run(
     waits, started = state.timings, clock()
     try:
         env = await EnvSession.open(
-            pools.env_pool(request), request.task_index, request.task, timeout=_budget(scope, ceiling)
+            pools.env_pool(request),
+            request.task_index,
+            request.task,
+            timeout=_budget(scope, ceiling),
+            alone=quarantine,
         )
         waits.env_open_s = since(started)
         tools = env.tools or None

@@ -88,7 +88,7 @@ class RolloutWorker:
         quarter of its CPU in a wave of 2,048 rollouts (see `kernel.EXACT_JSON`)."""
         dispatch = Dispatch.model_validate_json(dispatch_json)
         request = dispatch.rollout_request()
-        env_pool, renderer_pool = dispatch.env_pool, dispatch.renderer_pool
+        env_pool, renderer_pool, quarantine = dispatch.env_pool, dispatch.renderer_pool, dispatch.quarantine
         # The dispatch is not kept for the rollout's life beside the request it yields: ~3.7 KB per
         # in-flight rollout of pydantic objects (measured: 10.8 KB the two, 7.1 KB the request alone).
         del dispatch
@@ -97,7 +97,7 @@ class RolloutWorker:
         self._running[request.request_id] = task
         try:
             pools = await self._pools.resolve(PoolRoute.from_wire(env_pool, renderer_pool))
-            result = await run_rollout(request, pools, self._limits, policy=self)
+            result = await run_rollout(request, pools, self._limits, policy=self, quarantine=quarantine)
         except PoolLookupFailed as exc:  # lost after the plane named it: a lost part, re-dispatched
             result = Result.failed(request, exc.kind, exc.failure)
         except asyncio.CancelledError:
