@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 import time
 
 import pytest
@@ -22,6 +23,11 @@ from rollout_actors.rollout.client import build_client
 from rollout_actors.rollout.failures import classify
 from rollout_actors.rollout.model_call import complete_chat, complete_tokens
 from rollout_actors.wire import ClientConfig, Ref, RolloutRequest, SamplingConfig
+
+try:
+    import httpx2 as httpx
+except ImportError:  # pragma: no cover
+    import httpx
 
 SECRET_VAR = "RAY_ROLLOUTS_TEST_SECRET"
 CALL_TIMEOUT_S = 3.0  # the documented total budget of one call in these tests
@@ -88,17 +94,31 @@ def test_a_slow_drip_cannot_stretch_a_call_past_its_total_deadline(standin, mode
     assert CALL_TIMEOUT_S - 0.5 <= seconds < CALL_TIMEOUT_S + SLACK_S
 
 
-def test_a_long_retry_after_cannot_stretch_a_call_past_its_total_deadline(standin):
+def rate_limited(standin) -> int:
+    """429s the stand-in has sent for `retry_after` faults so far: the attempts that reached it."""
+    text = httpx.get(f"{standin.url}/metrics", timeout=10, trust_env=False).text
+    return int(float(re.search(r'standin_faults_injected_total\{kind="retry_after"\} (\S+)', text).group(1)))
+
+
+@pytest.mark.parametrize("mode", ["token", "chat"])
+def test_a_retry_after_past_the_call_deadline_is_not_waited_for_and_the_429_is_the_answer(standin, mode):
+    """The SDK would sleep the 30 s (it honours up to two minutes); the call's deadline is 3 s, so no retry
+    can happen: the server's 429 is the answer, after one attempt, in both modes (a wait until the
+    deadline would have answered `CallDeadlineExceeded`)."""
     config = client_config(standin, "retry_after", **{"X-Standin-Retry-After": "30"})
-    kind, failure, seconds = run(one_call(config))
-    assert kind == "model" and failure.type == "CallDeadlineExceeded", failure
-    assert seconds < CALL_TIMEOUT_S + SLACK_S  # the SDK alone would sleep the 30 s
+    before = rate_limited(standin)
+    kind, failure, _ = run(one_call(config, mode))
+    assert kind == "model" and failure.type == "RateLimitError" and failure.status_code == 429, failure
+    assert rate_limited(standin) - before == 1
 
 
-def test_a_short_retry_after_is_honoured_and_the_429_reported(standin):
+@pytest.mark.parametrize("mode", ["token", "chat"])
+def test_a_short_retry_after_is_honoured_once_and_the_429_reported(standin, mode):
     config = client_config(standin, "retry_after", **{"X-Standin-Retry-After": "0.2"})
-    kind, failure, _ = run(one_call(config))
+    before = rate_limited(standin)
+    kind, failure, _ = run(one_call(config, mode))
     assert kind == "model" and failure.status_code == 429, failure
+    assert rate_limited(standin) - before == 2  # the first attempt and the one SDK retry (contract 6)
 
 
 @pytest.mark.parametrize("mode", ["token", "chat"])

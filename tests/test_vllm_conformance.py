@@ -19,6 +19,7 @@ import os
 import re
 import sys
 import tomllib
+from http import HTTPStatus
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -378,6 +379,116 @@ def test_a_body_vllm_refuses_gets_the_same_status_and_error_from_the_stand_in(
         ours = http.post(f"{keyed_standin.url}{path}", json=body, headers=key_header())
     assert theirs.status_code == 400
     assert (ours.status_code, ours.json()) == (theirs.status_code, theirs.json())
+
+
+CHAT_HI = {"model": BUNDLED_MODEL, "messages": [{"role": "user", "content": "hi"}]}
+TOKENS = {"model": BUNDLED_MODEL, "prompt": [1, 2, 3]}
+APP_ERRORS = [
+    ("/v1/chat/completions", {**CHAT_HI, "top_logprobs": 3}),  # needs `logprobs: true`
+    ("/v1/chat/completions", {**CHAT_HI, "top_logprobs": -1}),
+    ("/v1/chat/completions", {**CHAT_HI, "top_logprobs": -3, "logprobs": True}),
+    ("/v1/chat/completions", {**CHAT_HI, "top_logprobs": "x", "logprobs": True}),
+    ("/v1/chat/completions", {**CHAT_HI, "tool_choice": "auto"}),  # tool_choice without tools
+    ("/v1/completions", {**TOKENS, "logprobs": -3}),
+    ("/v1/completions", {**TOKENS, "logprobs": "x"}),
+    ("/v1/completions", {"model": BUNDLED_MODEL}),  # no prompt
+    ("/v1/completions", {"model": BUNDLED_MODEL, "prompt": ""}),
+    ("/v1/load_lora_adapter", {"lora_name": "a"}),
+    ("/v1/unload_lora_adapter", {}),
+    ("/finish_weight_update", {"weight_version": 3}),
+    ("/pause?mode=bogus", None),
+    ("/pause?mode=keep&clear_cache=maybe", None),
+]
+"""Every error path of the stand-in that vLLM's engine-free app answers itself (its validators, its query
+parsing): each is judged by that app's body, field by field. The paths that need vLLM's engine are judged
+by vLLM's own code below (`ENGINE_ERRORS`); what only the stand-in refuses is listed in `STANDIN_ONLY`."""
+
+
+@pytest.mark.parametrize(("path", "body"), APP_ERRORS, ids=lambda v: v if isinstance(v, str) else None)
+def test_every_error_vllms_app_answers_itself_has_the_same_body_from_the_stand_in(
+    real_app, keyed_standin, path, body
+):
+    theirs = real_app.client.post(path, json=body, headers=key_header())
+    with httpx.Client(timeout=10, trust_env=False) as http:
+        ours = http.post(f"{keyed_standin.url}{path}", json=body, headers=key_header())
+        http.post(f"{keyed_standin.url}/resume")
+    assert theirs.status_code == 400, theirs.text
+    assert (ours.status_code, ours.json()) == (theirs.status_code, theirs.json())
+
+
+def _over_max_logprobs(vllm, body: dict, model: type) -> Any:
+    """vLLM's refusal of more logprobs than `--max-logprobs` (default 20): its `SamplingParams` check, run
+    against the served model's figures (the engine-free app never builds sampling params)."""
+    from vllm.exceptions import VLLMValidationError
+
+    params = model.model_validate(body).to_sampling_params(max_tokens=8, default_sampling_params={})
+    config = SimpleNamespace(max_logprobs=20, get_vocab_size=lambda: 151_669)
+    with pytest.raises(VLLMValidationError) as refused:
+        params._validate_logprobs(config)
+    return refused.value
+
+
+def _salt(value: str) -> Any:
+    from vllm.entrypoints.generate.base.protocol import validate_cache_salt
+    from vllm.exceptions import VLLMValidationError
+
+    with pytest.raises(VLLMValidationError) as refused:
+        validate_cache_salt(value)
+    return refused.value
+
+
+ENGINE_ERRORS = [
+    (
+        "/v1/completions",
+        {**TOKENS, "logprobs": 30},
+        lambda v: _over_max_logprobs(v, {**TOKENS, "logprobs": 30}, v.CompletionRequest),
+    ),
+    (
+        "/v1/chat/completions",
+        {**CHAT_HI, "logprobs": True, "top_logprobs": 21},
+        lambda v: _over_max_logprobs(
+            v, {**CHAT_HI, "logprobs": True, "top_logprobs": 21}, v.ChatCompletionRequest
+        ),
+    ),
+    ("/v1/completions", {**TOKENS, "cache_salt": ""}, lambda v: _salt("")),
+    ("/v1/chat/completions", {**CHAT_HI, "cache_salt": "a/b"}, lambda v: _salt("a/b")),
+    (
+        "/v1/completions",
+        {**TOKENS, "model": "no-such-model"},
+        # `OpenAIServing._check_model` (serve/engine/serving.py): the served names are the valid aliases
+        lambda v: v.create_error_response(
+            f"The model `no-such-model` does not exist. Valid aliases: {BUNDLED_MODEL}.",
+            err_type="NotFoundError",
+            status_code=HTTPStatus.NOT_FOUND,
+            param="model",
+        ),
+    ),
+]
+"""Error paths vLLM reaches only with an engine: the expected body is vLLM's `create_error_response` of
+what its own code raises (or, for an unknown model, builds)."""
+
+STANDIN_ONLY = {
+    "n > 1, stream": "the stand-in samples one non-streamed choice: a limit of the stand-in, named as such",
+    "X-Standin-* headers, /admin": "test controls vLLM has not",
+    "injected faults (500, 429, echo_headers)": "imitate a misbehaving server or proxy, not vLLM",
+    "503 while loading": "vLLM binds its port only once loaded; readiness polls /health either way",
+}
+"""The stand-in's error paths with no vLLM counterpart to compare with, and why."""
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "judge"), ENGINE_ERRORS, ids=lambda v: v if isinstance(v, str) else None
+)
+def test_every_error_vllms_engine_would_answer_has_the_same_body_from_the_stand_in(
+    vllm, keyed_standin, path, body, judge
+):
+    expected = judge(vllm)
+    if isinstance(expected, Exception):
+        expected = vllm.create_error_response(expected)
+    expected = expected.model_dump()
+    with httpx.Client(timeout=10, trust_env=False) as http:
+        ours = http.post(f"{keyed_standin.url}{path}", json=body, headers=key_header())
+    assert (ours.status_code, ours.json()) == (expected["error"]["code"], expected)
 
 
 SAMPLING_ERRORS = [

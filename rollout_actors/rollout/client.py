@@ -8,12 +8,14 @@ while connection pool, retries and state stay per rollout.
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
 import functools
 import gc
 import os
 import ssl
 import threading
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 try:  # openai >= 3 ships its own fork of httpx
     import httpx2 as httpx
@@ -28,6 +30,9 @@ if TYPE_CHECKING:  # imported where a client is built: `auth_headers` alone must
 
 _ssl_lock = threading.Lock()
 _ssl_context: ssl.SSLContext | None = None
+
+CALL_DEADLINE: contextvars.ContextVar[float | None] = contextvars.ContextVar("call_deadline", default=None)
+"""The running model call's deadline on the loop's clock (set by `model_call`): what a retry may wait for."""
 
 NO_KEY = "EMPTY"
 """vLLM accepts any key when it runs without `--api-key`; the SDK insists on one being set."""
@@ -78,7 +83,6 @@ def auth_headers(api_key_var: str | None) -> dict[str, str]:
 
 def build_client(config: ClientConfig, session_id: str | None = None) -> openai.AsyncOpenAI:
     """A fresh client for one rollout. The caller owns it and must `await client.close()`."""
-    import openai
 
     if config.base_url is None:
         raise CallerError("client.base_url is not set and no endpoint was routed to this rollout")
@@ -100,7 +104,7 @@ def build_client(config: ClientConfig, session_id: str | None = None) -> openai.
     if session_id is not None:
         # Lets a router (vLLM's, or any prefix-cache-aware one) keep this rollout on one replica.
         headers["X-Session-ID"] = session_id
-    client = openai.AsyncOpenAI(
+    client = _client_class()(
         base_url=config.base_url,
         api_key=api_key_from_env(config),
         timeout=timeout,
@@ -113,6 +117,31 @@ def build_client(config: ClientConfig, session_id: str | None = None) -> openai.
         # files): one thread hop per rollout, every rollout of a process asking the same question.
         client._platform = _platform()
     return client
+
+
+@functools.cache
+def _client_class() -> type[openai.AsyncOpenAI]:
+    """`AsyncOpenAI` whose retries never wait past the call's deadline (DESIGN.md contract 6). The SDK
+    honours a `Retry-After` of up to two minutes; a wait that would end past `CALL_DEADLINE` cannot be
+    followed by an attempt, so the server's answer (the 429 or 5xx) is raised at once instead of the call
+    idling until its deadline and reporting only that it ran out. Shorter waits are the SDK's own."""
+    import openai
+
+    class DeadlineBoundClient(openai.AsyncOpenAI):
+        async def _sleep_for_retry(
+            self, *, retries_taken: int, max_retries: int, options: Any, response: Any
+        ) -> None:
+            deadline = CALL_DEADLINE.get()
+            if deadline is not None and response is not None:
+                left = max_retries - retries_taken
+                wait = self._calculate_retry_timeout(left, options, response.headers)
+                if asyncio.get_running_loop().time() + wait >= deadline:
+                    raise self._make_status_error_from_response(response) from None
+            await super()._sleep_for_retry(
+                retries_taken=retries_taken, max_retries=max_retries, options=options, response=response
+            )
+
+    return DeadlineBoundClient
 
 
 @functools.cache

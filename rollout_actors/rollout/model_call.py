@@ -18,7 +18,7 @@ from typing import Any
 import openai
 import orjson
 
-from rollout_actors.rollout.client import httpx
+from rollout_actors.rollout.client import CALL_DEADLINE, httpx
 from rollout_actors.rollout.failures import CallDeadlineExceeded, MalformedResponse, TurnAborted
 from rollout_actors.rollout.metrics import MODEL_CALL_LATENCY
 from rollout_actors.wire import SamplingConfig
@@ -89,10 +89,12 @@ def _ids(value: Any, what: str, vocab_size: int | None = None) -> list[int]:
 async def _bounded(call: Awaitable[Any], timeout_s: float) -> Any:
     """Await one model call under its total timeout (`ClientConfig.total_call_timeout_s`). The SDK's own
     timeouts are per attempt and per read: a server that drips one byte at a time, or asks for a long
-    `Retry-After`, would stretch them; this one it cannot. A body that claims JSON and is not is
+    `Retry-After`, would stretch them; this one it cannot (and a `Retry-After` past it is not waited for:
+    the client answers the server's refusal at once, `client.CALL_DEADLINE`). A body that claims JSON and is not is
     the server's fault too: `MalformedResponse`."""
     scope = asyncio.timeout(timeout_s)
     started, outcome = time.monotonic(), "error"
+    token = CALL_DEADLINE.set(asyncio.get_running_loop().time() + timeout_s)  # no retry waits past it
     try:
         async with scope:
             answer = await call
@@ -105,6 +107,7 @@ async def _bounded(call: Awaitable[Any], timeout_s: float) -> Any:
     except json.JSONDecodeError as exc:
         raise MalformedResponse(f"response body is not JSON: {exc}") from exc
     finally:
+        CALL_DEADLINE.reset(token)
         MODEL_CALL_LATENCY.record(time.monotonic() - started, {"outcome": outcome})
 
 

@@ -23,6 +23,7 @@ from typing import Any
 
 from rollout_actors.inference.standin.policy import PolicyConfig, Sampled, ScriptedPolicy
 from rollout_actors.inference.standin.wire import (
+    MAX_LOGPROBS,
     ChatChoice,
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -35,6 +36,7 @@ from rollout_actors.inference.standin.wire import (
     CompletionResponse,
     FunctionCall,
     PerRequestMetrics,
+    RequestError,
     ToolCall,
     UsageInfo,
 )
@@ -43,14 +45,6 @@ RENDER_CACHE_SIZE = 1024  # distinct conversations in flight at once, roughly; e
 ALTERNATIVE_STRIDE = 7919  # spreads the made-up top-logprob alternatives over the vocabulary
 _TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
 """vLLM 0.33.0 `Hermes2ProToolParser.tool_call_regex`: a closed call, or an unclosed one running to the end."""
-
-
-class RequestError(ValueError):
-    """The request is invalid: a 400 with vLLM's error body."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 @dataclass(frozen=True)
@@ -129,9 +123,21 @@ class Answers:
         for prompt_ids in prompts:
             max_tokens = self._max_tokens(prompt_ids, limit)
             check_sampling(req.temperature, req.top_p, max_tokens)
+            self._check_logprobs(req.logprobs if kind == "completions" else req.logprobs and req.top_logprobs)
             sampled = self._sample(prompt_ids, req, max_tokens, seed, config)
             drafts.append(Draft(prompt_ids, sampled, max_tokens))
         return Plan(kind, req, model, seed, config, drafts)
+
+    def _check_logprobs(self, count: int | None) -> None:
+        """vLLM 0.33.0 `SamplingParams._validate_logprobs` at the default `--max-logprobs` (-1: the whole
+        vocabulary)."""
+        count = self.vocab_size if count == -1 else count
+        if count and count > MAX_LOGPROBS:
+            raise RequestError(
+                f"Requested sample logprobs of {count}, which is greater than max allowed: {MAX_LOGPROBS}",
+                "logprobs",
+                count,
+            )
 
     def resample_tail(self, plan: Plan, draft: Draft, keep: int, seed: int) -> None:
         """New weights landed after `keep` tokens: the rest of the turn is sampled by the new policy,
@@ -401,7 +407,7 @@ def check_sampling(temperature: float | None, top_p: float | None, max_tokens: i
     checks.append(("max_tokens", max_tokens, max_tokens >= 1, "must be at least 1"))
     for name, value, ok, rule in checks:
         if not ok:
-            raise RequestError(f"{name} {rule}, got {value}. (parameter={name}, value={value})", name)
+            raise RequestError(f"{name} {rule}, got {value}.", name, value)
 
 
 AUTO_TOOLS_NEED_FLAGS = (
@@ -414,10 +420,12 @@ def _check_cache_salt(salt: Any) -> None:
     """vLLM 0.33.0 `validate_cache_salt`: a non-empty string of at most 128 characters without @ / \\ NUL."""
     if salt is None:
         return
-    if not isinstance(salt, str) or not salt or len(salt) > 128 or set(salt) & _CACHE_SALT_FORBIDDEN:
+    if not isinstance(salt, str) or not salt:
+        raise RequestError("Parameter 'cache_salt' must be a non-empty string if provided.", "cache_salt")
+    if len(salt) > 128 or set(salt) & _CACHE_SALT_FORBIDDEN:
         raise RequestError(
-            "Parameter 'cache_salt' must be a non-empty string of at most 128 characters without '@', '/', "
-            "'\\\\' or NUL.",
+            "Parameter 'cache_salt' must be at most 128 characters and must not contain '@', '/', '\\\\', "
+            "or NUL.",
             "cache_salt",
         )
 

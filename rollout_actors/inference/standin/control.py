@@ -27,6 +27,7 @@ from rollout_actors.inference.standin.wire import (
     InitWeightTransferRequest,
     LoadLoRAAdapterRequest,
     LoadWeightsRequest,
+    PauseQuery,
     UnloadLoRAAdapterRequest,
 )
 from rollout_actors.policy.lora import (
@@ -39,7 +40,6 @@ from rollout_actors.policy.lora import (
 from rollout_actors.policy.weights import init_info_problems, update_info_problems
 
 log = logging.getLogger("rollout_actors.standin")
-PAUSE_MODES = ("abort", "wait", "keep")
 
 
 def lora_routes(state: Any, parse: Any, error: Any) -> list[Route]:
@@ -106,7 +106,7 @@ def _refusal(path: str, limits: AdapterLimits) -> str | None:
     return " ".join(problems) or None
 
 
-def weight_routes(state: Any, parse: Any, error: Any) -> list[Route]:
+def weight_routes(state: Any, parse: Any, error: Any, parse_query: Any) -> list[Route]:
     """vLLM's pause/resume and weight-update routes (served with `--weight-updates`, as vLLM serves them with
     `VLLM_SERVER_DEV_MODE=1`), as strict as vLLM 0.33.0's worker (`vllm/v1/worker/gpu_worker.py`) and
     transfer backend: `/init_weight_transfer_engine` with the backend's `init_info` before any update;
@@ -117,10 +117,8 @@ def weight_routes(state: Any, parse: Any, error: Any) -> list[Route]:
     updating: dict[str, Any] = {"active": False, "update_info": None, "init_info": None}
 
     async def pause(request: Request) -> Response:
-        mode = request.query_params.get("mode", "abort")
-        if mode not in PAUSE_MODES:
-            return JSONResponse({"error": f"Invalid pause mode: {mode!r}"}, status_code=400)
-        await state.engine.pause(mode)
+        query = parse_query(request, PauseQuery)
+        await state.engine.pause(query.mode)
         return JSONResponse({"status": "paused"})
 
     async def resume(request: Request) -> Response:

@@ -210,15 +210,25 @@ class InvalidBody(Exception):
     `exception_handling/handlers/validation.py`: at most 10 errors, each input summarised, `loc` and
     `param` as the dotted field path under `body`)."""
 
-    def __init__(self, exc: ValidationError) -> None:
+    def __init__(self, exc: ValidationError, where: str = "body") -> None:
         errors = exc.errors(include_url=False)
+        refused = [
+            e["ctx"]["error"] for e in errors if isinstance(e.get("ctx", {}).get("error"), RequestError)
+        ]
+        if refused:  # a check of vLLM's own validators (`VLLMValidationError`): its message and parameter
+            self.body = error_body(str(refused[0]), "BadRequestError", 400, refused[0].param)
+            super().__init__(self.body["error"]["message"])
+            return
         label = "error" if len(errors) == 1 else "errors"
-        lines = "".join(f"  {_bounded_error(err)}\n" for err in errors[:MAX_REPORTED_ERRORS])
+        lines = "".join(f"  {_bounded_error(err, where)}\n" for err in errors[:MAX_REPORTED_ERRORS])
         if len(errors) > MAX_REPORTED_ERRORS:
             lines += f"  ...and {len(errors) - MAX_REPORTED_ERRORS} more {label}\n"
         loc = errors[0].get("loc", ()) if errors else ()
         self.body = error_body(
-            f"{len(errors)} validation {label}:\n{lines}".rstrip(), "Bad Request", 400, _field_path(loc)
+            f"{len(errors)} validation {label}:\n{lines}".rstrip(),
+            "Bad Request",
+            400,
+            _field_path(loc, where),
         )
         super().__init__(self.body["error"]["message"])
 
@@ -236,9 +246,9 @@ _SCHEMA_MARKERS = frozenset(
 are not field names: vLLM leaves them out of `param`."""
 
 
-def _field_path(loc: Any) -> str:
+def _field_path(loc: Any, where: str = "body") -> str:
     """`("prompt", "list[int]", 0)` -> `"body.prompt.0"`: the path a client recognises."""
-    parts = ["body", *(str(p) for p in loc)]
+    parts = [where, *(str(p) for p in loc)]
     kept = [p for p in parts if not any(c in p for c in "[]{}()") and p.lower() not in _SCHEMA_MARKERS]
     return ".".join(kept or parts)
 
@@ -254,11 +264,11 @@ def _summary(value: Any) -> Any:
     return text if len(text) <= MAX_INPUT_CHARS else text[:MAX_INPUT_CHARS] + "...[truncated]"
 
 
-def _bounded_error(err: Any) -> str:
+def _bounded_error(err: Any, where: str = "body") -> str:
     err = dict(err)
     if "input" in err:
         err["input"] = _summary(err["input"])
-    err["loc"] = _field_path(err.get("loc", ()))
+    err["loc"] = _field_path(err.get("loc", ()), where)
     text = str(err)
     return text if len(text) <= MAX_ERROR_CHARS else text[:MAX_ERROR_CHARS] + "...[truncated]"
 
@@ -276,6 +286,13 @@ async def _parse(request: Request, model: type) -> Any:
         return model.model_validate_json(await request.body())
     except ValidationError as exc:
         raise InvalidBody(exc) from exc
+
+
+def _parse_query(request: Request, model: type) -> Any:
+    try:
+        return model.model_validate(dict(request.query_params))
+    except ValidationError as exc:
+        raise InvalidBody(exc, "query") from exc
 
 
 def _overrides(state: StandinState, request: Request) -> tuple[PolicyConfig, float, float]:
@@ -379,7 +396,8 @@ def build_app(state: StandinState) -> TrafficGate:
             )
             model = state.served(body.model)
             if model is None:
-                return _error(f"The model `{body.model}` does not exist.", "NotFoundError", 404, "model")
+                missing = f"The model `{body.model}` does not exist. Valid aliases: {state.options.model}."
+                return _error(missing, "NotFoundError", 404, "model")
             config, latency, per_token = _overrides(state, request)
             drafted_under = state.engine.weight_version
             plan = state.answers.plan(kind, body, model, _seed_for(state, model, body.seed), config)
@@ -450,7 +468,7 @@ def build_app(state: StandinState) -> TrafficGate:
     if state.options.enable_lora:
         routes += lora_routes(state, _parse, _error)
     if state.options.weight_updates:
-        routes += weight_routes(state, _parse, _error)
+        routes += weight_routes(state, _parse, _error, _parse_query)
     if state.options.admin:
         routes += admin_routes(state, _parse)
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={InvalidBody: invalid_body})

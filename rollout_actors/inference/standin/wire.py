@@ -12,12 +12,40 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
 FaultKind = Literal[
     "500", "timeout", "drop", "malformed", "not_json", "oov", "drip", "retry_after", "echo_headers"
 ]
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # vLLM's bounds for `seed`
+
+
+class RequestError(ValueError):
+    """The request is invalid: a 400 `BadRequestError` with vLLM's body. Spelled as vLLM 0.33's
+    `VLLMValidationError` is: the message, then `(parameter=..., value=...)` for what is set."""
+
+    def __init__(self, message: str, param: str | None = None, value: Any = None) -> None:
+        super().__init__(message)
+        self.param = param
+        self.value = value
+
+    def __str__(self) -> str:
+        extras = [f"{k}={v}" for k, v in (("parameter", self.param), ("value", self.value)) if v is not None]
+        base = super().__str__()
+        return f"{base} ({', '.join(extras)})" if extras else base
+
+
+MAX_LOGPROBS = 20  # vLLM's default `--max-logprobs`
+
+
+def _count(data: dict[str, Any], name: str) -> Any:
+    """vLLM's `check_logprobs` (a before-validator): a logprob count is a number, positive or -1."""
+    value = data.get(name)
+    if value is not None and not isinstance(value, (int, float)):
+        raise RequestError(f"`{name}` must be an integer.", name, value)
+    if value is not None and value < 0 and value != -1:
+        raise RequestError(f"`{name}` must be a positive value or -1.", name, value)
+    return value
 
 
 class _Request(BaseModel):
@@ -34,16 +62,17 @@ def _id(prefix: str) -> str:
 
 class CompletionRequest(_Request):
     model: str | None = None
-    prompt: list[int] | list[list[int]] | str | list[str]
-    """Token ids (the main path), a batch of them, or text."""
+    prompt: list[int] | list[list[int]] | str | list[str] | None = None
+    """Token ids (the main path), a batch of them, or text; required (vLLM's message when it is not)."""
     max_tokens: int | None = 16
     temperature: float | None = None
     top_p: float | None = None
     """Sampling bounds are checked as vLLM checks them (`answers.check_sampling`): a 400 naming the
     parameter, not a body-validation error."""
     seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
-    logprobs: int | None = Field(default=None, ge=0, le=20)
-    """Completions-style: the number of top logprobs per token (0 = only the sampled one)."""
+    logprobs: int | None = None
+    """Completions-style: the number of top logprobs per token (0 = only the sampled one; -1 = all, which
+    is past `MAX_LOGPROBS`)."""
     n: int = 1
     stream: bool = False
     stop: str | list[str] | None = None
@@ -53,6 +82,16 @@ class CompletionRequest(_Request):
     return_tokens_as_token_ids: bool | None = None
     return_weight_versions: bool = False
     cache_salt: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _as_vllm_checks(cls, data: Any) -> Any:
+        """vLLM 0.33 `CompletionRequest.check_logprobs` and `validate_prompt_and_prompt_embeds`."""
+        if isinstance(data, dict):
+            _count(data, "logprobs")
+            if data.get("prompt") in (None, "") and not data.get("prompt_embeds"):
+                raise RequestError("Either prompt or prompt_embeds must be provided and non-empty.", "prompt")
+        return data
 
 
 class ChatCompletionRequest(_Request):
@@ -64,7 +103,7 @@ class ChatCompletionRequest(_Request):
     top_p: float | None = None
     seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
     logprobs: bool | None = False
-    top_logprobs: int | None = Field(default=0, ge=0, le=20)
+    top_logprobs: int | None = 0
     n: int | None = 1
     stream: bool | None = False
     stop: str | list[str] | None = None
@@ -78,6 +117,18 @@ class ChatCompletionRequest(_Request):
     return_tokens_as_token_ids: bool | None = None
     return_weight_versions: bool = False
     cache_salt: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _as_vllm_checks(cls, data: Any) -> Any:
+        """vLLM 0.33 `ChatCompletionRequest.check_logprobs`: `top_logprobs` asks for `logprobs: true`."""
+        if isinstance(data, dict):
+            top = _count(data, "top_logprobs")
+            if top is not None and (top == -1 or top > 0) and not data.get("logprobs"):
+                raise RequestError(
+                    "when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs"
+                )
+        return data
 
 
 class LoadLoRAAdapterRequest(_Request):
@@ -235,6 +286,14 @@ class LoadWeightsRequest(_Request):
     """`/update_weights`: backend-specific `update_info`, passed through to the weight transfer engine."""
 
     update_info: dict[str, Any] | list[dict[str, Any]]
+
+
+class PauseQuery(BaseModel):
+    """`/pause`'s query (vLLM 0.33 `rl/online/api_router.py`): an unknown parameter is ignored, a bad
+    `mode` is FastAPI's validation error under `query.mode`."""
+
+    mode: Literal["abort", "wait", "keep"] = "abort"
+    clear_cache: bool = True
 
 
 class InitWeightTransferRequest(_Request):
