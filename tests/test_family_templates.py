@@ -10,7 +10,9 @@ family, over conversations within what its template renders as the library does:
    the trajectory (prompt + the sampled turn), and an unforked prompt is the template's render (text);
 3. a sampled tool call parses back to a message in the shape the template takes (DeepSeek: arguments as
    a JSON string and `None` content; GLM: arguments as a mapping, `''` content) that renders the ids
-   that were sampled.
+   that were sampled;
+4. a sample split into other tokens than the canonical encode bridges to the same text, fork for fork,
+   and one cut by `length` is closed synthetically and kept as sampled.
 
 Where the library departs from a template the departure is asserted exactly (`test_*_deviation*`), and
 listed in the README's family table. Qwen3's own templates are in `test_template_fidelity.py`.
@@ -402,3 +404,64 @@ def test_llama_3_deviation_3_2_dates_today_and_arguments_render_as_sampled():
     assert ours == template_text(spec, hf, messages, None, False).replace(
         '{"q": "café"}', '{"q":"caf\\u00e9"}'
     )
+
+
+def next_prompt(r: Renderer, prompt: list[int], completion: list[int], reply: Any) -> str:
+    return r.decode(reply.prompt_ids if reply.forked else prompt + completion + reply.appended_ids)
+
+
+def resplit(r: Renderer, ids: list[int], at: float) -> list[int]:
+    """`ids` with their longest run of text tokens (no marker) encoded as two pieces split at `at`: the
+    same text, other tokens (a marker's text split in two would be text, not the marker)."""
+    markers = r.tokenizer.backend.get_added_tokens_decoder()
+    runs, start = [], 0
+    for i, token in enumerate([*ids, next(iter(markers))]):
+        if token in markers:
+            runs.append((start, i))
+            start = i + 1
+    lo, hi = max(runs, key=lambda run: run[1] - run[0])
+    text = r.decode(ids[lo:hi])
+    cut = int(len(text) * at)
+    return ids[:lo] + r.encode(text[:cut]) + r.encode(text[cut:]) + ids[hi:]
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+@PROFILE
+@given(first=TEXT, turn=TURN, at=st.floats(0.05, 0.95))
+def test_a_cut_or_non_canonically_split_sample_is_kept_as_sampled(name, first, turn, at):
+    """A sample split into other tokens than the canonical encode (the same text) bridges as the
+    canonical one does, fork for fork, to the same text; a sample cut by `length` is closed by the
+    family's synthetic close and kept: the next prompt starts with exactly the prompt and the cut ids."""
+    spec, r, hf = case(name)
+    use = TOOLS if spec.calls else None
+    content, reasoning, arguments, text, new_user = turn
+    messages = opening(spec, None, first)
+    prompt = r.start(messages, use).prompt_ids
+    message = assistant(spec, content, reasoning, arguments)
+    completion = sampled_turn(spec, r, hf, messages, message, use, prompt)
+    body = completion[:-1]
+    split = resplit(r, completion, at)
+    new = answers(message, text, new_user)
+
+    def bridged(ids: list[int]) -> Any:
+        request = BridgeRequest(
+            completion_ids=ids,
+            new_messages=new,
+            tools=use,
+            prompt_tail=prompt,
+            history=History(messages=messages, prompt_ids=prompt),
+        )
+        return r.bridge(request)
+
+    canonical, other = bridged(completion), bridged(split)
+    assert other.forked == canonical.forked
+    assert next_prompt(r, prompt, split, other) == next_prompt(r, prompt, completion, canonical)
+
+    lengthy = body[: max(1, int(len(body) * at))]
+    reply = bridged(lengthy)
+    assert reply.synthetic_close
+    if not reply.forked:
+        assert reply.synthetic_ids >= 1 and reply.appended_ids[reply.synthetic_ids - 1] in r.stop_ids
+        assert (prompt + lengthy + reply.appended_ids)[: len(prompt) + len(lengthy)] == prompt + lengthy
+    else:
+        assert reply.fork_reason
