@@ -61,6 +61,8 @@ class ParsedCompletion(BaseModel):
 
 
 _LIBRARY = object()
+FENCE = "```json\n"
+"""DeepSeek's calls carry their arguments in a fenced JSON block after the function name."""
 
 
 def from_library(
@@ -70,10 +72,12 @@ def from_library(
     reasoning: Any = _LIBRARY,
     content: Any = _LIBRARY,
     text: str = "",
+    empty_content: str | None = None,
 ) -> ParsedCompletion:
     """Map a library `ParsedResponse` for completion `ids` onto a `ParsedCompletion`; `reasoning` and
     `content` replace the library's where the renderer reads them the template's way; `text` is the
-    completion as decoded (`ParsedCompletion.text`)."""
+    completion as decoded (`ParsedCompletion.text`); `empty_content`: the message's content for a turn
+    without text, as the family's template takes it (None, or `''` where None renders as "None")."""
     calls = [
         ToolCall(
             name=call.name,
@@ -90,7 +94,7 @@ def from_library(
         content=content,
         reasoning=reasoning,
         tool_calls=calls,
-        message=_message(content, reasoning, calls, ids),
+        message=_message(content if content is not None else empty_content, reasoning, calls, ids),
         closed=bool(ids) and ids[-1] in stop_ids,
         text=text,
     )
@@ -102,8 +106,9 @@ def _status(library_status: str) -> ToolCallStatus:
 
 def raw_arguments(raw: str, arguments: Any) -> str:
     """The arguments exactly as sampled, so re-rendering the message reproduces the sampled text: the
-    JSON after `"arguments":` (Hermes-style calls), or the whole block when it is the arguments object
-    itself (Kimi / DeepSeek style); compact JSON when neither can be located (XML-style arguments)."""
+    JSON after `"arguments":` (Hermes-style calls), the whole block when it is the arguments object
+    itself (Kimi style), or the fenced JSON of a DeepSeek call (`name` + ```` ```json ```` block, which its
+    template renders as given); compact JSON when none can be located (XML-style arguments)."""
     if isinstance(arguments, str):
         return arguments
     decoder = json.JSONDecoder()
@@ -122,11 +127,13 @@ def raw_arguments(raw: str, arguments: Any) -> str:
                 return raw[start:stop]
         at = raw.find('"arguments"', at + 1)
     body = raw.strip()
-    try:
-        if body and json.loads(body) == arguments:
-            return body
-    except ValueError:
-        pass
+    fenced = body.split(FENCE, 1)[1].rsplit("```", 1)[0].strip("\n") if FENCE in body else None
+    for candidate in (body, fenced):
+        try:
+            if candidate and json.loads(candidate) == arguments:
+                return candidate
+        except ValueError:
+            pass
     return json.dumps(arguments, ensure_ascii=False)
 
 

@@ -58,6 +58,11 @@ re-emits the empty think block on them with thinking off (its documented deviati
 also changes the system prompt, so it keeps the library's deviation (README, template fidelity)."""
 
 
+EMPTY_CONTENT_AS_STRING = frozenset({"glm-4.5"})
+"""Families whose template writes a `None` content as the text "None" (GLM-4.5's `visible_text`, and the
+library with it): a parsed turn without text carries `''`, so its re-render is what was sampled."""
+
+
 class Renderer:
     """Render / parse / bridge for one `RendererKey`. Synchronous and CPU-bound: the renderer actor runs
     each call inline (each is short)."""
@@ -200,8 +205,13 @@ class Renderer:
             prefill = self.shape.prefill(self.decode(tail)) if tail else None
             reasoning, content, _ = self.shape.split(before_calls, prefill, bool(parsed.tool_calls))
         else:
-            reasoning = _library_reasoning(reasoning, parsed, text, tail and self.decode(tail))
-        return from_library(parsed, ids, self.stop_ids, reasoning=reasoning, content=content, text=text)
+            reasoning, content = _library_reasoning(
+                reasoning, content, parsed, text, tail and self.decode(tail)
+            )
+        empty = "" if self.family in EMPTY_CONTENT_AS_STRING else None
+        return from_library(
+            parsed, ids, self.stop_ids, reasoning=reasoning, content=content, text=text, empty_content=empty
+        )
 
     # ------------------------------------------------------------------------------- trajectories
 
@@ -284,16 +294,22 @@ class Renderer:
         )
 
 
-def _library_reasoning(reasoning: str | None, parsed: Any, text: str, prompt_text: str | None) -> str | None:
+def _library_reasoning(
+    reasoning: str | None, content: str | None, parsed: Any, text: str, prompt_text: str | None
+) -> tuple[str | None, str | None]:
     """The library families' parse, made the inverse of their render where it is not: a think block cut
-    by a length stop loses the newline its opening marker carries (as a closed one does), and an empty
-    think block that was sampled is an empty reasoning, not none."""
+    by a length stop loses the newline its opening marker carries (as a closed one does); an empty
+    think block that was sampled is an empty reasoning, not none; and a think block the generation
+    prompt opened where the library does not look for it (DeepSeek-R1's `<think>\n` after tool
+    outputs) is reasoning, not content that starts with `</think>`."""
     if reasoning is not None and parsed.reasoning_complete is False:
-        return reasoning.lstrip("\n")
+        return reasoning.lstrip("\n"), content
     if reasoning is None and "</think>" in text:
-        opened = text.lstrip().startswith("<think>") or bool(
-            prompt_text and prompt_text.endswith(("<think>", "<think>\n"))
-        )
-        if opened and not text.split("</think>", 1)[0].replace("<think>", "").strip():
-            return ""
-    return reasoning
+        prefilled = bool(prompt_text and prompt_text.endswith(("<think>", "<think>\n")))
+        opened = text.lstrip().startswith("<think>") or prefilled
+        before = text.split("</think>", 1)[0]
+        if prefilled and content is not None and "</think>" in content and "<think>" not in before:
+            return before.strip("\n"), content.split("</think>", 1)[1].lstrip("\n") or None
+        if opened and not before.replace("<think>", "").strip():
+            return "", content
+    return reasoning, content

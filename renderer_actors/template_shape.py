@@ -145,19 +145,46 @@ def template_ids(
     template_kwargs: dict[str, Any],
 ) -> list[int]:
     """`apply_chat_template` on the messages as given, tokenised as it tokenises them. A template that
-    cannot take tool-call arguments as a JSON string (it iterates them as a mapping) gets them decoded,
-    as the library does; only then do arguments render as the template re-serialises them."""
+    refuses them gets them in the shape it takes: tool-call arguments decoded (it iterates them as a
+    mapping, as the library does; only then do arguments render as the template re-serialises them),
+    a tool-call turn's `None` content as `''`, or both."""
     kwargs = {**template_kwargs, "add_generation_prompt": add_generation_prompt}
     if tools is not None:
         kwargs["tools"] = tools
     try:
         text = template_text(tokenizer, messages, **kwargs)
     except Exception:
+        # The shapes templates take where they refuse the OpenAI one: arguments as a mapping (GLM),
+        # a tool-call turn's content as a string (Qwen3's April-2025 template, gpt-oss), or both.
         decoded = decode_arguments(messages)
-        if decoded is None:
+        stringed = string_content(messages)
+        both = string_content(decoded) if decoded is not None else None
+        shapes = [shape for shape in (decoded, stringed, both) if shape is not None]
+        if not shapes:
             raise
-        text = template_text(tokenizer, decoded, **kwargs)
+        text = _first_rendering(tokenizer, shapes, kwargs)
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _first_rendering(tokenizer: Any, shapes: list[list[dict[str, Any]]], kwargs: dict[str, Any]) -> str:
+    for shape in shapes[:-1]:
+        try:
+            return template_text(tokenizer, shape, **kwargs)
+        except Exception:
+            continue
+    return template_text(tokenizer, shapes[-1], **kwargs)
+
+
+def string_content(messages: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+    """The messages with a tool-call turn's `None` content as `''` (Qwen3's April-2025 template and
+    gpt-oss's test `in` on it and fail on None); None if no turn had None content."""
+
+    def silent_call(m: Any) -> bool:
+        return isinstance(m, dict) and bool(m.get("tool_calls")) and m.get("content") is None
+
+    if not any(silent_call(m) for m in messages):
+        return None
+    return [{**m, "content": ""} if silent_call(m) else m for m in messages]
 
 
 def decode_arguments(messages: list[dict[str, Any]]) -> list[dict[str, Any]] | None:

@@ -170,15 +170,33 @@ def _build_atomically(target: Path, specials: list[str], bos: str | None, eos: s
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def template_variant(name: str, chat_template: str) -> str:
-    """The bundled tokenizer with another chat template (a fine-tune that ships its own), cached."""
+TEMPLATES = Path(__file__).parent / "templates"
+"""Models' own chat templates that no installed package ships (each with its `.source.txt`)."""
+
+
+def trl_template(name: str) -> str:
+    """A model's own chat template as the `trl` wheel ships it (`trl/chat_templates/<name>.jinja`, byte
+    copies that TRL's CI checks weekly against the models' repositories)."""
+    from importlib import resources
+
+    return (resources.files("trl") / "chat_templates" / f"{name}.jinja").read_text()
+
+
+def reference_template(name: str) -> str:
+    """A model's own chat template kept in `tests/templates/` (where `trl` lacks the family)."""
+    return (TEMPLATES / f"{name}.jinja").read_text()
+
+
+def template_variant(name: str, chat_template: str, family: str = "qwen3") -> str:
+    """The family's tokenizer (the bundled one for `qwen3`) with another chat template (a model's own,
+    or a fine-tune's), cached."""
     from renderer_actors.tokenizer import bundled_tokenizer_dir
 
-    digest = hashlib.sha256(chat_template.encode()).hexdigest()[:12]
+    digest = hashlib.sha256(f"{family}\0{chat_template}".encode()).hexdigest()[:12]
     target = cache_root() / "tokenizers" / f"test-template-{name}-{digest}"
     if (target / "tokenizer.json").exists():
         return str(target)
-    source = bundled_tokenizer_dir()
+    source = bundled_tokenizer_dir() if family in ("qwen3", "default") else Path(tokenizer_dir(family))
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=target.parent))
     try:

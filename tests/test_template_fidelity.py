@@ -23,7 +23,7 @@ import unicodedata
 from typing import Any
 
 import pytest
-from family_tokenizers import template_variant
+from family_tokenizers import reference_template, template_variant, trl_template
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -43,6 +43,8 @@ ENDOFTEXT_CLOSED = chat_template_text().replace(
 )
 """The bundled template, closing assistant turns with `<|endoftext|>` (not the tokenizer's eos)."""
 assert ENDOFTEXT_CLOSED != chat_template_text()
+QWEN3_APRIL = template_variant("qwen3-april", reference_template("Qwen--Qwen3.2025-04-original"))
+"""Qwen3 as released (April 2025): a tool-call turn needs `content` to be a string (`''`, not None)."""
 
 # (model, renderer config): every template this module holds renderers to.
 CASES = {
@@ -62,7 +64,26 @@ CASES = {
         template_variant("endoftext-closed", ENDOFTEXT_CLOSED),
         {"family": "default", "options": {"tool_parser": "qwen3"}},
     ),
+    # Qwen3's own templates on Qwen's real vocabulary (the bundled tokenizer's ranks and specials).
+    "qwen3": lambda: (template_variant("qwen3-8b", trl_template("qwen3")), {"family": "qwen3"}),
+    "qwen3-thinking-off": lambda: (
+        template_variant("qwen3-8b", trl_template("qwen3")),
+        {"family": "qwen3", "template_kwargs": {"enable_thinking": False}},
+    ),
+    "qwen3-april-2025": lambda: (QWEN3_APRIL, {"family": "qwen3"}),
+    "default-qwen3-april-2025": lambda: (
+        QWEN3_APRIL,
+        {"family": "default", "options": {"tool_parser": "qwen3"}},
+    ),
 }
+FIRST_RENDER_ONLY = {"qwen3", "qwen3-thinking-off", "qwen3-april-2025", "default-qwen3-april-2025"}
+"""Qwen3's own templates: held to the first-render property; the bridge and parse properties, written
+for the bundled template's shape, are not yet adapted to them (README, family table)."""
+BRIDGED = [name for name in CASES if name not in FIRST_RENDER_ONLY]
+SPLITS_CONTENT = {"qwen3", "qwen3-thinking-off", "qwen3-april-2025"}
+"""Where the library encodes a past assistant turn's content apart from its role line (as a model samples
+it, after the generation prompt's newline), so content that starts with whitespace does not merge with
+that newline as the template's one-pass encode does: the same text, other ids (README, family table)."""
 _LOADED: dict[str, tuple[Renderer, Any, dict[str, Any]]] = {}
 
 
@@ -202,11 +223,20 @@ def test_the_first_render_is_the_templates(name, system, first, history, tools):
         message = assistant(reasoning, content, calls, thinking)
         messages += [message, *replies(message, user)]
     use = TOOLS if tools else None
-    assert r.start(messages, use).prompt_ids == template(hf, kwargs, messages, use, True)
-    assert r.render_ids(messages, use, False) == template(hf, kwargs, messages, use, False)
+    for ours, theirs in [
+        (r.start(messages, use).prompt_ids, template(hf, kwargs, messages, use, True)),
+        (r.render_ids(messages, use, False), template(hf, kwargs, messages, use, False)),
+    ]:
+        if name in SPLITS_CONTENT and any(
+            m["role"] == "assistant" and (m["content"] or "x")[:1].isspace() for m in messages
+        ):
+            # the known deviation: the same text, the turn's content encoded apart from its role line
+            assert r.decode(ours) == hf.decode(theirs)
+        else:
+            assert ours == theirs
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", BRIDGED)
 @PROFILE
 @given(first=NONEMPTY, turns=st.lists(st.tuples(ASSISTANT, NONEMPTY, st.booleans()), min_size=1, max_size=3))
 def test_a_bridge_forks_exactly_when_the_template_rewrites(name, first, turns):
@@ -242,7 +272,7 @@ def test_a_bridge_forks_exactly_when_the_template_rewrites(name, first, turns):
         assert same(r, prompt, reference, by_ids)
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", BRIDGED)
 @PROFILE
 @given(first=NONEMPTY, turn=ASSISTANT, cut=st.integers(1, 6))
 def test_parse_is_the_inverse_of_the_templates_render(name, first, turn, cut):
@@ -324,6 +354,37 @@ def test_the_bundled_model_keeps_past_reasoning_across_user_turns_as_its_templat
     assert not reply.needs_history and not reply.forked
     messages += [reply.assistant_message, {"role": "user", "content": "again"}]
     assert prompt + completion + reply.appended_ids == template(hf, kwargs, messages, None, True)
+
+
+def test_a_template_that_refuses_none_content_gets_a_string_for_a_tool_call_turn():
+    """Qwen3's April-2025 template tests `'</think>' in content`: a tool-call turn parsed without text
+    (content None) is rendered with `''`, as the template takes it, not refused."""
+    r, hf, kwargs = case("default-qwen3-april-2025")
+    messages = [{"role": "user", "content": "find it"}]
+    prompt = r.start(messages, TOOLS).prompt_ids
+    call = {
+        "role": "assistant",
+        "content": "",
+        "reasoning_content": "looking",
+        "tool_calls": [
+            {"id": "c0", "type": "function", "function": {"name": "search", "arguments": '{"q": "x"}'}}
+        ],
+    }
+    completion, _ = sampled_turn(r, prompt, template(hf, kwargs, [*messages, call], TOOLS, False))
+    answer = [{"role": "tool", "content": "found"}]
+    reply = r.bridge(
+        BridgeRequest(
+            completion_ids=completion,
+            new_messages=answer,
+            tools=TOOLS,
+            prompt_tail=prompt,
+            history=History(messages=messages, prompt_ids=prompt),
+        )
+    )
+    assert reply.assistant_message["content"] is None and not reply.forked
+    assert prompt + completion + reply.appended_ids == template(
+        hf, kwargs, [*messages, call, *answer], TOOLS, True
+    )
 
 
 # ------------------------------------------------------------------- qwen3, thinking off (a deviation)
