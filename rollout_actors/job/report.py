@@ -152,11 +152,21 @@ def format_summary(summary: RunSummary) -> str:
     ]
     if summary.time is not None:
         lines += format_timings(summary.time)
-    if summary.failures:
-        lines.append("failures:")
-        for key, (count, _, example) in summary.failures.items():
-            lines.append(f"  {count:>6}  {key}: {example[:160]}")
+    lines += failure_lines(summary)
     return "\n".join(lines)
+
+
+def failure_lines(summary: RunSummary) -> list[str]:
+    """Failures by kind and type, most frequent first, with a count and one example message each: a
+    failure shared by every rollout of a run is one line, not one per rollout. `rollouts run` ends with
+    the same block."""
+    if not summary.failures:
+        return []
+    lines = ["failures (count, kind/type: one example):"]
+    for key, (count, _, example) in summary.failures.items():
+        first = example.strip().splitlines()[0] if example.strip() else ""
+        lines.append(f"  {count:>6}  {key}: {first[:160]}")
+    return lines
 
 
 def format_timings(run: Timeline) -> list[str]:
