@@ -4,8 +4,10 @@ rollouts run                          # embedded defaults: local Ray, stand-in s
 rollouts run --base-url http://vllm:8000/v1 --model Qwen/Qwen3-8B --env env_actors.examples.math_env:MathEnv
 rollouts run --config run.toml [--print-config]     # every option as a TOML file; flags override it
 rollouts report rollouts-20261130-120000.jsonl --png report.png
+rollouts serve-standin --port 8000    # the bundled CPU inference server alone, until Ctrl-C
 
-Each subcommand's flags and body live in `rollout_actors/job/` (`run_flags`, `run_batch`, `report`); this module only wires them.
+Each subcommand's flags and body live in `rollout_actors/job/` (`run_flags`, `run_batch`, `report`,
+`serve_standin`); this module only wires them.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import argparse
 import logging
 import sys
 
+from rollout_actors.job import serve_standin
 from rollout_actors.job.run_config import to_toml
 from rollout_actors.job.run_flags import (
     FlagError,
@@ -41,6 +44,13 @@ def _parser() -> argparse.ArgumentParser:
     report = sub.add_parser("report", help="summarise a finished run's JSON lines (and plot it)")
     report.add_argument("results", help="the JSON-lines file a run wrote")
     report.add_argument("--png", default=None, metavar="FILE", help="write the plots to this PNG file")
+    standin = sub.add_parser(
+        "serve-standin",
+        help="serve the bundled CPU stand-in inference server until Ctrl-C",
+        description="Serve the bundled CPU stand-in inference server (vLLM's OpenAI-compatible wire format) "
+        "on its own: it prints the base URL and the model name to use, then serves until Ctrl-C.",
+    )
+    serve_standin.add_arguments(standin)
     return parser
 
 
@@ -49,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if args.command == "report":
         return report(args.results, args.png)
+    if args.command == "serve-standin":
+        return serve_standin.serve(args)
     try:
         config = resolve(args)
     except FlagError as exc:

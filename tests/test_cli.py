@@ -5,10 +5,13 @@ Ray-free: the checks run before Ray would start, and the run's end reads a resul
 from __future__ import annotations
 
 import io
+import json
 import logging
 import os
+import signal
 import subprocess
 import sys
+import urllib.request
 from collections import Counter
 from pathlib import Path
 
@@ -226,3 +229,28 @@ def test_the_progress_line_counts_rollouts_and_fits_80_columns_whole():
     assert "failed 12348" in _render(100_000, 99_999, 2048, {"caller": 12_345, "model": 3})
     waiting = _render(256, 0, 0, {}, stage="starting the env pool")
     assert "starting the env pool" in waiting and "0/256" in waiting
+
+
+def test_serve_standin_prints_the_base_url_and_model_and_serves_until_ctrl_c(tmp_path):
+    from renderer_actors.tokenizer import BUNDLED_MODEL
+
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    command = [sys.executable, "-m", "rollout_actors.cli", "serve-standin", "--port", "0"]
+    server = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        first = server.stdout.readline()  # blocks until the server is ready (or the process ends)
+        assert first.startswith("stand-in inference server: base URL http://127.0.0.1:"), (
+            first + server.stderr.read()
+        )
+        base_url = first.split("base URL ")[1].split(",")[0]
+        assert first.strip().endswith(f"model {BUNDLED_MODEL}")
+        with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(
+            f"{base_url}/models", timeout=10
+        ) as r:
+            assert [m["id"] for m in json.loads(r.read())["data"]] == [BUNDLED_MODEL]
+        server.send_signal(signal.SIGINT)
+        assert server.wait(timeout=30) == 0
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
