@@ -59,3 +59,34 @@ def test_too_many_tasks_is_refused_before_submitting_and_a_shared_failure_is_one
     assert line.startswith("      32  env/KeyError: "), failed.stdout[-3000:]
     assert "more than --max-failed-fraction 0" in failed.stderr
     assert len(output.read_text().splitlines()) == 32
+
+
+@pytest.mark.timeout(RUN_TIMEOUT_S + 30)
+def test_an_environment_that_cannot_load_ends_the_run_before_submitting_in_one_line(
+    tmp_path, ray_session, standin
+):
+    output = tmp_path / "results.jsonl"
+    done = _rollouts(
+        [
+            "--env",
+            "env_actors.faults.envs:LoadRaisesEnv",  # load() raises FileNotFoundError: a missing dataset shard
+            "--allow-ref-prefix",
+            "env_actors.faults.",
+            "--base-url",
+            standin.base_url,
+            "--model",
+            BUNDLED_MODEL,
+            "--output",
+            str(output),
+            "--no-progress",
+        ],
+        ray_session,
+        tmp_path,
+    )
+    assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-3000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith(
+        "rollouts run: --env env_actors.faults.envs:LoadRaisesEnv: its pool did not start"
+    ), last
+    assert "FileNotFoundError" in last and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert not output.exists()

@@ -23,8 +23,10 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+from rollout_actors.inference.standin import StandinStartupError
 from rollout_actors.job.run_config import RunConfig, StandinSettings
 from rollout_actors.job.run_flags import FlagError
+from rollout_actors.kernel.faults import Fault
 from rollout_actors.rollout.failures import FAILED_ROLLOUT_RECORD
 from rollout_actors.wire import Ref, Result, RolloutRequest
 
@@ -53,6 +55,10 @@ def failed_fraction(kinds: Counter[str]) -> float:
     """Failed rollouts over all of them; `cancelled` (asked for) is no failure."""
     total = sum(kinds.values())
     return sum(n for kind, n in kinds.items() if kind not in NOT_FAILED) / total if total else 0.0
+
+
+class PoolDidNotStart(RuntimeError):
+    """The environment's pool failed to start: the run ends before submitting, in one line, exit 1."""
 
 
 class CountedFailures(logging.Filter):
@@ -97,10 +103,10 @@ def run(config: RunConfig) -> int:
                 endpoints = [server.wait_ready().base_url]
                 print(f"stand-in inference server at {server.base_url}", file=sys.stderr)
             return asyncio.run(_run_plane(config, endpoints, model, output, status))
-        except FlagError as exc:
+        except (FlagError, PoolDidNotStart, StandinStartupError) as exc:
             stack.close()
-            print(f"rollouts run: {exc}", file=sys.stderr)
-            return 2
+            print(f"rollouts run: {exc}", file=sys.stderr)  # a stand-in's failure adds its log's tail
+            return 2 if isinstance(exc, FlagError) else 1
         finally:
             import ray
 
@@ -147,7 +153,14 @@ async def _run_plane(config: RunConfig, endpoints: list[str], model: str, output
     status.stage("starting the plane")
     async with RolloutPlane(plane_config) as plane:
         status.stage("starting the env pool")
-        available = await plane.num_tasks(env, NUM_TASKS_TIMEOUT_S)
+        try:
+            available = await plane.num_tasks(env, NUM_TASKS_TIMEOUT_S)
+        except Fault as exc:  # what every rollout would have met: said once, here
+            failure = exc.failure
+            first = failure.message.strip().splitlines()[0] if failure.message.strip() else ""
+            raise PoolDidNotStart(
+                f"--env {job.env}: its pool did not start ({exc.kind}): {failure.type}: {first}"
+            ) from None
         if job.tasks > available:
             raise FlagError(
                 f"--tasks {job.tasks}", f"{job.env} has {available} tasks (indices 0..{available - 1})"

@@ -244,17 +244,24 @@ def overrides_from_flags(args: argparse.Namespace) -> dict[str, Any]:
 def resolve(args: argparse.Namespace) -> RunConfig:
     """The run's configuration from `--config` and the flags, checked as far as it can be without Ray.
     Raises `FlagError` naming the flag (or, for a key no flag sets, the config path)."""
+    overrides = overrides_from_flags(args)
     try:
-        config = load_run_config(args.config, overrides_from_flags(args))
+        config = load_run_config(args.config, overrides)
     except ConfigError as exc:
         if not exc.problems:
             raise FlagError("--config", str(exc)) from None
-        path, message = exc.problems[0]
-        more = f" (and {len(exc.problems) - 1} more)" if len(exc.problems) > 1 else ""
-        flag = next((FLAG_OF[p] for p in _parents(path) if p in FLAG_OF), path)
-        raise FlagError(flag, f"{message}{more}") from None
+        (where, message), *more = [
+            (_where(path, overrides, args.config), text) for path, text in exc.problems
+        ]
+        raise FlagError(where, message + "".join(f"; {w}: {m}" for w, m in more)) from None
     check(config)
     return config
+
+
+def _where(path: str, overrides: dict[str, Any], file: str | None) -> str:
+    """The flag the user typed for a bad config key, else the key's path in the file."""
+    given = [p for p in _parents(path) if p in overrides and p in FLAG_OF]
+    return FLAG_OF[given[0]] if given else f"{file}: {path}" if file else path
 
 
 def _parents(path: str) -> list[str]:
