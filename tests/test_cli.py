@@ -229,6 +229,7 @@ def test_the_progress_line_counts_rollouts_and_fits_80_columns_whole():
     assert "failed 12348" in _render(100_000, 99_999, 2048, {"caller": 12_345, "model": 3})
     waiting = _render(256, 0, 0, {}, stage="starting the env pool")
     assert "starting the env pool" in waiting and "0/256" in waiting
+    assert "-:--:--" in waiting  # its clock starts at the first submission, as the report's does
 
 
 def test_serve_standin_prints_the_base_url_and_model_and_serves_until_ctrl_c(tmp_path):

@@ -57,7 +57,8 @@ class RunStatus:
             disable=not live,
             transient=False,
         )
-        self._task = self._progress.add_task("starting", total=total)
+        # Its clock starts at the first submission (`submitted`), the report's zero: bar and summary agree.
+        self._task = self._progress.add_task("starting", total=total, start=False)
 
     def __enter__(self) -> RunStatus:
         self._progress.__enter__()
@@ -77,6 +78,7 @@ class RunStatus:
         """The first submission: the clock of the rate starts here, as the report's does."""
         if self._first_submit is None:
             self._first_submit = self._clock()
+            self._progress.start_task(self._task)
 
     def update(self, done: int, in_flight: int, failed: Mapping[str, int]) -> None:
         now = self._clock()

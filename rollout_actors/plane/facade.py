@@ -30,6 +30,7 @@ import ray
 from env_actors.session import EnvSession
 from rollout_actors.inference.load import LoadReader
 from rollout_actors.kernel import Ref, RefResolver
+from rollout_actors.kernel.faults import Unavailable
 from rollout_actors.plane.concurrency import ConcurrencyController
 from rollout_actors.plane.config import PlaneConfig
 from rollout_actors.plane.dispatcher import Dispatcher
@@ -397,7 +398,10 @@ class RolloutPlane:
         self._require_started("num_tasks")
         RefResolver(self.config.allowed_ref_prefixes).check_allowed(env.target)
         await self._pools.ensure_env_pool(env)
-        return await EnvSession.num_tasks(self._pools.supervisor(env).current(), timeout)
+        pool = self._pools.supervisor(env).current()
+        if pool is None:  # lost since it started: its replacement learns the count again when ready
+            raise Unavailable(f"the env pool of {env.target} is being replaced")
+        return await EnvSession.num_tasks(pool, timeout)
 
     def spawn(self, work: Coroutine[Any, Any, Any]) -> None:
         """Run `work` as a task the plane owns: cancelled in `close` if still running."""
