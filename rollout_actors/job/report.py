@@ -177,15 +177,17 @@ def format_timings(run: Timeline) -> list[str]:
 
     if not run.spans:
         return []
+    # Lines of at most 80 columns: a terminal wraps none of them.
     lines = [
-        f"cold start: {secs(run.cold_start_s)} until the first turn began (env pool start "
-        f"{secs(run.longest('env_pool_s'))}, renderer slot {secs(run.longest('renderer_s'))} at most); "
-        f"first result at {secs(run.first_result_s)}, last at {secs(run.end_s)} (after the first submit)"
+        f"cold start: {secs(run.cold_start_s)} until the first turn began",
+        f"  longest waits in it: env pool start {secs(run.longest('env_pool_s'))}, "
+        f"renderer slot {secs(run.longest('renderer_s'))}",
+        f"first result at {secs(run.first_result_s)}, last at {secs(run.end_s)} (after the first submit)",
     ]
     steady = run.steady_rates()
     if steady is not None:
         lines.append(
-            f"steady state (after the cold start): {steady[0]:.2f} rollouts/s, {steady[1]:.2f} turns/s, "
+            f"after the cold start: {steady[0]:.2f} rollouts/s, {steady[1]:.2f} turns/s, "
             f"{steady[2]:.0f} sampled tokens/s"
         )
     if run.turn_phases.get("model_s"):
