@@ -58,19 +58,37 @@ PUBLISH_TIMEOUT_S = 120.0
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--group-size", type=int, default=4)
-    parser.add_argument("--groups-per-step", type=int, default=4)
-    parser.add_argument("--in-flight", type=int, default=8, help="groups kept in flight")
-    parser.add_argument("--max-off-policy", type=int, default=1, help="versions behind before a group drops")
-    parser.add_argument("--straggler-s", type=float, default=60.0, help="then cut members past min_ok")
-    parser.add_argument("--train-s", type=float, default=2.0, help="the trainer's time per step (simulated)")
-    parser.add_argument("--eval-every", type=int, default=2)
-    parser.add_argument("--eval-tasks", type=int, default=8)
-    parser.add_argument("--servers", type=int, default=1, help="stand-in inference servers")
-    parser.add_argument("--latency", type=float, default=0.2, help="stand-in seconds per model call")
-    parser.add_argument("--fault-rate", type=float, default=0.01, help="model calls the stand-in corrupts")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument("--steps", type=int, default=6, metavar="N", help="training steps")
+    parser.add_argument("--group-size", type=int, default=4, metavar="N", help="rollouts per group")
+    parser.add_argument(
+        "--groups-per-step", type=int, default=4, metavar="N", help="groups each step trains on"
+    )
+    parser.add_argument("--in-flight", type=int, default=8, metavar="N", help="groups kept in flight")
+    parser.add_argument(
+        "--max-off-policy", type=int, default=1, metavar="N", help="versions behind before a group drops"
+    )
+    parser.add_argument(
+        "--straggler-s", type=float, default=60.0, metavar="SECONDS", help="then cut members past min_ok"
+    )
+    parser.add_argument(
+        "--train-s",
+        type=float,
+        default=2.0,
+        metavar="SECONDS",
+        help="the trainer's time per step (simulated)",
+    )
+    parser.add_argument("--eval-every", type=int, default=2, metavar="N", help="steps between evaluations")
+    parser.add_argument("--eval-tasks", type=int, default=8, metavar="N", help="tasks per evaluation")
+    parser.add_argument("--servers", type=int, default=1, metavar="N", help="stand-in inference servers")
+    parser.add_argument(
+        "--latency", type=float, default=0.2, metavar="SECONDS", help="stand-in seconds per model call"
+    )
+    parser.add_argument(
+        "--fault-rate", type=float, default=0.01, metavar="P", help="model calls the stand-in corrupts"
+    )
     return parser.parse_args(argv)
 
 

@@ -133,7 +133,7 @@ def test_quick_start_runs_the_main_job_on_embedded_defaults(tmp_path):
         timeout=280,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "256 rollouts in" in done.stdout and "kind=ok" in done.stdout
+    assert "rollouts: 256 in" in done.stdout and "by kind: ok=256" in done.stdout
     (results,) = list(tmp_path.glob("rollouts-*.jsonl"))
     assert len(results.read_text().splitlines()) == 256
     assert time.monotonic() - started < 280

@@ -152,11 +152,21 @@ def format_summary(summary: RunSummary) -> str:
     ]
     if summary.time is not None:
         lines += format_timings(summary.time)
-    if summary.failures:
-        lines.append("failures:")
-        for key, (count, _, example) in summary.failures.items():
-            lines.append(f"  {count:>6}  {key}: {example[:160]}")
+    lines += failure_lines(summary)
     return "\n".join(lines)
+
+
+def failure_lines(summary: RunSummary) -> list[str]:
+    """Failures by kind and type, most frequent first, with a count and one example message each: a
+    failure shared by every rollout of a run is one line, not one per rollout. `rollouts run` ends with
+    the same block."""
+    if not summary.failures:
+        return []
+    lines = ["failures (count, kind/type: one example):"]
+    for key, (count, _, example) in summary.failures.items():
+        first = example.strip().splitlines()[0] if example.strip() else ""
+        lines.append(f"  {count:>6}  {key}: {first[:160]}")
+    return lines
 
 
 def format_timings(run: Timeline) -> list[str]:
@@ -167,15 +177,17 @@ def format_timings(run: Timeline) -> list[str]:
 
     if not run.spans:
         return []
+    # Lines of at most 80 columns: a terminal wraps none of them.
     lines = [
-        f"cold start: {secs(run.cold_start_s)} until the first turn began (env pool start "
-        f"{secs(run.longest('env_pool_s'))}, renderer slot {secs(run.longest('renderer_s'))} at most); "
-        f"first result at {secs(run.first_result_s)}, last at {secs(run.end_s)} (after the first submit)"
+        f"cold start: {secs(run.cold_start_s)} until the first turn began",
+        f"  longest waits in it: env pool start {secs(run.longest('env_pool_s'))}, "
+        f"renderer slot {secs(run.longest('renderer_s'))}",
+        f"first result at {secs(run.first_result_s)}, last at {secs(run.end_s)} (after the first submit)",
     ]
     steady = run.steady_rates()
     if steady is not None:
         lines.append(
-            f"steady state (after the cold start): {steady[0]:.2f} rollouts/s, {steady[1]:.2f} turns/s, "
+            f"after the cold start: {steady[0]:.2f} rollouts/s, {steady[1]:.2f} turns/s, "
             f"{steady[2]:.0f} sampled tokens/s"
         )
     if run.turn_phases.get("model_s"):

@@ -59,6 +59,9 @@ class JobSettings(_Section):
     """Write the run report's plots here at the end (see `rollouts report`)."""
     progress: bool = True
     """A live progress bar; off, a plain status line every few seconds (what `ray job logs` shows)."""
+    max_failed_fraction: float = Field(default=0.0, ge=0, le=1)
+    """The command exits 1 when more than this share of the rollouts failed (`cancelled` is no failure):
+    by default any failure fails the command, as a CI step or a job should."""
 
     _renamed = model_validator(mode="before")(renamed_fields({"deadline_s": "timeout_s"}))
     ray_address: str | None = None
@@ -118,13 +121,21 @@ class RunConfig(_Section):
 class ConfigError(ValueError):
     """A configuration file or flag that does not validate; the message names each bad key by path."""
 
+    def __init__(self, message: str, problems: list[tuple[str, str]] | None = None) -> None:
+        super().__init__(message)
+        self.problems = problems or []
+        """(dotted path, what is wrong) per bad key, in the order pydantic found them."""
+
+
+def _problems(exc: ValidationError, prefix: str = "") -> list[tuple[str, str]]:
+    return [
+        (".".join(str(part) for part in ((prefix,) if prefix else ()) + tuple(error["loc"])), error["msg"])
+        for error in exc.errors()
+    ]
+
 
 def _describe(exc: ValidationError, prefix: str = "") -> str:
-    lines = []
-    for error in exc.errors():
-        path = ".".join(str(part) for part in ((prefix,) if prefix else ()) + tuple(error["loc"]))
-        lines.append(f"{path}: {error['msg']}")
-    return "; ".join(lines)
+    return "; ".join(f"{path}: {message}" for path, message in _problems(exc, prefix))
 
 
 def load_run_config(path: str | Path | None, overrides: dict[str, Any] | None = None) -> RunConfig:
@@ -140,7 +151,7 @@ def load_run_config(path: str | Path | None, overrides: dict[str, Any] | None = 
     try:
         return RunConfig.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(f"{path or 'flags'}: {_describe(exc)}") from None
+        raise ConfigError(f"{path or 'flags'}: {_describe(exc)}", _problems(exc)) from None
 
 
 def _set(data: dict[str, Any], dotted: str, value: Any) -> None:

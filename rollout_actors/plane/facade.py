@@ -27,8 +27,10 @@ from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import ray
 
+from env_actors.session import EnvSession
 from rollout_actors.inference.load import LoadReader
-from rollout_actors.kernel import RefResolver
+from rollout_actors.kernel import Ref, RefResolver
+from rollout_actors.kernel.faults import Unavailable
 from rollout_actors.plane.concurrency import ConcurrencyController
 from rollout_actors.plane.config import PlaneConfig
 from rollout_actors.plane.dispatcher import Dispatcher
@@ -401,6 +403,18 @@ class RolloutPlane:
         of one `caller` result naming it. Neither raises."""
         self._require_started("submit_group")
         return self._intake.submit_group(request, n, stragglers=stragglers, one_policy=one_policy)
+
+    async def num_tasks(self, env: Ref, timeout: float = 30.0) -> int:
+        """How many tasks `env` has. Starts its pool as its first request would (that cold start is then
+        paid here, not by the first rollouts) and asks it; raises `CallerError` for a Ref outside the
+        allowlist and the pool's startup failure as the first request would meet it."""
+        self._require_started("num_tasks")
+        RefResolver(self.config.allowed_ref_prefixes).check_allowed(env.target)
+        await self._pools.ensure_env_pool(env)
+        pool = self._pools.supervisor(env).current()
+        if pool is None:  # lost since it started: its replacement learns the count again when ready
+            raise Unavailable(f"the env pool of {env.target} is being replaced")
+        return await EnvSession.num_tasks(pool, timeout)
 
     def spawn(self, work: Coroutine[Any, Any, Any]) -> None:
         """Run `work` as a task the plane owns: cancelled in `close` if still running."""

@@ -68,6 +68,9 @@ def _model_failure(exc: Exception, status_code: int | None = None) -> Failure:
 
 
 FAILED_KINDS = ("model", "env", "infrastructure", "caller")
+FAILED_ROLLOUT_RECORD = "failed_rollout_kind"
+"""The attribute `log_failure` puts on its log record (the result's kind): a front that reports failures
+its own way (the command line's end-of-run table, one line per type with a count) filters on it."""
 
 
 def log_failure(logger: logging.Logger, result: Any) -> None:
@@ -84,6 +87,7 @@ def log_failure(logger: logging.Logger, result: Any) -> None:
         result.kind,
         error.type,
         error.message.splitlines()[0][:300] if error.message else "",
+        extra={FAILED_ROLLOUT_RECORD: result.kind},
     )
     if error.traceback:
         logger.debug("rollout %s traceback:\n%s", result.request_id, error.traceback)

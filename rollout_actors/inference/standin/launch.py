@@ -54,13 +54,16 @@ class StandinServer:
         options: StandinOptions = StandinOptions(),
         *,
         host: str = "127.0.0.1",
+        port: int = 0,
         ready_timeout_s: float = READY_TIMEOUT_S,
         env: dict[str, str] | None = None,
     ) -> None:
-        """`env`: added to the server's environment (e.g. `VLLM_API_KEY`, which it reads as vLLM does)."""
+        """`env`: added to the server's environment (e.g. `VLLM_API_KEY`, which it reads as vLLM does).
+        `port`: 0 (the default) lets the server bind a free one and report it."""
         self.options = options
         self.env = dict(env or {})
         self.host = host
+        self.requested_port = port
         self.ready_timeout_s = ready_timeout_s
         self.port: int | None = None
         self._process: subprocess.Popen[bytes] | None = None
@@ -100,7 +103,14 @@ class StandinServer:
             raise RuntimeError("the stand-in server is already started")
         self._workdir = Path(tempfile.mkdtemp(prefix="standin-"))
         command = [sys.executable, "-m", "rollout_actors.inference.standin", "--host", self.host]
-        command += ["--port", "0", "--port-file", str(self._port_file), "--parent-pid", str(os.getpid())]
+        command += [
+            "--port",
+            str(self.requested_port),
+            "--port-file",
+            str(self._port_file),
+            "--parent-pid",
+            str(os.getpid()),
+        ]
         command += self.options.to_argv()
         with open(self._workdir / "server.log", "wb") as log:
             self._process = subprocess.Popen(
@@ -140,6 +150,10 @@ class StandinServer:
                 return
             time.sleep(POLL_S)
         raise TimeoutError(f"not ready within {self.ready_timeout_s:g} s")
+
+    def exit_code(self) -> int | None:
+        """The process's exit code once it has exited; None while it runs (or was never started)."""
+        return self._process.poll() if self._process is not None else None
 
     def session_counts(self) -> dict[str, int]:
         """Requests per `X-Session-ID` this server has seen (which rollouts it served)."""
