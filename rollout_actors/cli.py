@@ -4,6 +4,7 @@ rollouts run                          # embedded defaults: local Ray, stand-in s
 rollouts run --base-url http://vllm:8000/v1 --model Qwen/Qwen3-8B --env env_actors.examples.math_env:MathEnv
 rollouts run --config run.toml [--print-config]     # every option as a TOML file; flags override it
 rollouts report rollouts-20261130-120000.jsonl --png report.png
+rollouts serve-env --address tcp://0.0.0.0:5555 --taskset my-taskset --py-executable /opt/vf04/bin/python
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Any, get_args
 
 from rollout_actors.job.run_config import ConfigError, RunConfig, load_run_config, to_toml
 from rollout_actors.kernel import DEFAULT_ALLOWED_PREFIXES
+from rollout_actors.serve_env import command as serve_env_command
 from rollout_actors.wire import Ref, Result, ResultKind, RolloutRequest
 
 STATUS_EVERY_S = 5.0  # the plain status line of `--no-progress`
@@ -122,6 +124,7 @@ def _parser() -> argparse.ArgumentParser:
         default=argparse.SUPPRESS,
         help="no progress bar: a plain status line every few seconds (e.g. under ray job submit)",
     )
+    serve_env_command.add_parser(sub)
     report = sub.add_parser("report", help="summarise a finished run's JSON lines (and plot it)")
     report.add_argument("results", help="the JSON-lines file a run wrote")
     report.add_argument("--png", default=None, help="write the plots to this PNG file")
@@ -162,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if args.command == "report":
         return report(args.results, args.png)
+    if args.command == "serve-env":
+        return serve_env_command.serve_env(args)
     try:
         config = load_run_config(args.config, overrides_from_flags(args))
     except ConfigError as exc:
