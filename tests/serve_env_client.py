@@ -28,7 +28,8 @@ async def client(case: dict) -> list[dict]:
     taskset_config = taskset_config_type(case["taskset"]["id"]).model_validate(case["taskset"])
     tasks = list(load_taskset(taskset_config))
     env = EnvClient(case["address"])
-    await env.wait_for_server_startup(timeout=case.get("startup_timeout", 300))
+    if case.get("wait_for_startup", True):
+        await env.wait_for_server_startup(timeout=case.get("startup_timeout", 300))
     replies: dict[str, dict] = {}
     receive = env.socket.recv_multipart
 
