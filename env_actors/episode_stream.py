@@ -52,6 +52,12 @@ async def stream_episode(
             getting.cancel()
             while not frames.empty():  # sent before the episode returned: they come first
                 yield ("delta", frames.get_nowait())
+            if work.cancelled():  # the pool ended the session (a cancel, a lost caller): nobody reads on
+                yield (
+                    "failed",
+                    Failure(type="EnvSessionClosed", message=f"{session_id} was ended").model_dump(),
+                )
+                return
             response = work.result()
             if response.success:
                 yield ("reply", response.value)
