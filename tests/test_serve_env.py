@@ -36,7 +36,7 @@ ENV_CONFIG = {
     "agent": {"harness": {"id": "framework-vf-chat"}, "runtime": {"type": "subprocess"}},
 }
 PACKAGES = ("framework_envs.", "framework_vf_tasks", "framework_vf_chat")
-TIME_KEYS = {"time", "timing", "start", "end", "created", "duration"}
+TIME_KEYS = {"time", "timing", "timestamp", "start", "end", "created", "duration"}
 IDS = re.compile(r"[0-9a-f]{32}|chatcmpl-[\w-]+")
 
 
@@ -67,9 +67,10 @@ def pool_config(**overrides: Any) -> EnvPoolConfig:
 
 def episodes(address: str, standin, runs: list[dict[str, Any]], headers=None, **case: Any) -> list[dict]:
     """verifiers' `EnvClient` runs `runs` at once against `address`; one outcome per run."""
+    # Seeded: the stand-in samples unseeded requests at random, as vLLM does.
     client = {"type": "eval", "base_url": standin.base_url, "api_key_var": KEY_VAR, "headers": headers or {}}
     case = {"address": address, "taskset": TASKSET, "client": client, "model": BUNDLED_MODEL,
-            "sampling": {"max_tokens": 48}, "runs": runs, **case}  # fmt: skip
+            "sampling": {"max_tokens": 128, "seed": 7}, "runs": runs, **case}  # fmt: skip
     done = subprocess.run(
         [vf04_python(), str(CLIENT), "client"],
         input=json.dumps(case), capture_output=True, text=True, timeout=DEADLINE_S, env=stack_env(),
