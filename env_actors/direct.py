@@ -132,7 +132,7 @@ async def call_server(
             reason, type_name, culprit = exit_detail(exc), "EnvServerUnreachable", None
         else:
             # The supervisor may have killed it as wedged: that, not Ray's "killed", is how it was lost.
-            reason, how, culprit = await _why_lost(pool, server_name, exit_detail(exc), session_id)
+            reason, how, culprit = await why_lost(pool, server_name, exit_detail(exc), session_id)
             type_name = "EnvServerLost"
         lost = Loss(part="env server", how=how, call=method, step=step, name=server_name, culprit=culprit)
         message = f"env server {server_name} was lost during {method}: {reason}"
@@ -188,9 +188,7 @@ def _notice_unreachable(pool: Any, server_name: str) -> None:
         pass
 
 
-async def _why_lost(
-    pool: Any, server_name: str, detail: str, session_id: str
-) -> tuple[str, Any, bool | None]:
+async def why_lost(pool: Any, server_name: str, detail: str, session_id: str) -> tuple[str, Any, bool | None]:
     """(why, how, culprit) the server ended, as its pool's supervisor judged it: `died` or `wedged`, and
     whether this session's own call was the one that wedged it."""
     try:

@@ -23,7 +23,7 @@ import sys
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
 import ray
@@ -32,6 +32,7 @@ from env_actors.agent import AGENT_GUARD_SLACK_S, AgentEndpoint, run_agent_sessi
 from env_actors.config import EnvCallLimits, EnvServerHealth
 from env_actors.env_calls import CALL, CallTag, stuck_call
 from env_actors.env_loop import EnvLoop, run_env_code
+from env_actors.episode_stream import Frame, serving_env, stream_episode
 from env_actors.interface import EnvAnswer, EnvCall, EnvResponse, ResetOut, ScoreOut, StepOut, check_index
 from env_actors.shared_deadline import SharedDeadline
 from rollout_actors.kernel import DEFAULT_ALLOWED_PREFIXES, CallerError, Failure, Ref, RefResolver
@@ -198,6 +199,28 @@ class EnvServer:
         """Run an agent environment's agent for the session against its rollout's endpoint (`agent.py`);
         ended early, like a step, when the session is closed."""
         return await self._env_loop.run(self._run(EnvCall("agent", session_id, (endpoint,), timeout)))
+
+    async def serve_run(self, session_id: str, payload: bytes, timeout: float) -> AsyncIterator[Frame]:
+        """A whole episode of an environment that runs episodes itself (`serve_run`), streamed frame by
+        frame as a Ray streaming generator (`episode_stream.py`); `timeout` bounds the episode."""
+        async for frame in stream_episode(self, session_id, payload, timeout):
+            yield frame
+
+    async def _run_episode(self, session_id: str, payload: bytes, send: Any, timeout: float) -> EnvResponse:
+        return await self._env_loop.run(self._episode(session_id, payload, send, timeout))
+
+    async def _episode(self, session_id: str, payload: bytes, send: Any, timeout: float) -> EnvResponse:
+        ticket = next(self._tickets)
+        task = asyncio.current_task()
+        assert task is not None
+        self._batched[ticket] = (session_id, task)  # the session's call: `end_session` stops it like a step
+        try:
+            return await self._guard("run", timeout, self._serve(session_id, payload, send), session_id)
+        finally:
+            self._batched.pop(ticket, None)
+
+    async def _serve(self, session_id: str, payload: bytes, send: Any) -> bytes:
+        return await serving_env(self._loaded())(payload, send)
 
     async def call_many(self, calls: list[EnvCall]) -> list[EnvAnswer]:
         return await self._env_loop.run(self._call_many(calls))
@@ -440,7 +463,12 @@ class EnvServer:
             )
 
 
-_ENV_CALL_CODES = {EnvServer._reset.__code__, EnvServer._step.__code__, EnvServer._score.__code__}
+_ENV_CALL_CODES = {
+    EnvServer._reset.__code__,
+    EnvServer._step.__code__,
+    EnvServer._score.__code__,
+    EnvServer._serve.__code__,
+}
 
 
 async def _answer(response: EnvResponse) -> EnvResponse:

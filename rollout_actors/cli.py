@@ -5,6 +5,7 @@ rollouts run --base-url http://vllm:8000/v1 --model Qwen/Qwen3-8B --env env_acto
 rollouts run --config run.toml [--print-config]     # every option as a TOML file; flags override it
 rollouts report rollouts-20261130-120000.jsonl --png report.png
 rollouts pool-python ~/.pools/vf04 verifiers==0.4.0  # an env pool's interpreter (runtime_env py_executable)
+rollouts serve-env --address tcp://0.0.0.0:5555 --taskset my-taskset --py-executable /opt/vf04/bin/python
 rollouts serve-standin --port 8000    # the bundled CPU inference server alone, until Ctrl-C
 
 Each subcommand's flags and body live in `rollout_actors/job/` (`run_flags`, `run_batch`, `report`,
@@ -26,6 +27,7 @@ from rollout_actors.job.run_flags import (
     overrides_from_flags,
     resolve,
 )
+from rollout_actors.serve_env import command as serve_env_command
 
 __all__ = ["main", "overrides_from_flags"]
 
@@ -51,6 +53,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     pool_python.add_argument("home", help="the virtualenv's folder (recreated)")
     pool_python.add_argument("requirements", nargs="*", help="what pip installs there, e.g. verifiers==0.4.0")
+    serve_env_command.add_parser(sub)
     report = sub.add_parser("report", help="summarise a finished run's JSON lines (and plot it)")
     report.add_argument("results", help="the JSON-lines file a run wrote")
     report.add_argument("--png", default=None, metavar="FILE", help="write the plots to this PNG file")
@@ -73,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
         return pool_python(args.home, args.requirements)
     if args.command == "serve-standin":
         return serve_standin.serve(args)
+    if args.command == "serve-env":
+        return serve_env_command.serve_env(args)
     try:
         config = resolve(args)
     except FlagError as exc:

@@ -32,6 +32,8 @@ NOT_RUN = {
     "ray up cluster.yaml": "needs an AWS account; tests/test_cluster_yaml.py validates cluster.yaml",
     "ray dashboard cluster.yaml": "needs the AWS cluster",
     "ray down cluster.yaml": "needs the AWS cluster",
+    "rollouts serve-env": "serves until stopped, in a verifiers-0.4 interpreter; tests/test_serve_env.py runs "
+    "the same front against verifiers' own EnvClient",
     "RAY_AUTH_MODE=token ray job submit": "the cluster's submit (a real vLLM endpoint); the same command "
     "against a local head runs in test_job_submit.py",
 }

@@ -1,0 +1,80 @@
+"""A whole episode run on an `EnvServer` and streamed back frame by frame (`EnvServer.serve_run`).
+
+    stream = server.serve_run.remote(session_id, payload, timeout_s)   # a Ray streaming generator
+    async for ref in stream:          # each awaited under a deadline by the caller (`serve_env/runs.py`)
+        kind, frame = await ref       # ("delta", bytes)* then one ("reply", bytes)
+
+For environments that run a whole episode themselves and say what it produced as it goes
+(`adapters.verifiers_serve`: verifiers' own delta frames). The episode runs on the server's env loop like
+every env call (`env_loop.py`), under the server's `_guard` (its deadline, its busy count, its failure
+classification), registered as the session's call, so the pool's `end_session` stops it as it stops a
+step. Frames cross from the env loop to Ray's loop through a queue; Ray ships each as it is yielded.
+
+The generator ends with exactly one `reply` frame, or with a `failed` frame carrying the `Failure` (as a
+dict) when the episode never produced a reply: the environment raised past its own handling, missed its
+deadline, or the server is not serving this kind of environment. It never raises; if the caller stops
+reading (cancel), Ray cancels it and the episode is cancelled with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING, Any
+
+from rollout_actors.kernel import CallerError, Failure
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
+
+    from env_actors.server import EnvServer
+
+Frame = tuple[str, Any]
+"""`("delta", bytes)`, `("reply", bytes)` or `("failed", Failure dict)`."""
+
+
+async def stream_episode(
+    server: EnvServer, session_id: str, payload: bytes, timeout: float
+) -> AsyncIterator[Frame]:
+    loop = asyncio.get_running_loop()
+    frames: asyncio.Queue[bytes] = asyncio.Queue()
+
+    def send(frame: bytes) -> None:  # called on the environment's own loop (another thread)
+        loop.call_soon_threadsafe(frames.put_nowait, frame)
+
+    work = asyncio.ensure_future(server._run_episode(session_id, payload, send, timeout))
+    try:
+        while True:
+            getting = asyncio.ensure_future(frames.get())
+            await asyncio.wait({getting, work}, return_when=asyncio.FIRST_COMPLETED)
+            if getting.done():
+                yield ("delta", getting.result())
+                continue
+            getting.cancel()
+            while not frames.empty():  # sent before the episode returned: they come first
+                yield ("delta", frames.get_nowait())
+            if work.cancelled():  # the pool ended the session (a cancel, a lost caller): nobody reads on
+                yield (
+                    "failed",
+                    Failure(type="EnvSessionClosed", message=f"{session_id} was ended").model_dump(),
+                )
+                return
+            response = work.result()
+            if response.success:
+                yield ("reply", response.value)
+            else:
+                yield (
+                    "failed",
+                    (response.error or Failure(type="EnvError", message="no reply")).model_dump(),
+                )
+            return
+    finally:
+        if not work.done():
+            work.cancel()
+
+
+def serving_env(env: Any) -> Any:
+    """The loaded environment's `serve_run`, or a `CallerError`: this pool serves step-wise environments."""
+    serve = getattr(env, "serve_run", None)
+    if not callable(serve):
+        raise CallerError(f"{type(env).__name__} does not run whole episodes (it has no serve_run)")
+    return serve
