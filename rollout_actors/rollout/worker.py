@@ -41,7 +41,7 @@ PROBE_GROUP_SIZE = 4  # a heartbeat stream, and slack for one reopened while the
 log = logging.getLogger(__name__)
 
 
-class WorkerInfo(BaseModel):
+class RolloutWorkerInfo(BaseModel):
     """A `RolloutWorker`'s answer to `ping`, its readiness call."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -160,10 +160,10 @@ class RolloutWorker:
         await asyncio.wait_for(self._unpaused.wait(), timeout)
         return True
 
-    async def ping(self) -> WorkerInfo:
+    async def ping(self) -> RolloutWorkerInfo:
         """Readiness: answered on the rollout event loop, whose heartbeat it starts."""
         self._loop_watch.bind()
-        return WorkerInfo(
+        return RolloutWorkerInfo(
             actor_id=ray.get_runtime_context().get_actor_id(),
             pid=os.getpid(),
             in_flight=len(self._running),
