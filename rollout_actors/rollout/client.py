@@ -31,7 +31,9 @@ if TYPE_CHECKING:  # imported where a client is built: `auth_headers` alone must
 _ssl_lock = threading.Lock()
 _ssl_context: ssl.SSLContext | None = None
 
-CALL_DEADLINE: contextvars.ContextVar[float | None] = contextvars.ContextVar("call_deadline", default=None)
+CALL_DEADLINE: contextvars.ContextVar[float | None] = contextvars.ContextVar(
+    "model_call_deadline", default=None
+)
 """The running model call's deadline on the loop's clock (set by `model_call`): what a retry may wait for."""
 
 NO_KEY = "EMPTY"
