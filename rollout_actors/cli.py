@@ -214,7 +214,8 @@ def pool_python(home: str, requirements: list[str]) -> int:
 
 
 def report(path: str, png: str | None) -> int:
-    from rollout_actors.job.report import format_summary, read_results, summarize, write_png
+    from rollout_actors.job.report import format_summary, read_results, summarize
+    from rollout_actors.job.report_png import write_png
 
     results = read_results(path)
     print(format_summary(summarize(results)))
@@ -333,7 +334,7 @@ async def _run_plane(config: RunConfig, endpoints: list[str], model: str, output
 
     print("\n".join(format_timings(timeline(read_results(output)))))  # where the time went
     if job.report_png:
-        from rollout_actors.job.report import write_png
+        from rollout_actors.job.report_png import write_png
 
         print(f"plots: {write_png(read_results(output), job.report_png)}")
     return 0 if any(r.kind == "ok" for r in results) else 1
