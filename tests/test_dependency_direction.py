@@ -104,10 +104,27 @@ SERVER_ONLY = ("renderers", "renderer_actors.renderer", "renderer_actors.bundled
 def test_a_renderer_client_does_not_load_the_renderer_library(module):
     """Clients do not import servers: checking a bridge's message roles must not load every model family
     into every rollout worker (measured: 8 MB of RSS per worker process)."""
-    probe = f"import sys, {module}; print(sorted(m for m in {SERVER_ONLY!r} if m in sys.modules))"
+    assert loaded(module, SERVER_ONLY) == []
+
+
+ENV_CLIENT_MODULES = ("rollout_actors.rollout.worker", "env_actors.session", "env_actors.direct")
+ENV_SERVER_ONLY = ("env_actors.server", "env_actors.supervisor", "env_actors.pool", "env_actors.spawn")
+"""What only an env server or its pool loads: the actor, its supervision and how it is spawned."""
+
+
+@pytest.mark.parametrize("module", ENV_CLIENT_MODULES)
+def test_an_env_client_does_not_load_the_env_server_or_its_supervisor(module):
+    """Clients do not import servers: a rollout worker's env session reads the deadline failure's name and
+    awaits Ray's refs without loading the env server, its pool or its supervisor."""
+    assert loaded(module, ENV_SERVER_ONLY) == []
+
+
+def loaded(module: str, watched: tuple[str, ...]) -> list[str]:
+    """Which of `watched` a fresh interpreter holds after importing `module` alone."""
+    probe = f"import sys, {module}; print(sorted(m for m in {watched!r} if m in sys.modules))"
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "[]"
+    return ast.literal_eval(done.stdout.strip())
 
 
 # No circles (issue 46, item 6): a module never imports itself through others, package `__init__` modules
