@@ -4,7 +4,7 @@ An `AgentEnvironment` runs an agent program (an async function in this process, 
 calls an OpenAI-compatible endpoint itself, as often as it likes, with the whole conversation each time.
 A rollout in agent mode (`RolloutRequest.mode = "agent"`) serves it that endpoint: a base URL and a key
 valid for that rollout alone (`AgentEndpoint`); every call is one turn of the rollout, rendered, sampled
-with the rollout's own client and recorded token-exact (`rollout_actors.agent`). The session's life on
+with the rollout's own client and recorded token-exact (`rollout_actors.rollout.agent`). The session's life on
 the `EnvServer`::
 
     start = await env.reset(task)                 # Reset(messages, state): messages are for the record

@@ -29,9 +29,7 @@ from typing import Any, Literal
 
 from ray.exceptions import RayError
 
-from env_actors.interface import EnvCall, EnvResponse, SessionMethod
-from env_actors.server import DEADLINE_FAILURE
-from env_actors.supervisor import resolve
+from env_actors.interface import DEADLINE_FAILURE, EnvCall, EnvResponse, SessionMethod
 from rollout_actors.kernel import Failure, Loss, process_owner
 from rollout_actors.kernel.coalescer import (
     KnownHandles,
@@ -44,6 +42,7 @@ from rollout_actors.kernel.coalescer import (
 )
 from rollout_actors.kernel.faults import Fault, exit_detail, ray_loss
 from rollout_actors.kernel.renamed import warn_renamed
+from rollout_actors.kernel.tasks import resolve
 
 logger = logging.getLogger(__name__)
 

@@ -165,6 +165,10 @@ class StepOut(BaseModel):
 
 EnvCallKind = Literal["ok", "env", "infrastructure", "caller"]
 
+DEADLINE_FAILURE = "EnvDeadline"
+"""`Failure.type` of a call that missed its deadline (raised by the server, the pool or the client): here,
+on the wire's side, so a client reads it without importing the server."""
+
 
 class EnvResponse(BaseModel):
     """The answer to every env call on the pool side: values and failures alike travel as data.

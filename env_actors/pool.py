@@ -24,15 +24,14 @@ from typing import Any
 import ray
 
 from env_actors.config import EnvPoolConfig, EnvPoolStats
-from env_actors.interface import EnvResponse
-from env_actors.server import DEADLINE_FAILURE
+from env_actors.interface import DEADLINE_FAILURE, EnvResponse
 from env_actors.sessions import OpenSessions
-from env_actors.supervisor import ServerSlot, Supervisor, resolve
+from env_actors.supervisor import ServerSlot, Supervisor
 from rollout_actors.kernel import Failure, Ref
 from rollout_actors.kernel.faults import exit_detail, ray_loss
 from rollout_actors.kernel.renamed import warn_renamed
 from rollout_actors.kernel.supervision import Health, Recent
-from rollout_actors.kernel.tasks import kill_actor
+from rollout_actors.kernel.tasks import kill_actor, resolve
 
 __all__ = [
     "EnvPool",

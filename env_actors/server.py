@@ -33,7 +33,16 @@ from env_actors.config import EnvCallLimits, EnvServerHealth
 from env_actors.env_calls import CALL, CallTag, stuck_call
 from env_actors.env_loop import EnvLoop, run_env_code
 from env_actors.episode_stream import Frame, serving_env, stream_episode
-from env_actors.interface import EnvAnswer, EnvCall, EnvResponse, ResetOut, ScoreOut, StepOut, check_index
+from env_actors.interface import (
+    DEADLINE_FAILURE,
+    EnvAnswer,
+    EnvCall,
+    EnvResponse,
+    ResetOut,
+    ScoreOut,
+    StepOut,
+    check_index,
+)
 from env_actors.shared_deadline import SharedDeadline
 from rollout_actors.kernel import DEFAULT_ALLOWED_PREFIXES, CallerError, Failure, Ref, RefResolver
 from rollout_actors.kernel.collector import settle_actor
@@ -46,8 +55,6 @@ answered by a later `collect`, so a slow step never holds a fast one back by mor
 ENDED_MEMORY = 10_000  # ids of sessions closed before they started, oldest forgotten first
 BLOCKING_AFTER_S = 0.5  # a stall this long is worth naming the call that holds the loop
 UNCOLLECTED_TTL_S = 60.0  # an answer nobody collected (its caller gave up) is dropped after this
-DEADLINE_FAILURE = "EnvDeadline"
-"""`Failure.type` of a call that missed its deadline (raised here or by the pool)."""
 
 _SESSION_METHODS = ("reset", "step", "score", "close")
 _BATCHED_METHODS = frozenset({"reset", "step", "score", "agent"})

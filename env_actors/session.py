@@ -36,9 +36,9 @@ from pydantic import BaseModel, ValidationError
 
 from env_actors.direct import EnvCallFailed, call_server, forget_later, place, pool_call
 from env_actors.interface import EnvResponse, ResetOut, ScoreOut, SessionMethod, StepOut
-from env_actors.supervisor import resolve
 from rollout_actors.kernel import Failure, new_id
 from rollout_actors.kernel.renamed import warn_renamed
+from rollout_actors.kernel.tasks import resolve
 
 logger = logging.getLogger(__name__)
 

@@ -24,7 +24,6 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any
 
 from env_actors.config import EnvPoolConfig, EnvServerHealth, EnvServerInfo
 from env_actors.runtime_env_check import started_unless_env_fails
@@ -35,6 +34,7 @@ from rollout_actors.kernel.faults import CallerError, ray_loss, runtime_env_fail
 from rollout_actors.kernel.metric import Metric
 from rollout_actors.kernel.supervisor import Child, ChildKind, RestartBudgetSpent, RetireCause
 from rollout_actors.kernel.supervisor import Supervisor as KernelSupervisor
+from rollout_actors.kernel.tasks import resolve
 
 logger = logging.getLogger(__name__)
 
@@ -60,11 +60,6 @@ def _read_blocker(slot: ServerSlot, sent: int, answer: asyncio.Future[EnvServerH
         return
     if slot.state == "ready":  # a retired server's blocker was read at its retirement
         slot.answered, slot.blocking = sent, answer.result().blocking
-
-
-async def resolve(ref: Any) -> Any:
-    """Await an ObjectRef inside a task (so it can sit in `asyncio.wait` next to other futures)."""
-    return await ref
 
 
 class LoadError(Exception):

@@ -1,8 +1,8 @@
 """ray-rollouts: a Ray-native execution plane for LLM reinforcement-learning rollouts.
 
 Folders by part: `plane/` (the public facade, the dispatcher, lanes, groups, the supervised workers and
-pools), `rollout/` (what runs on a rollout worker), `policy/` (publication and weights), `inference/`
-(inference servers and the stand-in), `agent/` (agent mode), `job/` (the CLI's run config and report),
+pools), `rollout/` (what runs on a rollout worker, agent mode in `rollout/agent/`), `policy/` (publication
+and weights), `inference/` (inference servers and the stand-in), `job/` (the CLI's run config and report),
 `kernel/` (what every package may import). `wire` holds the request and result models.
 
 Kept import-light on purpose: `renderer_actors` and `env_actors` import `rollout_actors.kernel` and

@@ -103,7 +103,8 @@ def pool_python(home: str, requirements: list[str]) -> int:
 
 
 def report(path: str, png: str | None) -> int:
-    from rollout_actors.job.report import format_summary, read_results, summarize, write_png
+    from rollout_actors.job.report import format_summary, read_results, summarize
+    from rollout_actors.job.report_png import write_png
 
     results = read_results(path)
     print(format_summary(summarize(results)))

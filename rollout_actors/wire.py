@@ -189,8 +189,8 @@ class SamplingConfig(BaseModel):
 
 RolloutMode = Literal["token", "chat", "agent"]
 """`token`: the plane renders and samples from token ids; `chat`: the server renders; `agent`: the
-environment's agent program drives the turns through an endpoint the rollout serves (`rollout_actors.agent`),
-each call rendered and sampled as in token mode."""
+environment's agent program drives the turns through an endpoint the rollout serves
+(`rollout_actors.rollout.agent`), each call rendered and sampled as in token mode."""
 Lane = str
 
 MAX_ID_CHARS = 256  # ids travel as an HTTP header and into every log line: ample for any naming scheme

@@ -34,10 +34,10 @@ import ray
 import rollout_actors
 from env_actors.agent import AgentEndpoint as AgentAccess
 from renderer_actors.tokenizer import BUNDLED_MODEL
-from rollout_actors.agent.endpoint import AgentEndpoint
 from rollout_actors.inference.server_actor import ServerSpec, standin_options
 from rollout_actors.inference.standin import StandinServer
 from rollout_actors.plane import PlaneConfig, RolloutPlane
+from rollout_actors.rollout.agent.endpoint import AgentEndpoint
 from rollout_actors.wire import ClientConfig, Ref, Result, RolloutRequest, SamplingConfig
 
 CODE = Path(rollout_actors.__file__).resolve().parent.parent

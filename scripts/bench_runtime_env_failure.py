@@ -22,7 +22,7 @@ import ray
 from env_actors.config import EnvPoolConfig, EnvRuntimeEnv
 from env_actors.pool import EnvStartupError, start_env_pool
 from env_actors.spawn import create_env_server
-from env_actors.supervisor import resolve
+from rollout_actors.kernel.tasks import resolve
 from rollout_actors.wire import Ref
 
 DEADLINE_S = 400.0

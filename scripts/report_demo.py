@@ -24,7 +24,8 @@ import ray
 from renderer_actors.tokenizer import BUNDLED_MODEL
 from rollout_actors.inference.server_actor import ServerSpec, standin_options
 from rollout_actors.inference.standin import StandinServer
-from rollout_actors.job.report import format_summary, read_results, summarize, write_png
+from rollout_actors.job.report import format_summary, read_results, summarize
+from rollout_actors.job.report_png import write_png
 from rollout_actors.job.run_config import DEFAULT_ENV
 from rollout_actors.plane import PlaneConfig, RolloutPlane
 from rollout_actors.wire import ClientConfig, Ref, RolloutRequest, SamplingConfig

@@ -13,8 +13,8 @@ import pytest
 
 from env_actors.agent import AgentEndpoint as AgentAccess
 from env_actors.agent import AgentFailed, run_agent_session, run_program
-from rollout_actors.agent.endpoint import AgentEndpoint
-from rollout_actors.agent.history import Seen, continuation, tools_key
+from rollout_actors.rollout.agent.endpoint import AgentEndpoint
+from rollout_actors.rollout.agent.history import Seen, continuation, tools_key
 
 TOOL = {"type": "function", "function": {"name": "calculator", "parameters": {"type": "object"}}}
 CALL = {

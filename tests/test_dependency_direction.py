@@ -60,17 +60,16 @@ def test_the_kernel_imports_nothing_else_of_the_project():
 
 
 # Inside rollout_actors, folders by part (README, "What it is"). What runs on a rollout worker (`rollout`,
-# `agent`) never loads the plane; the data models at the top import only the kernel and each other; the
-# plane sits above everything but the CLI's job.
+# agent mode included) never loads the plane; the data models at the top import only the kernel and each
+# other; the plane sits above everything but the CLI's job.
 DATA = ("wire", "timings", "samples")
 NEVER = {
     "rollout": ("plane", "policy", "inference", "job", "cli"),
-    "agent": ("plane", "policy", "inference", "job", "cli"),
     "policy": ("plane", "job", "cli"),
     "inference": ("plane", "job", "cli"),
     "plane": ("job", "cli"),
     "job": ("cli",),
-    **{data: ("plane", "rollout", "agent", "policy", "inference", "job", "cli") for data in DATA},
+    **{data: ("plane", "rollout", "policy", "inference", "job", "cli") for data in DATA},
 }
 
 
@@ -92,7 +91,11 @@ def test_each_part_of_rollout_actors_imports_only_the_parts_below_it(folder):
     assert paths and not broken, sorted(broken)
 
 
-CLIENT_MODULES = ("rollout_actors.rollout.worker", "renderer_actors.session", "rollout_actors.agent.history")
+CLIENT_MODULES = (
+    "rollout_actors.rollout.worker",
+    "renderer_actors.session",
+    "rollout_actors.rollout.agent.history",
+)
 SERVER_ONLY = ("renderers", "renderer_actors.renderer", "renderer_actors.bundled")
 """What only a renderer actor loads: the `renderers` library and its model families."""
 
@@ -101,7 +104,105 @@ SERVER_ONLY = ("renderers", "renderer_actors.renderer", "renderer_actors.bundled
 def test_a_renderer_client_does_not_load_the_renderer_library(module):
     """Clients do not import servers: checking a bridge's message roles must not load every model family
     into every rollout worker (measured: 8 MB of RSS per worker process)."""
-    probe = f"import sys, {module}; print(sorted(m for m in {SERVER_ONLY!r} if m in sys.modules))"
+    assert loaded(module, SERVER_ONLY) == []
+
+
+ENV_CLIENT_MODULES = ("rollout_actors.rollout.worker", "env_actors.session", "env_actors.direct")
+ENV_SERVER_ONLY = ("env_actors.server", "env_actors.supervisor", "env_actors.pool", "env_actors.spawn")
+"""What only an env server or its pool loads: the actor, its supervision and how it is spawned."""
+
+
+@pytest.mark.parametrize("module", ENV_CLIENT_MODULES)
+def test_an_env_client_does_not_load_the_env_server_or_its_supervisor(module):
+    """Clients do not import servers: a rollout worker's env session reads the deadline failure's name and
+    awaits Ray's refs without loading the env server, its pool or its supervisor."""
+    assert loaded(module, ENV_SERVER_ONLY) == []
+
+
+def loaded(module: str, watched: tuple[str, ...]) -> list[str]:
+    """Which of `watched` a fresh interpreter holds after importing `module` alone."""
+    probe = f"import sys, {module}; print(sorted(m for m in {watched!r} if m in sys.modules))"
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "[]"
+    return ast.literal_eval(done.stdout.strip())
+
+
+# No circles (issue 46, item 6): a module never imports itself through others, package `__init__` modules
+# included, imports inside functions included (a lazy import hides a circle from the interpreter, not from
+# a reader); and the parts (`rollout_actors.rollout`, `env_actors.server`, ...) sit in layers.
+
+
+def module_of(path: Path) -> str:
+    """`rollout_actors/kernel/__init__.py` -> `rollout_actors.kernel`."""
+    names = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(names[:-1] if names[-1] == "__init__" else names)
+
+
+MODULES = {module_of(path): path for package in PACKAGES for path in sources(package)}
+
+
+def imported_modules(module: str) -> set[str]:
+    """The project modules `module` imports, resolved: relative imports against its package, and
+    `from package import name` to `package.name` where that is a module, else to the package."""
+    path = MODULES[module]
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                above = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join(above + ([node.module] if node.module else []))
+            for alias in node.names:
+                found.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in MODULES else base)
+    return {name for name in found if name in MODULES and name != module}
+
+
+def cycle(graph: dict[str, set[str]]) -> list[str]:
+    """One cycle of the graph (`[a, b, ..., a]`), or `[]` when it has none."""
+    done: set[str] = set()
+    for start in sorted(graph):
+        if start in done:
+            continue
+        path, on_path, todo = [start], {start}, [(start, iter(sorted(graph[start])))]
+        while todo:
+            node, rest = todo[-1]
+            step = next(rest, None)
+            if step is None:
+                todo.pop()
+                path.pop()
+                on_path.discard(node)
+                done.add(node)
+            elif step in on_path:
+                return path[path.index(step) :] + [step]
+            elif step not in done:
+                path.append(step)
+                on_path.add(step)
+                todo.append((step, iter(sorted(graph.get(step, ())))))
+    return []
+
+
+def test_no_module_of_the_project_imports_itself_through_others():
+    graph = {module: imported_modules(module) for module in MODULES}
+    found = cycle(graph)
+    assert "rollout_actors.kernel.faults" in graph["rollout_actors.kernel"]  # the graph reads `__init__`
+    assert not found, "import cycle: " + " -> ".join(found)
+
+
+def test_the_parts_of_the_project_import_one_another_in_layers():
+    """A part is a package's folder or top-level module (`rollout_actors.rollout`, `rollout_actors.wire`,
+    `env_actors.server`): what lies inside it may import anything of it, but two parts never import each
+    other, however indirectly (the rollout loop's agent mode lives in `rollout`, not beside it)."""
+
+    def part_of(module: str) -> str:
+        return ".".join(module.split(".")[:2])
+
+    graph: dict[str, set[str]] = {}
+    for module in MODULES:
+        graph.setdefault(part_of(module), set()).update(
+            part_of(other) for other in imported_modules(module) if part_of(other) != part_of(module)
+        )
+    found = cycle(graph)
+    assert not found, "import cycle between parts: " + " -> ".join(found)

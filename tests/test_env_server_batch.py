@@ -12,8 +12,8 @@ from waiting import runner
 
 import env_actors.server as server_module
 from env_actors.faults.envs import SleepsOnRequestEnv
-from env_actors.interface import EnvAnswer, EnvCall, EnvResponse
-from env_actors.server import DEADLINE_FAILURE, EnvServer
+from env_actors.interface import DEADLINE_FAILURE, EnvAnswer, EnvCall, EnvResponse
+from env_actors.server import EnvServer
 from env_actors.shared_deadline import SharedDeadline
 from rollout_actors.kernel import Failure, Ref
 

@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from rollout_actors.job.report import format_summary, percentile, read_results, summarize, write_png
+from rollout_actors.job.report import format_summary, percentile, read_results, summarize
+from rollout_actors.job.report_png import write_png
 
 
 def _results(path):

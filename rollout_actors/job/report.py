@@ -193,10 +193,3 @@ def format_timings(run: Timeline) -> list[str]:
     if run.turn_phases.get("model_s"):
         lines += phase_table(run)
     return lines
-
-
-def write_png(results: list[dict[str, Any]], path: str | Path) -> Path:
-    """The run's report as one PNG (`report_png.draw`)."""
-    from rollout_actors.job.report_png import draw
-
-    return draw(results, path)

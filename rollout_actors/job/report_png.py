@@ -102,8 +102,9 @@ def _note(ax: Any, text: str) -> None:
     ax.set_yticks([])
 
 
-def draw(results: list[dict[str, Any]], path: str | Path) -> Path:
-    """Draw the run's report into the PNG at `path`."""
+def write_png(results: list[dict[str, Any]], path: str | Path) -> Path:
+    """Draw the run's report into the PNG at `path`. This module reads the summary (`report.summarize`);
+    the report never imports this one, so the two do not import each other."""
     import matplotlib.pyplot as plt
 
     fig = figure(results)

@@ -199,7 +199,8 @@ async def _run_plane(config: RunConfig, endpoints: list[str], model: str, output
 
 
 def _report(config: RunConfig, output: Path, kinds: Counter[str]) -> int:
-    from rollout_actors.job.report import format_summary, read_results, summarize, write_png
+    from rollout_actors.job.report import format_summary, read_results, summarize
+    from rollout_actors.job.report_png import write_png
 
     lines = read_results(output)
     print(format_summary(summarize(lines)))  # one definition of wall time and rate: the report's

@@ -26,12 +26,12 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import ClassVar
 
-from rollout_actors.kernel import Failure, FaultName, How, Loss, Part
+from rollout_actors.kernel.failure import CarriesFailure, Failure, FaultName, How, Loss, Part
 
 MAX_EXIT_DETAIL_CHARS = 500
 
 
-class Fault(Exception):
+class Fault(CarriesFailure):
     """Base of the hierarchy: a failure with its result kind, as data (`failure`) and as an exception."""
 
     fault: ClassVar[FaultName]

@@ -65,6 +65,12 @@ class TaskOwner:
             await asyncio.wait(tasks, timeout=grace_s)
 
 
+async def resolve(ref: Any) -> Any:
+    """Await an ObjectRef inside a task (so it can sit in `asyncio.wait` next to other futures). Here, not
+    beside a server, so a client (an env session on a rollout worker) awaits one without importing it."""
+    return await ref
+
+
 def retrieve_exception(future: asyncio.Future[Any]) -> None:
     """A future that failed with nobody waiting must not log 'exception was never retrieved'."""
     if not future.cancelled():

@@ -1,5 +1,6 @@
 """The rollout itself: the `RolloutWorker` actor, the rollout loop, its turn strategies and model
-calls, its per-rollout client, and how a failure is classified before it leaves the worker."""
+calls (agent mode, where the environment's agent drives the turns, in `agent/`), its per-rollout client,
+and how a failure is classified before it leaves the worker."""
 
 from __future__ import annotations
 

@@ -14,8 +14,8 @@ from typing import Any, Protocol
 
 from env_actors.interface import RAW_TEXT_KEY, ScoreOut
 from env_actors.session import EnvSession
-from rollout_actors.agent.episode import run_agent_episode
 from rollout_actors.kernel.coalescer import DEFAULT_BATCH_WINDOW_S
+from rollout_actors.rollout.agent.episode import run_agent_episode
 from rollout_actors.rollout.client import build_client
 from rollout_actors.rollout.failures import classify
 from rollout_actors.rollout.turns import TokenTurns, TurnStrategy, strategy_for
@@ -188,7 +188,9 @@ async def _run(
         tools = env.tools or None
         state.messages = list(env.messages)
         final: ScoreOut | None = None
-        if request.mode == "agent":  # the environment's agent drives the turns (`rollout_actors.agent`)
+        if (
+            request.mode == "agent"
+        ):  # the environment's agent drives the turns (`rollout_actors.rollout.agent`)
             assert isinstance(turns, TokenTurns)
             left = lambda: _budget(scope, request.timeout_s)  # noqa: E731 - what remains of the rollout's deadline
             await run_agent_episode(request, env, turns, state.turns, state.messages, left)

@@ -23,10 +23,10 @@ from typing import Any
 import ray
 from pydantic import BaseModel, ConfigDict
 
-from rollout_actors.agent.endpoint import endpoint_stats
 from rollout_actors.kernel.coalescer import batch_counts, batch_window, set_batch_window
 from rollout_actors.kernel.collector import collector_stats, settle_actor
 from rollout_actors.kernel.loop_watch import HEARTBEAT_S, LoopWatch
+from rollout_actors.rollout.agent.endpoint import endpoint_stats
 from rollout_actors.rollout.client import open_client_count
 from rollout_actors.rollout.failures import log_failure
 from rollout_actors.rollout.loop import LoopLimits, run_rollout

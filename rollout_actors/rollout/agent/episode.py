@@ -19,9 +19,9 @@ from typing import Any
 
 from env_actors.direct import EnvCallFailed
 from env_actors.session import EnvSession
-from rollout_actors.agent.calls import AgentCalls
-from rollout_actors.agent.endpoint import endpoint_for_loop
 from rollout_actors.kernel import Failure
+from rollout_actors.rollout.agent.calls import AgentCalls
+from rollout_actors.rollout.agent.endpoint import endpoint_for_loop
 from rollout_actors.rollout.turns import TokenTurns
 from rollout_actors.wire import RolloutRequest, Turn
 

@@ -27,8 +27,8 @@ import time
 from typing import Any
 
 from renderer_actors.session import RendererCallerError
-from rollout_actors.agent.endpoint import error_body
-from rollout_actors.agent.history import Continuation, Seen, continuation, tools_key
+from rollout_actors.rollout.agent.endpoint import error_body
+from rollout_actors.rollout.agent.history import Continuation, Seen, continuation, tools_key
 from rollout_actors.rollout.failures import classify
 from rollout_actors.rollout.turns import TokenTurns
 from rollout_actors.wire import RolloutRequest, Turn
