@@ -58,6 +58,10 @@ re-emits the empty think block on them with thinking off (its documented deviati
 also changes the system prompt, so it keeps the library's deviation (README, template fidelity)."""
 
 
+EMPTY_THINK_DROPPED = frozenset({"qwen3"})
+"""Families whose template drops an empty think block from a turn once it is no longer the last (Qwen3's
+`loop.last or reasoning_content`) where the library's bridge keeps it: with `template_faithful`, such a
+turn is checked against the full render, which forks (README, family table)."""
 EMPTY_CONTENT_AS_STRING = frozenset({"glm-4.5"})
 """Families whose template writes a `None` content as the text "None" (GLM-4.5's `visible_text`, and the
 library with it): a parsed turn without text carries `''`, so its re-render is what was sampled."""
@@ -225,7 +229,12 @@ class Renderer:
         synthetic = not (completion and completion[-1] in self.stop_ids)
         reply = {"synthetic_close": synthetic, "assistant_message": message}
         extension = self._library_extension(request) if self.library_bridges else None
-        if extension is not None and not self.always_needs_history:
+        checked = self.always_needs_history or (
+            self.key.template_faithful
+            and self.family in EMPTY_THINK_DROPPED
+            and message.get("reasoning_content") == ""
+        )
+        if extension is not None and not checked:
             return BridgeReply(
                 appended_ids=extension, synthetic_ids=self._close_length(extension, synthetic), **reply
             )

@@ -147,7 +147,7 @@ def template_ids(
     """`apply_chat_template` on the messages as given, tokenised as it tokenises them. A template that
     refuses them gets them in the shape it takes: tool-call arguments decoded (it iterates them as a
     mapping, as the library does; only then do arguments render as the template re-serialises them),
-    a tool-call turn's `None` content as `''`, or both."""
+    an assistant turn's `None` content as `''`, or both."""
     kwargs = {**template_kwargs, "add_generation_prompt": add_generation_prompt}
     if tools is not None:
         kwargs["tools"] = tools
@@ -155,7 +155,7 @@ def template_ids(
         text = template_text(tokenizer, messages, **kwargs)
     except Exception:
         # The shapes templates take where they refuse the OpenAI one: arguments as a mapping (GLM),
-        # a tool-call turn's content as a string (Qwen3's April-2025 template, gpt-oss), or both.
+        # an assistant turn's content as a string (Qwen3's April-2025 template, gpt-oss), or both.
         decoded = decode_arguments(messages)
         stringed = string_content(messages)
         both = string_content(decoded) if decoded is not None else None
@@ -176,15 +176,15 @@ def _first_rendering(tokenizer: Any, shapes: list[list[dict[str, Any]]], kwargs:
 
 
 def string_content(messages: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
-    """The messages with a tool-call turn's `None` content as `''` (Qwen3's April-2025 template and
+    """The messages with an assistant turn's `None` content as `''` (Qwen3's April-2025 template and
     gpt-oss's test `in` on it and fail on None); None if no turn had None content."""
 
-    def silent_call(m: Any) -> bool:
-        return isinstance(m, dict) and bool(m.get("tool_calls")) and m.get("content") is None
+    def silent(m: Any) -> bool:
+        return isinstance(m, dict) and m.get("role") == "assistant" and m.get("content") is None
 
-    if not any(silent_call(m) for m in messages):
+    if not any(silent(m) for m in messages):
         return None
-    return [{**m, "content": ""} if silent_call(m) else m for m in messages]
+    return [{**m, "content": ""} if silent(m) else m for m in messages]
 
 
 def decode_arguments(messages: list[dict[str, Any]]) -> list[dict[str, Any]] | None:

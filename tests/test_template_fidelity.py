@@ -76,10 +76,17 @@ CASES = {
         {"family": "default", "options": {"tool_parser": "qwen3"}},
     ),
 }
-FIRST_RENDER_ONLY = {"qwen3", "qwen3-thinking-off", "qwen3-april-2025", "default-qwen3-april-2025"}
-"""Qwen3's own templates: held to the first-render property; the bridge and parse properties, written
-for the bundled template's shape, are not yet adapted to them (README, family table)."""
-BRIDGED = [name for name in CASES if name not in FIRST_RENDER_ONLY]
+UNPARSED = {"qwen3", "qwen3-thinking-off", "qwen3-april-2025", "default-qwen3-april-2025"}
+"""Qwen3's own templates render an empty think block on the last turn where the turn has no reasoning
+(the parse then reads `""`, not None): the parse property, written for the bundled template's shape, is
+not yet adapted to them (README, family table)."""
+PARSED = [name for name in CASES if name not in UNPARSED]
+BRIDGED = [name for name in CASES if name not in {"qwen3", "qwen3-april-2025", "default-qwen3-april-2025"}]
+"""Not yet adapted to the bridge property's reference (the turn as generated, not as parsed): Qwen3-8B
+with thinking on (hypothesis finds whitespace-only reasoning, which the parse reads as another
+reasoning than the one generated, and a turn after a fork, whose generation prompt the reference does
+not extend), and the April-2025 template (it renders a past turn's reasoning differently for None and
+`""`). Their explicit tests below hold the behaviour that matters (README, family table)."""
 SPLITS_CONTENT = {"qwen3", "qwen3-thinking-off", "qwen3-april-2025"}
 """Where the library encodes a past assistant turn's content apart from its role line (as a model samples
 it, after the generation prompt's newline), so content that starts with whitespace does not merge with
@@ -247,6 +254,8 @@ def test_a_bridge_forks_exactly_when_the_template_rewrites(name, first, turns):
     tail = list(prompt)
     by_ids = True  # no sampled turn so far merged with its prompt's last token
     for (reasoning, content, calls), user, new_user in turns:
+        if name in SPLITS_CONTENT:
+            content = content.strip()  # the library's Qwen3 parse strips it (test_qwen3_deviation_...)
         message = assistant(reasoning, content, calls, thinking)
         completion, split = sampled_turn(r, prompt, template(hf, kwargs, [*messages, message], TOOLS, False))
         by_ids = by_ids and split
@@ -272,7 +281,7 @@ def test_a_bridge_forks_exactly_when_the_template_rewrites(name, first, turns):
         assert same(r, prompt, reference, by_ids)
 
 
-@pytest.mark.parametrize("name", BRIDGED)
+@pytest.mark.parametrize("name", PARSED)
 @PROFILE
 @given(first=NONEMPTY, turn=ASSISTANT, cut=st.integers(1, 6))
 def test_parse_is_the_inverse_of_the_templates_render(name, first, turn, cut):
@@ -356,7 +365,7 @@ def test_the_bundled_model_keeps_past_reasoning_across_user_turns_as_its_templat
     assert prompt + completion + reply.appended_ids == template(hf, kwargs, messages, None, True)
 
 
-def test_a_template_that_refuses_none_content_gets_a_string_for_a_tool_call_turn():
+def test_a_template_that_refuses_none_content_gets_a_string_for_a_turn_without_text():
     """Qwen3's April-2025 template tests `'</think>' in content`: a tool-call turn parsed without text
     (content None) is rendered with `''`, as the template takes it, not refused."""
     r, hf, kwargs = case("default-qwen3-april-2025")
@@ -385,6 +394,33 @@ def test_a_template_that_refuses_none_content_gets_a_string_for_a_tool_call_turn
     assert prompt + completion + reply.appended_ids == template(
         hf, kwargs, [*messages, call, *answer], TOOLS, True
     )
+    silent = [*messages, {"role": "assistant", "content": None}, {"role": "user", "content": "and?"}]
+    as_taken = [*messages, {"role": "assistant", "content": ""}, {"role": "user", "content": "and?"}]
+    assert r.render_ids(silent, None, True) == template(hf, kwargs, as_taken, None, True)
+
+
+def test_qwen3_deviation_the_librarys_parse_strips_content_and_an_empty_think_block_forks():
+    """Against Qwen3-8B's own template: the library's Qwen3 parse strips a turn's content (" word" ->
+    "word"), which the template writes as is, so such a turn re-renders otherwise (where history is
+    re-rendered: a fork, never a swap); and an empty think block sampled on a call turn, which the
+    template drops once the turn is not the last, is checked against the full render and forks
+    (the library's bridge would have kept it: `renderer.EMPTY_THINK_DROPPED`)."""
+    r, hf, kwargs = case("qwen3")
+    messages = [{"role": "user", "content": "the"}]
+    prompt = r.start(messages, TOOLS).prompt_ids
+    im_end = r.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert r.parse(r.encode("<think>\nhm\n</think>\n\n word") + [im_end], TOOLS, prompt).content == "word"
+    call = r.encode('<think>\n\n</think>\n\n<tool_call>\n{"name": "search", "arguments": {}}\n</tool_call>')
+    request = BridgeRequest(
+        completion_ids=call + [im_end],
+        new_messages=[{"role": "tool", "content": "found"}],
+        tools=TOOLS,
+        prompt_tail=prompt,
+    )
+    assert r.bridge(request).needs_history
+    request.history = History(messages=messages, prompt_ids=prompt)
+    reply = r.bridge(request)
+    assert reply.forked and "<think>" not in r.decode(reply.prompt_ids[len(prompt) :])
 
 
 # ------------------------------------------------------------------- qwen3, thinking off (a deviation)
