@@ -22,8 +22,9 @@ class EnvRuntimeEnv(BaseModel):
     beside a plane on its own `openai`. Ray builds it on each node before the server starts; a build that
     fails (a pip error, a missing interpreter) fails the pool's start with the build's error, not at the
     readiness deadline: a missing interpreter at spawn, one that cannot start a Ray worker (no `ray`, an
-    import that crashes) after one `import ray` run by it, a `pip` requirement that cannot be installed
-    after one pip resolution, both run beside Ray's start (`env_actors.runtime_env_check`)."""
+    import that crashes) after one `import ray` run by it before any server is spawned, a `pip` requirement
+    that cannot be installed after one pip resolution run beside Ray's build
+    (`env_actors.runtime_env_check`)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 

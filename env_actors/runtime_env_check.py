@@ -1,5 +1,5 @@
-"""A pool's runtime env checked beside Ray's start of a server, so that one that cannot work fails the
-pool's start in seconds with the failing side's own words, not at the readiness deadline.
+"""A pool's runtime env checked by the pool itself, so that one that cannot work fails the pool's start in
+seconds with the failing side's own words, not at the readiness deadline.
 
 Two things Ray reports late or never:
 
@@ -12,16 +12,19 @@ Two things Ray reports late or never:
 - A `py_executable` that cannot start a Ray worker (no `ray`, an import that crashes, another Ray
   version). The raylet starts the worker, sees it exit before registering, logs it in its own files and
   starts another, for ever: the actor stays pending and the caller hears nothing (Ray 2.60 surfaces no
-  worker-start failure to the caller; only a runtime-env *build* failure reaches it). Here the
-  interpreter runs the first thing a Ray worker runs, `import ray`, under the pool's `env_vars`, and
-  its own output is the error.
+  worker-start failure to the caller; only a runtime-env *build* failure reaches it). Worse, each such
+  process holds one of the node's worker-start slots (as many as its cores) until the raylet's
+  registration timeout (60 s): two of them stopped every other actor on a 2-core node from starting for
+  a minute. So the interpreter is checked *before* the pool spawns a server with it, once per process:
+  it runs the first thing a Ray worker runs, `import ray`, under the pool's `env_vars`, and its own
+  output is the error.
 
-A failure found is raised as Ray's `RuntimeEnvSetupError` (what `kernel.faults.runtime_env_failed`
-reads): the pool's configuration is at fault. A check that cannot decide (pip missing, slow past its
-timeout) decides nothing: Ray's start still stands, and a good config pays no latency for the checks,
-which run beside it.
+pip's verdict is raised as Ray's `RuntimeEnvSetupError` (what `kernel.faults.runtime_env_failed` reads),
+the interpreter's returned to the pool: either way the pool's configuration is at fault. A check that
+cannot decide (pip missing, slow past its timeout) decides nothing: Ray's start still stands.
 
-    response = await started_unless_env_fails(resolve(handle.start.remote()), config.runtime_env)
+    problem = await interpreter_problem(python, env_vars)      # before the first spawn
+    response = await started_unless_pip_fails(resolve(handle.start.remote()), config.runtime_env)
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import asyncio
 import contextlib
 import os
 import sys
-from collections.abc import Awaitable, Coroutine
+from collections.abc import Awaitable
 from typing import Any, TypeVar
 
 from env_actors.config import EnvRuntimeEnv
@@ -55,37 +58,26 @@ _verdicts: dict[Any, str | None] = {}
 ask once."""
 
 
-async def started_unless_env_fails(start: Awaitable[T], runtime_env: EnvRuntimeEnv | None) -> T:
-    """Await `start` (an env server's start call); raise Ray's `RuntimeEnvSetupError` with the failing
-    side's error as soon as a check says the pool's runtime env cannot work, whichever comes first."""
-    checks: list[Coroutine[Any, Any, str | None]] = []
-    if runtime_env is not None and runtime_env.pip:
-        checks.append(pip_problem(tuple(runtime_env.pip)))
-    if runtime_env is not None and runtime_env.py_executable:
-        checks.append(interpreter_problem(runtime_env.py_executable, runtime_env.env_vars))
-    if not checks:
+async def started_unless_pip_fails(start: Awaitable[T], runtime_env: EnvRuntimeEnv | None) -> T:
+    """Await `start` (an env server's start call); raise Ray's `RuntimeEnvSetupError` with pip's error
+    as soon as pip says the pool's requirements cannot be installed, whichever comes first."""
+    if runtime_env is None or not runtime_env.pip:
         return await start
     starting = asyncio.ensure_future(start)
-    pending = {asyncio.ensure_future(check) for check in checks}
-    tasks = {starting, *pending}
+    checking = asyncio.ensure_future(pip_problem(tuple(runtime_env.pip)))
     try:
-        while pending and not starting.done():
-            done, _ = await asyncio.wait({starting, *pending}, return_when=asyncio.FIRST_COMPLETED)
-            for check in done & pending:
-                pending.discard(check)
-                if not starting.done() and (problem := check.result()) is not None:
-                    from ray.exceptions import (
-                        RuntimeEnvSetupError,
-                    )  # Ray's type: the one the supervisor reads
+        await asyncio.wait({starting, checking}, return_when=asyncio.FIRST_COMPLETED)
+        if not starting.done() and checking.result() is not None:
+            from ray.exceptions import RuntimeEnvSetupError  # Ray's own type: the one the supervisor reads
 
-                    raise RuntimeEnvSetupError(problem)
+            raise RuntimeEnvSetupError(checking.result())
         return await starting
     finally:
-        for task in tasks:
+        for task in (starting, checking):
             if not task.done():
                 task.cancel()
         with contextlib.suppress(BaseException):
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.gather(starting, checking, return_exceptions=True)
 
 
 async def pip_problem(requirements: tuple[str, ...]) -> str | None:

@@ -26,7 +26,7 @@ import uuid
 from dataclasses import dataclass
 
 from env_actors.config import EnvPoolConfig, EnvServerHealth, EnvServerInfo
-from env_actors.runtime_env_check import started_unless_env_fails
+from env_actors.runtime_env_check import interpreter_problem, started_unless_pip_fails
 from env_actors.sessions import OpenSessions
 from env_actors.spawn import create_env_server
 from rollout_actors.kernel import Failure, Ref
@@ -160,7 +160,13 @@ class Supervisor(KernelSupervisor[ServerSlot], ChildKind[ServerSlot]):
         """Spawn `min_servers` and wait for the first to be ready (the kernel's `start`: a server that died
         while loading is replaced on the budget within the deadline). On failure everything is retired and
         the failure returned: a load error at once (with the environment's traceback), servers that died
-        while loading past the restart budget, or the readiness deadline."""
+        while loading past the restart budget, or the readiness deadline; an interpreter (`py_executable`)
+        that cannot start a Ray worker before anything is spawned (`runtime_env_check`)."""
+        runtime_env = self.config.runtime_env
+        if runtime_env is not None and runtime_env.py_executable:  # before a server is spawned with it
+            problem = await interpreter_problem(runtime_env.py_executable, runtime_env.env_vars)
+            if problem is not None:
+                return CallerError(problem).failure
         try:
             await self.start(ready_timeout_s=ready_timeout, need=1)
             return None
@@ -184,8 +190,8 @@ class Supervisor(KernelSupervisor[ServerSlot], ChildKind[ServerSlot]):
 
     async def handshake(self, slot: ServerSlot) -> None:
         try:
-            # the pool's own packages and interpreter checked beside Ray's start, which reports neither soon
-            response = await started_unless_env_fails(
+            # pip's verdict on the pool's own packages, beside Ray's slower build of them
+            response = await started_unless_pip_fails(
                 resolve(slot.handle.start.remote()), self.config.runtime_env
             )
         except Exception as exc:
