@@ -232,7 +232,7 @@ class Renderer:
         checked = self.always_needs_history or (
             self.key.template_faithful
             and self.family in EMPTY_THINK_DROPPED
-            and message.get("reasoning_content") == ""
+            and message.get("reasoning", message.get("reasoning_content")) == ""
         )
         if extension is not None and not checked:
             return BridgeReply(

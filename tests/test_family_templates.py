@@ -105,9 +105,12 @@ def case(name: str) -> tuple[Family, Renderer, Any]:
 
 
 def shaped(spec: Family, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The messages as the family's template takes them (arguments decoded where it wants a mapping)."""
+    """The messages as vLLM hands them to the family's template: an assistant's `reasoning` under both
+    names, arguments decoded where the template wants a mapping."""
     out = []
     for m in messages:
+        if m.get("reasoning") is not None:
+            m = {**m, "reasoning_content": m["reasoning"]}
         if spec.mapping_arguments and m.get("tool_calls"):
             calls = [
                 {**c, "function": {**c["function"], "arguments": json.loads(c["function"]["arguments"])}}
