@@ -84,7 +84,7 @@ class AgentEndpoint:
         options.setdefault("timeout", AGENT_CLIENT_TIMEOUT_S)
         options.setdefault("max_retries", 0)  # a retried call would be a second turn of the same prompt
         if "http_client" not in options:
-            # A default client loads the CA bundle (~47 ms of CPU, DESIGN.md contract 6): per rollout, on
+            # A default client loads the CA bundle (~47 ms of CPU, docs/design.md contract 6): per rollout, on
             # the env server, that was most of agent mode's CPU per turn (scripts/bench_agent.py).
             options["http_client"] = httpx.AsyncClient(
                 verify=_ssl_context(), timeout=options["timeout"], trust_env=False

@@ -172,7 +172,7 @@ class EnvServerInfo(BaseModel):
 
 
 WorkerInfo = EnvServerInfo
-"""The old name of `EnvServerInfo` (DESIGN.md, "Words": a worker is a rollout worker)."""
+"""The old name of `EnvServerInfo` (docs/design.md, "Words": a worker is a rollout worker)."""
 
 
 class EnvPoolStats(BaseModel):
@@ -206,6 +206,6 @@ class EnvPoolStats(BaseModel):
 
     @property
     def workers(self) -> list[EnvServerInfo]:
-        """The old name of `servers` (DESIGN.md, "Words": a worker is a rollout worker)."""
+        """The old name of `servers` (docs/design.md, "Words": a worker is a rollout worker)."""
         warn_renamed("EnvPoolStats.workers", "servers")
         return self.servers

@@ -78,7 +78,7 @@ class EnvCallFailed(Fault):
 
     @property
     def worker_exit(self) -> str | None:
-        """The old name of `server_exit` (DESIGN.md, "Words": a worker is a rollout worker)."""
+        """The old name of `server_exit` (docs/design.md, "Words": a worker is a rollout worker)."""
         warn_renamed("EnvCallFailed.worker_exit", "server_exit")
         return self.server_exit
 

@@ -412,6 +412,6 @@ async def close_env_pool(handle: Any, timeout: float = 10.0) -> EnvPoolStats | N
 
 
 async def stop_env_pool(handle: Any, timeout: float = 10.0) -> EnvPoolStats | None:
-    """The old name of `close_env_pool` (DESIGN.md, "Words": close is the one stop verb)."""
+    """The old name of `close_env_pool` (docs/design.md, "Words": close is the one stop verb)."""
     warn_renamed("stop_env_pool", "close_env_pool")
     return await close_env_pool(handle, timeout)

@@ -70,7 +70,7 @@ class EnvSession:
 
     @property
     def worker(self) -> str:
-        """The old name of `server_name` (DESIGN.md, "Words": a worker is a rollout worker)."""
+        """The old name of `server_name` (docs/design.md, "Words": a worker is a rollout worker)."""
         warn_renamed("EnvSession.worker", "server_name")
         return self.server_name
 

@@ -45,7 +45,7 @@ def check_roles(messages: list[dict[str, Any]], allowed: frozenset[str], where: 
 @dataclass(frozen=True, slots=True)
 class RendererSlot:
     """A slot on one renderer, handed out by the `RendererPool` and given back with `release(slot_id)`.
-    (DESIGN.md, "Words": what a rollout holds of a renderer is a slot; a lease is a request's.)"""
+    (docs/design.md, "Words": what a rollout holds of a renderer is a slot; a lease is a request's.)"""
 
     slot_id: str
     renderer: Any

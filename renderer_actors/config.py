@@ -87,7 +87,7 @@ class RendererPoolConfig(BaseModel):
     """Beyond this, slots overfill the least-loaded renderer instead of growing the pool."""
     restart: RestartIntensity = RENDERER_RESTARTS
     """Restart intensity per key: every spawn after the key's first spends one, growth under load and
-    replacements of renderers that died, wedged or failed to start alike (DESIGN.md contract 9)."""
+    replacements of renderers that died, wedged or failed to start alike (docs/design.md contract 9)."""
     slot_timeout_s: float = 6 * 3600.0
     """A slot never released (its holder's process died) stops counting as load after this.
     (It was `max_lease_s`.)"""
@@ -160,7 +160,7 @@ class RendererPoolStats(BaseModel):
 
     @property
     def leases(self) -> int:
-        """The old name of `slots` (DESIGN.md, "Words": a lease is a request's)."""
+        """The old name of `slots` (docs/design.md, "Words": a lease is a request's)."""
         warn_renamed("RendererPoolStats.leases", "slots")
         return self.slots
 

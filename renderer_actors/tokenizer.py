@@ -10,7 +10,7 @@ this one).
 Any other tokenizer loads from local files first (a path, or the Hugging Face cache), and only then from
 the hub, for at most `RAY_ROLLOUTS_HUB_TIMEOUT_S` seconds (`DEFAULT_HUB_TIMEOUT_S`; 0: never): on a
 machine without hub access the hub client retries for minutes, and every rollout of the key would wait
-with it (DESIGN.md contract 8). A name the hub says does not exist is the request's fault
+with it (docs/design.md contract 8). A name the hub says does not exist is the request's fault
 (`TokenizerNotFound`, a `caller` failure); anything else that keeps it from loading is ours
 (`TokenizerUnavailable`, `infrastructure`).
 """

@@ -6,7 +6,7 @@ and weights), `inference/` (inference servers and the stand-in), `job/` (the CLI
 `kernel/` (what every package may import). `wire` holds the request and result models.
 
 Kept import-light on purpose: `renderer_actors` and `env_actors` import `rollout_actors.kernel` and
-nothing else of this package (DESIGN.md, "Dependency direction").
+nothing else of this package (docs/design.md, "Dependency direction").
 """
 
 from rollout_actors.kernel.renamed import MovedModules

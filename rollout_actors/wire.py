@@ -89,7 +89,7 @@ Timeout = Annotated[float, Field(gt=0, le=MAX_TIMEOUT_S, allow_inf_nan=False)]
 
 class ClientConfig(BaseModel):
     """How a rollout reaches its inference server. One client per rollout, built from this, closed in
-    `finally`. The defaults are the bounded request budget of DESIGN.md contract 6. Unknown keys and
+    `finally`. The defaults are the bounded request budget of docs/design.md contract 6. Unknown keys and
     absurd values are refused (a `caller` result naming the field)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")

@@ -5,7 +5,7 @@
 Two measurements against one async actor on local Ray. Each is the CPU of the calling process and of
 the actor, per call or per item, for concurrent calls (as a wave sends them):
 
-1. **One actor task per rollout** (DESIGN.md: each rollout is one Ray actor task). The call carries a
+1. **One actor task per rollout** (docs/design.md: each rollout is one Ray actor task). The call carries a
    three-turn rollout's `RolloutRequest` and answers its `Result`, once as pydantic models (Ray pickles
    them class by class) and once as their JSON, which is what `RolloutWorker.run` takes and answers.
 2. **A batched call's items** (renderers and env servers are actors: ~14 items per three-turn rollout).

@@ -63,7 +63,7 @@ HELD_CHECK_AFTER_S = 10.0
 RUN_DEADLINE_S = 1800.0  # a run that has not answered everything by then is a failure, not a wait
 RESTARTS = RestartIntensity(max_restarts=6, window_s=60.0)
 """The env servers' and the renderers' budgets: the schedule kills two of each, the node it removes may
-hold more, and growth draws on the same budget (DESIGN.md contract 9). The run measures recovery; a spent
+hold more, and growth draws on the same budget (docs/design.md contract 9). The run measures recovery; a spent
 budget has tests of its own (`test_env_pool`, `test_renderer_pool`)."""
 
 
@@ -450,7 +450,7 @@ def report(
         f"in flight), {budget_spent} re-dispatch budget spent, {other} other"
     )
     # Every rollout is healthy (the calculator environment): `env` would be a trainer masking our kills
-    # as the environment's bug (DESIGN.md contract 5: a death nobody was named for never makes poison).
+    # as the environment's bug (docs/design.md contract 5: a death nobody was named for never makes poison).
     env_kind = by_kind.get("env", 0)
     print(f"  {'met ' if env_kind == 0 else 'MISS'} no healthy rollout answered `env`: {env_kind}")
     leaked = sum(chaos.held.values())

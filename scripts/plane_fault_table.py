@@ -12,7 +12,7 @@ rollouts are submitted one after another from the moment of the loss until one i
 requests were not each answered exactly once, or whose plane never served again, prints BROKEN and makes
 the script exit 1. Timings are reported, not asserted. The last line is `slowest recovery: <seconds> s`.
 
-A second table times failures that follow the request, not the part (DESIGN.md contracts 5 and 8): an
+A second table times failures that follow the request, not the part (docs/design.md contracts 5 and 8): an
 environment that blocks its loop in every step (a poison request: answered after two env servers, within
 2 x `hang_timeout_s` + a spawn), sixteen of them among 64 healthy rollouts of one pool of 8 servers
 (within 4 rounds of a hang timeout and a spawn: each server sees 2 x 16 / 8 wedges in a row), and renderer keys

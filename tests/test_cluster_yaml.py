@@ -1,4 +1,4 @@
-"""cluster.yaml: valid for Ray's own cluster launcher, and it says what DESIGN.md claims it says."""
+"""cluster.yaml: valid for Ray's own cluster launcher, and it says what docs/design.md claims it says."""
 
 from __future__ import annotations
 

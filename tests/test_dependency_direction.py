@@ -1,4 +1,4 @@
-"""DESIGN.md, "Dependency direction": `renderer_actors` and `env_actors` never import each other, and of
+"""docs/design.md, "Dependency direction": `renderer_actors` and `env_actors` never import each other, and of
 `rollout_actors` they import only the kernel (`rollout_actors.kernel` and its modules), which imports
 nothing else of the project. Read from the source (every import statement, including those inside
 functions), so a new import that breaks the direction fails here rather than in a deployment."""

@@ -1,4 +1,4 @@
-"""Typed failures (DESIGN.md contracts 3 and 5): the kernel's hierarchy survives the JSON hop as data, Ray's
+"""Typed failures (docs/design.md contracts 3 and 5): the kernel's hierarchy survives the JSON hop as data, Ray's
 exceptions are mapped in one place, and the re-dispatch rule reads types, never strings. No cluster."""
 
 from __future__ import annotations

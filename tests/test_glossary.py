@@ -1,4 +1,4 @@
-"""DESIGN.md, "Words": one meaning per word. A deadline is a point on a clock and `*_timeout_s` a
+"""docs/design.md, "Words": one meaning per word. A deadline is a point on a clock and `*_timeout_s` a
 duration; a worker is a `RolloutWorker`, an env *server* runs environments, a renderer *slot* is what a
 rollout holds of a renderer, a *lease* only a request's; liveness settings are spelled as the kernel's
 `Supervision`. The public names renamed to these words keep working for now, each with a
@@ -137,7 +137,7 @@ def test_old_attribute_and_import_names_still_read_with_a_warning():
 
 
 def test_the_old_stop_verbs_still_stop_with_a_warning(monkeypatch):
-    """DESIGN.md: close / `aclose` is the one verb for stopping what one owns."""
+    """docs/design.md: close / `aclose` is the one verb for stopping what one owns."""
     import asyncio
 
     import env_actors.pool

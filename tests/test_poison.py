@@ -1,4 +1,4 @@
-"""Failures that follow the request, not the part (DESIGN.md contract 5): a request whose dispatches wedge
+"""Failures that follow the request, not the part (docs/design.md contract 5): a request whose dispatches wedge
 an env server at the same step twice is answered as poison, with the chain of its losses, instead of
 spending a third server; the sessions that only shared a wedged server are collateral, re-dispatched and
 never poison. Real env servers wedged by real blocking environment code; the model is the stand-in."""

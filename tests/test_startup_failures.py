@@ -1,4 +1,4 @@
-"""Deterministic startup failures fail fast and once (DESIGN.md contract 8): a renderer key that cannot load
+"""Deterministic startup failures fail fast and once (docs/design.md contract 8): a renderer key that cannot load
 fails every waiting and new rollout of that key with the load's traceback, without re-dispatching any,
 `caller` where the request named something no hub could serve, `infrastructure` otherwise; the failure is
 remembered for the key (no second renderer spawned for it while held); an env pool whose interpreter cannot

@@ -1,4 +1,4 @@
-"""Environment code stuck in a thread past its deadline wedges its server (DESIGN.md contract 3: `env`
+"""Environment code stuck in a thread past its deadline wedges its server (docs/design.md contract 3: `env`
 "wedged its own server"): a step that blocks its thread with `time.sleep`, on an adapter's framework loop
 (verifiers) or in the server's thread pool (skyrl-gym), once or 8 times at once. The stuck rollouts end
 `env`; the server, which keeps answering probes while serving nothing, is retired as wedged with a

@@ -1,5 +1,5 @@
 """Loading a tokenizer that is not in local files: the hub is asked for a bounded time, and not at all where
-the machine already says it cannot be reached (DESIGN.md contract 8: nothing waits on a network that is not
+the machine already says it cannot be reached (docs/design.md contract 8: nothing waits on a network that is not
 there). Real sockets, no hub: the endpoint is pointed at ports on this machine."""
 
 from __future__ import annotations

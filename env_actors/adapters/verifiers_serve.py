@@ -8,7 +8,7 @@
 and a harness that is not one of verifiers' built-ins pass the pool's `env_packages` gate before anything
 is imported, as do the functions the taskset config plugs in. Load builds the environment with
 `load_environment` and enters its `serving()` (interception, shared tool servers) for the server's life:
-readiness means loaded (DESIGN.md contract 8).
+readiness means loaded (docs/design.md contract 8).
 
 `serve_run` is verifiers' `EnvServer._run` and `_handle` for one `run` request, step for step: the
 request's task rebuilt from its wire data, one slot, `run_slot` under verifiers' own `DeltaStreamer`, and

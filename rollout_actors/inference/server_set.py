@@ -65,7 +65,7 @@ class InferenceServerSet(Supervisor[_Server], ChildKind[_Server]):
         probe_interval_s: float = 30.0,
         before_routing: Callable[[str], Awaitable[None]] | None = None,
         *,
-        watch_period: float | None = None,  # the old name of probe_interval_s (DESIGN.md, "Words")
+        watch_period: float | None = None,  # the old name of probe_interval_s (docs/design.md, "Words")
     ):
         if watch_period is not None:
             warn_renamed("InferenceServerSet(watch_period=)", "probe_interval_s=")

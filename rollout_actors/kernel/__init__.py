@@ -1,7 +1,7 @@
 """The kernel: what all three packages share, and nothing else.
 
 It imports nothing of the project, so `renderer_actors` and `env_actors` import it (and only it) from
-`rollout_actors` without depending on the rest (DESIGN.md, "Dependency direction"). It holds ids, the
+`rollout_actors` without depending on the rest (docs/design.md, "Dependency direction"). It holds ids, the
 exact-JSON model config, `Ref` with its allowlist (code named by data, resolved on the side that runs it),
 and re-exports the failure type with secret redaction (`failure`) and the caller error (`faults`). Four small modules beside it hold the other shared machinery, and like it
 import nothing else of the project: `supervision` (the restart kit and liveness rule every supervisor

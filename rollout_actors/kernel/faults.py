@@ -124,7 +124,7 @@ class EnvError(Fault):
 
 class PartLost(Fault):
     """A part of ours the rollout depended on was lost (`lost` says which, how and where). Nothing the
-    rollout did is lost that cannot be redone: the plane may re-dispatch it (DESIGN.md contract 5)."""
+    rollout did is lost that cannot be redone: the plane may re-dispatch it (docs/design.md contract 5)."""
 
     fault = "lost"
 
@@ -135,7 +135,7 @@ class PartLost(Fault):
 class LoadFailed(Fault):
     """A part could not load what the request names (a tokenizer, a template kwarg, an environment):
     `caller` where the name itself cannot load, `infrastructure` otherwise. Never re-dispatched: a load
-    that failed fails the same way on the next part (DESIGN.md contract 8)."""
+    that failed fails the same way on the next part (docs/design.md contract 8)."""
 
     fault = "load"
 

@@ -8,7 +8,7 @@
 
 Why not the heartbeat's lateness alone: a loop that starts a thousand rollouts in one iteration runs
 that iteration for seconds on a loaded machine (measured: 6 s on two cores), and its heartbeat is late
-by as much, although the loop is making progress all along. Load must not look like a wedge (DESIGN.md
+by as much, although the loop is making progress all along. Load must not look like a wedge (docs/design.md
 contract 5), so the stall counts only while the loop thread also stays in one Python frame: busy, it
 moves from coroutine to coroutine between samples; blocked (a synchronous call, a tight loop inside one
 function, a lock), it does not. A frozen process is no business of this class: nothing it sends arrives.

@@ -1,4 +1,4 @@
-"""Old spellings of public names, kept working for a while: a field renamed to DESIGN.md's glossary
+"""Old spellings of public names, kept working for a while: a field renamed to docs/design.md's glossary
 ("Words") still reads under its old name, with a `DeprecationWarning` naming the new one. Like the rest
 of the kernel it imports nothing else of the project.
 

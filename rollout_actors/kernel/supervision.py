@@ -117,7 +117,7 @@ class Supervision(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     restart: RestartIntensity
-    """Restarts and growth spawns together (DESIGN.md contract 9)."""
+    """Restarts and growth spawns together (docs/design.md contract 9)."""
     ready_timeout_s: float = Field(gt=0)
     """From spawn to ready (loaded what it serves, answered a health call)."""
     probe_interval_s: float = Field(gt=0)

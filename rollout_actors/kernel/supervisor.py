@@ -53,7 +53,7 @@ SpawnWhy = Literal["initial", "restart", "grow", "blamed", "quarantine"]
 """Why a child is spawned: `initial` (the set the owner started with) is free; so is `blamed`, the
 replacement of a ready child whose loss the kind blamed on something with a bound of its own
 (`ChildKind.budgets_replacement`), and `quarantine`, a child started for one suspect request alone (its
-dispatches bound it). `restart` and `grow` spend one restart from the budget (DESIGN.md contract 9:
+dispatches bound it). `restart` and `grow` spend one restart from the budget (docs/design.md contract 9:
 scale-up draws on the same budget)."""
 FREE_SPAWNS: frozenset[SpawnWhy] = frozenset({"initial", "blamed", "quarantine"})
 RetireCause = Literal["died", "wedged", "spawn_failed", "shrunk", "shutdown"]

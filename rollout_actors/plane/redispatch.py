@@ -1,4 +1,4 @@
-"""The re-dispatch rule, declared as data and matched on a failure's typed fields (DESIGN.md contract 5).
+"""The re-dispatch rule, declared as data and matched on a failure's typed fields (docs/design.md contract 5).
 
     rule = RedispatchRule(max_dispatches=3)
     losses.append(loss)

@@ -1,4 +1,4 @@
-"""Per-rollout OpenAI clients, cheap to build (DESIGN.md contract 6).
+"""Per-rollout OpenAI clients, cheap to build (docs/design.md contract 6).
 
 Each rollout builds one client from its `ClientConfig`, uses it for every turn (one server: prefix-cache
 affinity) and closes it in `finally`. What is shared is only what is immutable: one SSL context per process.
@@ -123,7 +123,7 @@ def build_client(config: ClientConfig, session_id: str | None = None) -> openai.
 
 @functools.cache
 def _client_class() -> type[openai.AsyncOpenAI]:
-    """`AsyncOpenAI` whose retries never wait past the call's deadline (DESIGN.md contract 6). The SDK
+    """`AsyncOpenAI` whose retries never wait past the call's deadline (docs/design.md contract 6). The SDK
     honours a `Retry-After` of up to two minutes; a wait that would end past `CALL_DEADLINE` cannot be
     followed by an attempt, so the server's answer (the 429 or 5xx) is raised at once instead of the call
     idling until its deadline and reporting only that it ran out. Shorter waits are the SDK's own."""

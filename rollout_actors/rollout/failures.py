@@ -1,4 +1,4 @@
-"""Classify a failure where it happens, before it crosses an actor boundary (DESIGN.md contract 3).
+"""Classify a failure where it happens, before it crosses an actor boundary (docs/design.md contract 3).
 
 Ray strips exception causes at actor boundaries, so the worker turns every exception into a `Failure`
 (type, message, status code, traceback text) and a result kind here, inside the actor.

@@ -1,6 +1,6 @@
 """`RolloutWorker`: an async actor on which each rollout is one actor task.
 
-A rollout is almost entirely waiting on a model, so one async actor holds thousands of them (DESIGN.md,
+A rollout is almost entirely waiting on a model, so one async actor holds thousands of them (docs/design.md,
 "Why actor tasks"). The worker classifies every failure before it leaves the actor and turns a
 cancellation into a `cancelled` result after the rollout's own cleanup has run.
 

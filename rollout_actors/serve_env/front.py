@@ -7,7 +7,7 @@
 It answers the three methods of `verifiers.v1.serve` to any `EnvClient`:
 
 - `health`: success once an env server has loaded the environment (readiness is loaded, not bound:
-  DESIGN.md contract 8). While it loads, a health request is answered when the load ends; a load that
+  docs/design.md contract 8). While it loads, a health request is answered when the load ends; a load that
   failed is answered `success=False` with why.
 - `run`: one supervised episode (`runs.serve_run`), its deltas relayed as the env server yields them,
   ended by exactly one reply. Runs that arrive while the environment loads wait for it; once its load
@@ -63,7 +63,7 @@ class ServeEnvConfig(BaseModel):
     run_timeout_s: float = Field(default=3600.0, gt=0)
     """Each run's whole episode, from its arrival (verifiers' own client waits untimed)."""
     load_attempts: int = Field(default=2, ge=1)
-    """Loads of the environment before its failure is the answer of every run (DESIGN.md contract 8)."""
+    """Loads of the environment before its failure is the answer of every run (docs/design.md contract 8)."""
 
 
 class ServeEnvFront:

@@ -189,7 +189,7 @@ class StandinServer:
         return code
 
     def stop(self) -> int | None:
-        """The old name of `close` (DESIGN.md, "Words": close is the one stop verb)."""
+        """The old name of `close` (docs/design.md, "Words": close is the one stop verb)."""
         warn_renamed("StandinServer.stop()", "close()")
         return self.close()
 
