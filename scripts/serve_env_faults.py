@@ -31,6 +31,7 @@ ENV_CONFIG = {
     "agent": {"harness": {"id": "framework-vf-chat"}, "runtime": {"type": "subprocess"}},
 }
 CLIENT = TESTS / "serve_env_client.py"
+NEXT_RUNS_WAIT_S = 180.0  # a replacement server's start (a fresh interpreter importing verifiers) included
 SETTLE_S = 12.0  # from the worker's spawn to its run's 20 s model call, on a loaded 2-core machine
 
 
@@ -59,29 +60,31 @@ def client(
     )
     proc.stdin.write(json.dumps(case))
     proc.stdin.close()
+    proc.stdin = None  # written: `communicate` only reads
     return proc
 
 
 def outcome(proc: subprocess.Popen, wait_s: float, killed_at: float) -> tuple[str, str]:
-    try:
-        proc.wait(wait_s)
+    try:  # communicate, not wait: an episode's JSON can outgrow the pipe's buffer
+        out, _ = proc.communicate(timeout=wait_s)
     except subprocess.TimeoutExpired:
         proc.kill()
-        proc.wait()
+        proc.communicate()
         return f"still waiting after {wait_s:g} s", "-"
     took = time.monotonic() - killed_at
-    [result] = json.loads(proc.stdout.read())
+    [result] = json.loads(out)
     return f"reply: {(result['error'] or 'ok')[:60]}", f"{took:.1f}"
 
 
 def next_runs(python: str, address: str, base_url: str, model: str) -> str:
     proc = client(python, address, base_url, model, [{"index": i % 4} for i in range(16)], 0.0)
     try:
-        proc.wait(120)
+        out, _ = proc.communicate(timeout=NEXT_RUNS_WAIT_S)
     except subprocess.TimeoutExpired:
         proc.kill()
-        return "0/16 answered in 120 s"
-    results = json.loads(proc.stdout.read())
+        proc.communicate()
+        return f"0/16 answered in {NEXT_RUNS_WAIT_S:g} s"
+    results = json.loads(out)
     return f"{sum(r['error'] is None for r in results)}/16 ok"
 
 
