@@ -52,16 +52,15 @@ def stack_env() -> dict[str, str]:
     )
 
 
-def pool_config(**overrides: Any) -> EnvPoolConfig:
+def pool_config(packages: tuple[str, ...] = PACKAGES) -> EnvPoolConfig:
     return EnvPoolConfig(
         num_cpus=0.25,
-        env_packages=PACKAGES,
+        env_packages=packages,
         runtime_env={
             "py_executable": vf04_python(),
             "py_modules": [str(FRAMEWORK_ENVS), str(FRAMEWORK_VF_TASKS), str(FRAMEWORK_VF_CHAT)],
             "env_vars": {KEY_VAR: "unused"},
         },
-        **overrides,
     )
 
 
@@ -159,7 +158,7 @@ def test_episodes_match_verifiers_own_server_and_pool(servers, standin):
 
 
 def test_64_concurrent_runs_are_all_answered_as_verifiers_answers_them(servers, standin):
-    runs = [{"index": i % 8} for i in range(64)]
+    runs = [{"index": i % 4} for i in range(64)]
     ours = episodes(servers["front"].front.address, standin, runs)
     theirs = episodes(servers["lone"].address, standin, runs)
     assert [o["error"] for o in ours] == [None] * 64
@@ -207,7 +206,7 @@ def test_an_environment_that_fails_to_import_answers_every_run_with_its_load_fai
     config = ServeEnvConfig(
         address="tcp://127.0.0.1:0",
         env_config=broken,
-        pool=pool_config(env_packages=(*PACKAGES, "framework_vf_missing")),
+        pool=pool_config((*PACKAGES, "framework_vf_missing")),
     )
     front = Front(config)
     try:
