@@ -19,29 +19,28 @@ reading (cancel), Ray cancels it and the episode is cancelled with it.
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
+from env_actors.interface import EnvResponse
 from rollout_actors.kernel import CallerError, Failure
-
-if TYPE_CHECKING:
-    from collections.abc import AsyncIterator
-
-    from env_actors.server import EnvServer
 
 Frame = tuple[str, Any]
 """`("delta", bytes)`, `("reply", bytes)` or `("failed", Failure dict)`."""
 
 
 async def stream_episode(
-    server: EnvServer, session_id: str, payload: bytes, timeout: float
+    run: Callable[[Callable[[bytes], None]], Awaitable[EnvResponse]], session_id: str
 ) -> AsyncIterator[Frame]:
+    """The frames of one episode: `run(send)` runs it (the server's guarded call) and hands each delta to
+    `send` as verifiers produces it, from the environment's own loop."""
     loop = asyncio.get_running_loop()
     frames: asyncio.Queue[bytes] = asyncio.Queue()
 
     def send(frame: bytes) -> None:  # called on the environment's own loop (another thread)
         loop.call_soon_threadsafe(frames.put_nowait, frame)
 
-    work = asyncio.ensure_future(server._run_episode(session_id, payload, send, timeout))
+    work = asyncio.ensure_future(run(send))
     try:
         while True:
             getting = asyncio.ensure_future(frames.get())

@@ -210,7 +210,9 @@ class EnvServer:
     async def serve_run(self, session_id: str, payload: bytes, timeout: float) -> AsyncIterator[Frame]:
         """A whole episode of an environment that runs episodes itself (`serve_run`), streamed frame by
         frame as a Ray streaming generator (`episode_stream.py`); `timeout` bounds the episode."""
-        async for frame in stream_episode(self, session_id, payload, timeout):
+        async for frame in stream_episode(
+            lambda send: self._run_episode(session_id, payload, send, timeout), session_id
+        ):
             yield frame
 
     async def _run_episode(self, session_id: str, payload: bytes, send: Any, timeout: float) -> EnvResponse:

@@ -51,30 +51,41 @@ class FakeServer:
 
 
 class FakePool:
-    """Places each session on the next of `servers`; says each lost server simply died."""
+    """Places each session on the next of `servers`; says each lost server simply died, naming the session
+    only where it was placed alone (quarantine: the one session a server held is the one it names)."""
 
     def __init__(self, servers: list[FakeServer | None]) -> None:
         self.servers = servers
         self.placed = 0
         self.name = new_id("p")  # server names are unique per incarnation: handles are cached by name
         self.ended: list[str] = []
+        self.alone: set[str] = set()
         self.place_many = _Remote(self._place_many)
-        self.worker_lost = _Remote(lambda name, detail, sid: _value((f"died: {detail}", "died", None)))
+        self.place_alone = _Remote(self._place_alone)
+        self.worker_lost = _Remote(
+            lambda name, detail, sid: _value(
+                (f"died: {detail}", "died", True if name in self.alone else None)
+            )
+        )
         self.forget_many = _Remote(lambda ids: _value(len(ids)))
         self.end_session = _Remote(lambda sid, timeout: self.ended.append(sid))
 
     def _place_many(self, session_ids: list[str], owner: Any, wait_s: float, known: list[str]) -> Any:
-        answers = []
-        for _ in session_ids:
-            server = self.servers[min(self.placed, len(self.servers) - 1)]
-            self.placed += 1
-            if server is None:
-                failure = Failure(type="NoLiveEnvServer", message="no live env server in pool 'p'")
-                answers.append(EnvResponse.failed(failure))
-            else:
-                name = f"{self.name}.env{self.placed}"
-                answers.append(EnvResponse.ok({"server_name": name, "handle": server}, name))
-        return _value(answers)
+        return _value([self._next() for _ in session_ids])
+
+    def _place_alone(self, session_id: str, owner: Any, wait_s: float) -> Any:
+        answer = self._next()
+        self.alone.add(answer.server_name)
+        return _value(answer)
+
+    def _next(self) -> EnvResponse:
+        server = self.servers[min(self.placed, len(self.servers) - 1)]
+        self.placed += 1
+        if server is None:
+            failure = Failure(type="NoLiveEnvServer", message="no live env server in pool 'p'")
+            return EnvResponse.failed(failure)
+        name = f"{self.name}.env{self.placed}"
+        return EnvResponse.ok({"server_name": name, "handle": server}, name)
 
 
 def _run(pool: FakePool) -> tuple[dict[str, Any], list[bytes]]:
@@ -106,11 +117,21 @@ def test_a_run_lost_after_a_delta_is_answered_at_once_naming_the_env_server():
     assert "streamed 1 delta(s), so it is not dispatched again" in reply["error"]
 
 
-def test_a_run_that_kills_its_server_twice_at_the_same_point_is_poison_and_not_dispatched_again():
+def test_a_run_that_kills_its_server_every_time_is_poison_once_a_death_alone_names_it():
+    """Two deaths among other sessions name nobody (an outside kill looks the same): the run goes alone on a
+    server of its own, and a death there is proof. Not dispatched again after it."""
+    dies = [FakeServer([], dies=True) for _ in range(3)]
+    pool = FakePool([*dies, FakeServer([("reply", REPLY)])])
+    reply, _ = _run(pool)
+    assert pool.placed == 3 and pool.alone == {f"{pool.name}.env3"}
+    assert reply["success"] is False and reply["error"].startswith("PoisonRequest: poison request")
+
+
+def test_a_run_whose_servers_were_killed_twice_from_outside_ends_on_its_own_merit_alone():
     pool = FakePool([FakeServer([], dies=True), FakeServer([], dies=True), FakeServer([("reply", REPLY)])])
     reply, _ = _run(pool)
-    assert pool.placed == 2
-    assert reply["success"] is False and reply["error"].startswith("PoisonRequest: poison request")
+    assert pool.placed == 3 and pool.alone == {f"{pool.name}.env3"}
+    assert reply["success"] is True
 
 
 def test_a_run_nobody_can_serve_is_answered_at_once():

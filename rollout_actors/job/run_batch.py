@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import sys
 import time
 from collections import Counter
@@ -24,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from rollout_actors.inference.standin import StandinStartupError
+from rollout_actors.job.local_ray import init_ray
 from rollout_actors.job.run_config import RunConfig, StandinSettings
 from rollout_actors.job.run_flags import FlagError
 from rollout_actors.kernel.faults import Fault
@@ -96,7 +96,7 @@ def run(config: RunConfig) -> int:
             model = model or BUNDLED_MODEL
         assert model is not None  # run_flags.check: --model is required with --base-url
         status.stage("starting Ray")
-        _init_ray(job.ray_address)
+        init_ray(job.ray_address)
         try:
             if server is not None:
                 status.stage("starting the stand-in (tokenizer)")
@@ -111,24 +111,6 @@ def run(config: RunConfig) -> int:
             import ray
 
             ray.shutdown()
-
-
-def _init_ray(address: str | None) -> None:
-    import ray
-
-    address = address or os.environ.get("RAY_ADDRESS")
-    if address:
-        ray.init(address=address, log_to_driver=False)
-    else:
-        # Embedded means our own: `address="local"` never joins a cluster someone's `ray start` left on the
-        # machine (join one with --ray-address auto). Rollout, renderer and env actors mostly wait: logical
-        # CPUs above the physical count let them pack.
-        ray.init(
-            address="local",
-            num_cpus=max(4, 2 * (os.cpu_count() or 2)),
-            include_dashboard=False,
-            log_to_driver=False,
-        )
 
 
 async def _run_plane(config: RunConfig, endpoints: list[str], model: str, output: Path, status: Any) -> int:

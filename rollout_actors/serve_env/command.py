@@ -119,9 +119,9 @@ def serve_env(args: argparse.Namespace) -> int:
         print(f"rollouts serve-env: {exc}", file=sys.stderr)
         return 2
     logging.getLogger("rollout_actors.serve_env").setLevel(logging.INFO)
-    from rollout_actors.cli import _init_ray
+    from rollout_actors.job.local_ray import init_ray
 
-    _init_ray(args.ray_address)
+    init_ray(args.ray_address)
     return asyncio.run(_serve(config))
 
 

@@ -80,8 +80,9 @@ async def serve_run(
     deadline = loop.time() + timeout_s
     lease_id = new_id("serve")
     losses: list[Loss] = []
+    alone = False
     while True:
-        attempt = await _dispatch(pool, payload, send_delta, deadline)
+        attempt = await _dispatch(pool, payload, send_delta, deadline, alone)
         if attempt.reply is not None:
             return attempt.reply
         assert attempt.failure is not None
@@ -102,15 +103,20 @@ async def serve_run(
             return failure_reply(
                 Unavailable(f"run {lease_id} lost its env server {len(losses)} time(s) ({chain})").failure
             )
+        alone = (
+            decision == "quarantine"
+        )  # suspected, not proven: alone on a server of its own, a death names it
         logger.info("serve-env run %s re-dispatched after %s", lease_id, attempt.lost.describe())
 
 
-async def _dispatch(pool: Any, payload: bytes, send_delta: SendDelta, deadline: float) -> _Attempt:
+async def _dispatch(
+    pool: Any, payload: bytes, send_delta: SendDelta, deadline: float, alone: bool = False
+) -> _Attempt:
     loop = asyncio.get_running_loop()
     session_id = new_id("envsess")
     attempt = _Attempt()
     try:
-        server_name, server = await place(pool, session_id, max(0.0, deadline - loop.time()))
+        server_name, server = await place(pool, session_id, max(0.0, deadline - loop.time()), alone)
     except EnvCallFailed as exc:  # no live server, the pool closed or gone: nothing to dispatch to
         attempt.failure = exc.failure
         return attempt
