@@ -255,13 +255,14 @@ def test_the_readme_dev_loop_submits_a_rollouts_job_that_succeeds_and_logs_its_s
     assert info.driver_exit_code == 0
     assert info.runtime_env["working_dir"].startswith("gcs://")  # the tree went up with the job
 
-    # The summary table the CLI prints, read back from the job's logs.
+    # The summary the CLI prints (the report's own), read back from the job's logs.
     total = tasks * group_size
     assert "stand-in inference server at http://127.0.0.1:" in logs
     assert f"done {total}/{total}  in flight" in logs  # the plain status line of --no-progress
     assert png.stat().st_size > 10_000, logs  # the run report's plots
-    assert re.search(rf"\b{total}\s+rollouts\s+in\b", logs), logs
-    table = {kind: int(count) for kind, count in re.findall(r"kind=(\w+)\W+(\d+)", logs)}
+    assert f"rollouts: {total} in " in logs, logs  # the report's summary, as `rollouts report` prints it
+    (by_kind,) = re.findall(r"^by kind: (.*)$", logs, re.MULTILINE)
+    table = {kind: int(count) for kind, count in re.findall(r"(\w+)=(\d+)", by_kind)}
     assert set(table) == set(KINDS), logs
 
     results = [Result.model_validate(json.loads(line)) for line in output.read_text().splitlines()]
