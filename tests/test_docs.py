@@ -1,7 +1,8 @@
 """The docs site builds as CI builds it (`mkdocs build --strict`: a broken link, a missing anchor or a page
-left out of the nav fails), and every code block in `docs/` is one the suite holds: a diagram (`text`) or
-TOML that parses. A page that brings a block of another kind (Python, a shell command) brings the test
-that runs it, as `test_readme.py` runs the README's."""
+left out of the nav fails), and every code block in `docs/` is one the suite holds: a diagram (`text`),
+TOML that parses, or shell commands each of which the README's rules cover (`test_readme.py`: run by a
+test, or listed with the reason it cannot run here). A page that brings Python brings the test that runs
+it, as `test_readme.py` runs the README's."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import tomllib
 from pathlib import Path
 
 import pytest
-from readme import blocks
+from readme import blocks, commands
+from test_readme import NOT_RUN, RUN_BY_DEV_LOOP_TEST, RUN_HERE
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -52,5 +54,9 @@ def test_every_code_block_in_the_docs_is_held_by_the_suite(page):
             continue
         if block.lang == "toml":
             tomllib.loads(block.code)
+        elif block.lang == "bash":
+            known = RUN_HERE + RUN_BY_DEV_LOOP_TEST + tuple(NOT_RUN)
+            for command in commands(block):
+                assert command.startswith(known), f"{where}: no test runs `{command}` nor says why not"
         else:
             pytest.fail(f"{where}: a `{block.lang}` block no test runs")
