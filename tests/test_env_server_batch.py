@@ -65,7 +65,7 @@ def test_calls_of_one_batch_keep_their_own_deadlines_and_the_environments_timeou
             [
                 EnvCall("step", a, (says("now"),), 5.0),
                 EnvCall("step", b, (says("sleep:5"),), 0.3),  # past its deadline
-                EnvCall("step", c, (says("sleep:0.5"),), 5.0),  # slower than the linger, within its own
+                EnvCall("step", c, (says("sleep:3"),), 5.0),  # far slower than the linger, within its own
                 EnvCall("step", d, (says("own-timeout"),), 0.3),
             ]
         )
