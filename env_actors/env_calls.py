@@ -12,14 +12,15 @@ thread pool's few threads), while the env loop keeps turning and the server answ
 server reports such a call as a stall naming its session (`EnvServer.health`), and the supervisor judges
 the server wedged at the call's deadline + `hang_timeout_s`, with that session as its culprit.
 
-Load alone never trips it: a call counts only while its own code executes (its frame is on a thread's
-stack: one waiting for a free thread, or for a loop another call blocks, is not executing), and only for
-the time past the later of its deadline and its start.
+Load alone never trips it: a call counts only while its own code executes (a thread running its method;
+the task its framework loop is running: one waiting for a free thread, or for a loop another call blocks,
+is not executing), and only for the time past the later of its deadline and its start. What executes is
+recorded where it starts and ends, never read off a stack.
 """
 
 from __future__ import annotations
 
-import sys
+import asyncio
 import threading
 import time
 from collections.abc import Callable, Coroutine
@@ -43,24 +44,41 @@ CALL: ContextVar[CallTag | None] = ContextVar("env_call", default=None)
 code leaves the env loop (a thread copies it; a framework loop is handed it by `on_loop`)."""
 
 
+_IN_THREADS: dict[int, tuple[CallTag, float]] = {}
+"""Worker threads executing a call's plain method now: thread id -> (its call, when it started)."""
+_ON_LOOPS: dict[asyncio.Task[Any], tuple[CallTag, float]] = {}
+"""Tasks on a framework loop serving a call: task -> (its call, when it started). A task counts only while
+it is the one its loop is running (`asyncio.current_task(loop)`): one awaiting holds nothing."""
+
+
 def in_thread(method: Callable[..., T], *args: Any) -> T:
     """Run `method(*args)` here (a worker thread), tagged with the call it serves while it executes."""
-    _tag, _started = CALL.get(), time.monotonic()  # read from this frame by `stuck_call`
-    return method(*args)
+    tag = CALL.get()
+    if tag is None:
+        return method(*args)
+    me = threading.get_ident()
+    _IN_THREADS[me] = (tag, time.monotonic())
+    try:
+        return method(*args)
+    finally:
+        _IN_THREADS.pop(me, None)
 
 
 def on_loop(coro: Coroutine[Any, Any, T]) -> Coroutine[Any, Any, T]:
     """`coro` tagged with the call the caller serves (read here, in the caller's context), to be run on
-    another loop (an adapter's `FrameworkLoop`)."""
+    another loop (an adapter's `FrameworkLoop`) as a task of its own."""
     return _tagged(CALL.get(), coro)
 
 
-async def _tagged(_tag: CallTag | None, coro: Coroutine[Any, Any, T]) -> T:
-    _started = time.monotonic()  # this frame is on its loop thread's stack only while `coro` executes
-    return await coro
-
-
-_TAGGED_CODES = frozenset({in_thread.__code__, _tagged.__code__})
+async def _tagged(tag: CallTag | None, coro: Coroutine[Any, Any, T]) -> T:
+    task = asyncio.current_task()
+    if tag is None or task is None:
+        return await coro
+    _ON_LOOPS[task] = (tag, time.monotonic())
+    try:
+        return await coro
+    finally:
+        _ON_LOOPS.pop(task, None)
 
 
 def stuck_call(now: float | None = None) -> tuple[str, float] | None:
@@ -68,19 +86,13 @@ def stuck_call(now: float | None = None) -> tuple[str, float] | None:
     past its start: a call that waited for its thread is not held to a deadline that passed meanwhile),
     on any thread but this one; None when no executing code is past its deadline."""
     now = time.monotonic() if now is None else now
-    worst: tuple[str, float] | None = None
     me = threading.get_ident()
-    for ident, frame in sys._current_frames().items():
-        if ident == me:
-            continue
-        while frame is not None and frame.f_code not in _TAGGED_CODES:
-            frame = frame.f_back
-        if frame is None:
-            continue
-        local = frame.f_locals
-        tag, started = local.get("_tag"), local.get("_started")
-        if not isinstance(tag, CallTag) or not isinstance(started, float):
-            continue
+    executing = [call for ident, call in dict(_IN_THREADS).items() if ident != me]
+    executing += [
+        call for task, call in dict(_ON_LOOPS).items() if asyncio.current_task(task.get_loop()) is task
+    ]
+    worst: tuple[str, float] | None = None
+    for tag, started in executing:
         over = now - max(tag.deadline, started)
         if over > 0 and (worst is None or over > worst[1]):
             worst = (tag.session_id, over)
