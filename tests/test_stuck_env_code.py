@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 import ray
 from planes import plane_factory
+from test_poison import request  # a short rollout of one task (the poison tests' own)
 from waiting import eventually, runner
 
-from renderer_actors.tokenizer import BUNDLED_MODEL
-from rollout_actors.wire import ClientConfig, Ref, RolloutRequest, SamplingConfig
+from rollout_actors.wire import Ref
 
 pytestmark = pytest.mark.slow
 
@@ -38,16 +38,6 @@ plane = plane_factory(
         "probe_timeout_s": 1.0,
     },
 )
-
-
-def request(standin, env: Ref, index: int) -> RolloutRequest:
-    return RolloutRequest(
-        env=env,
-        task_index=index,
-        client=ClientConfig(base_url=standin.base_url, model=BUNDLED_MODEL),
-        sampling=SamplingConfig(max_tokens=16, seed=index),
-        max_turns=3,
-    )
 
 
 @pytest.mark.parametrize("hung", [1, 8])
