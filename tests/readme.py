@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 README = Path(__file__).resolve().parents[1] / "README.md"
+DOCS = README.parent / "docs"
 
 
 @dataclass(frozen=True)
@@ -16,7 +17,7 @@ class Block:
     lang: str
     code: str
     line: int
-    """Line of the opening fence in README.md."""
+    """Line of the opening fence in its file."""
     heading: str
     """The nearest heading above the block."""
 
@@ -41,8 +42,9 @@ def blocks(lang: str | None = None, path: Path = README) -> list[Block]:
     return [b for b in found if lang is None or b.lang == lang]
 
 
-def block(heading: str, lang: str) -> Block:
-    (only,) = [b for b in blocks(lang) if b.heading == heading]
+def block(heading: str, lang: str, path: Path = README) -> Block:
+    """The one `lang` block under `heading` in `path` (the README unless told)."""
+    (only,) = [b for b in blocks(lang, path) if b.heading == heading]
     return only
 
 

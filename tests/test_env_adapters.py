@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from framework_envs import PROBLEMS
 from framework_stacks import FRAMEWORK_ENVS, FRAMEWORK_VF_CHAT, FRAMEWORK_VF_TASKS, STACKS, stack_python
-from readme import argv, block, commands
+from readme import DOCS, argv, block, commands
 from waiting import runner
 
 from renderer_actors.config import RendererConfig
@@ -354,7 +354,7 @@ def readme_packages(folder: Path) -> None:
 
 
 def as_tested(args: list[str], base_url: str) -> list[str]:
-    """A README command with this suite's three substitutions (README.md says which): `pip` -> the cached
+    """A README command with this suite's three substitutions (docs/environments.md says which): `pip` -> the cached
     interpreter with those packages, the `null` harness -> the same chat loop in process, and the suite's
     stand-in (`base_url`) instead of one started per command."""
     args = [*args, "--base-url", base_url, "--model", BUNDLED_MODEL]
@@ -375,7 +375,11 @@ def as_tested(args: list[str], base_url: str) -> list[str]:
     return args
 
 
-README_COMMANDS = [c for c in commands(block(README_SECTION, "bash")) if c.startswith("rollouts run")]
+README_COMMANDS = [
+    c
+    for c in commands(block(README_SECTION, "bash", path=DOCS / "environments.md"))
+    if c.startswith("rollouts run")
+]
 
 
 @pytest.mark.timeout(README_RUN_DEADLINE_S + 60)

@@ -1,4 +1,4 @@
-"""The README's failure table ("What fails how") is held by tests: every row names at least one test module
+"""The failure table ("What fails how", docs/operations.md) is held by tests: every row names at least one test module
 (or script) that exists and exercises it, so a row whose behaviour changes fails somewhere. The one row no
 other module covers (no live rollout worker) is tested here."""
 
@@ -21,8 +21,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def failure_table_rows() -> list[list[str]]:
-    text = (ROOT / "README.md").read_text()
-    section = text[text.index("### What fails how") :]
+    text = (ROOT / "docs" / "operations.md").read_text()
+    section = text[text.index("## What fails how") :]
     section = section[: section.index("\n## ")]
     rows = [line for line in section.splitlines() if line.startswith("| ") and not line.startswith("| case")]
     cells = [[cell.strip() for cell in row.strip().strip("|").split(" | ")] for row in rows]

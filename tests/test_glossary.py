@@ -192,11 +192,11 @@ def test_the_docs_configs_and_code_use_the_new_names():
     ]
     stale = [line for path in code for line in stale_lines(path, window=2)]
     stale += stale_lines(ROOT / "scripts" / "run.example.toml", window=0)
-    # README: a paragraph (or table row) naming an old spelling says that it is the old one.
-    readme = ROOT / "README.md"
-    for block in re.split(r"\n\s*\n|\n(?=\|)", readme.read_text()):
-        if OLD.search(block) and not SAYS_OLD.search(block):
-            stale.append(f"README.md: {OLD.search(block).group(0)} in {block.strip()[:100]!r}")
+    # README and docs: a paragraph (or table row) naming an old spelling says that it is the old one.
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for block in re.split(r"\n\s*\n|\n(?=\|)", page.read_text()):
+            if OLD.search(block) and not SAYS_OLD.search(block):
+                stale.append(f"{page.name}: {OLD.search(block).group(0)} in {block.strip()[:100]!r}")
     assert not stale, "\n".join(stale)
 
 

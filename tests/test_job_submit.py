@@ -1,6 +1,7 @@
-"""`ray job submit` end to end, as the README's local development loop writes it: a real head started with
-`ray start --head`, the `rollouts run` entrypoint submitted with the README's own `ray job submit` command,
-followed with its `ray job logs`, and its final status, logs and output file read back.
+"""`ray job submit` end to end, as the docs' local development loop writes it (`docs/cluster.md`): a real head
+started with the docs' `ray start --head --block ... &`, the `rollouts run` entrypoint submitted with their own
+`ray job submit` command, followed with their `ray job logs`, its final status, logs and output file read
+back, and the head stopped as their `kill $HEAD` stops it.
 
 The head is this test's own: its own ports and its own `--temp-dir` (so its `ray_current_cluster` file
 never redirects another process's `ray.init()` to it), never `ray stop` (which kills every Ray process of
@@ -49,8 +50,10 @@ MARKER_VAR = "RAY_ROLLOUTS_JOB_TEST_HEAD"
 CLIENT_ONLY_VARS = ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS", "RAY_AUTH_TOKEN", "RAY_AUTH_MODE")
 """Dropped from the head's environment: a caller's cluster address or token must not leak into it."""
 KINDS = ("ok", "model", "env", "infrastructure", "caller", "cancelled")
-README_ADDRESS = "http://127.0.0.1:8265"
-"""The job API address the README's commands use; this test's head listens elsewhere."""
+README_ADDRESS = "http://127.0.0.1:8275"
+"""The job API address the docs' commands use; this test's head listens elsewhere."""
+CLUSTER_PAGE = Path(__file__).resolve().parents[1] / "docs" / "cluster.md"
+DOCS_STOP_TIMEOUT_S = 40.0  # `ray start --block` drains for up to 30 s on SIGTERM; a second or two when idle
 
 _direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback never goes via a proxy
 
@@ -117,17 +120,49 @@ def _kill_head(marker: bytes, session_id: int | None) -> list[int]:
     return _head_pids(marker, session_id)
 
 
-def _start_head(temp_dir: Path, env: dict[str, str]) -> tuple[int, int]:
-    """`ray start --head` once; returns (its pid = the session id of every daemon, dashboard port)."""
-    gcs, dashboard, agent_http, agent_grpc, client, runtime_env, metrics = _free_ports(7)
-    command = [str(BIN_DIR / "ray"), "start", "--head", f"--port={gcs}", "--num-cpus=4"]
-    # Ray maps a loopback --node-ip-address to the machine's address anyway; the job API is what must
-    # stay on loopback, and the dashboard agent's default port (52365) is taken by any other local Ray.
-    command += ["--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}"]
-    command += [f"--dashboard-agent-listen-port={agent_http}", f"--dashboard-agent-grpc-port={agent_grpc}"]
-    command += [f"--ray-client-server-port={client}", f"--runtime-env-agent-port={runtime_env}"]
-    command += [f"--metrics-export-port={metrics}", f"--temp-dir={temp_dir}", "--disable-usage-stats"]
-    with open(temp_dir / "ray-start.log", "ab") as log:
+PORT_FLAGS = (
+    "--port",
+    "--dashboard-port",
+    "--dashboard-agent-listen-port",
+    "--dashboard-agent-grpc-port",
+    "--runtime-env-agent-port",
+    "--metrics-export-port",
+    "--ray-client-server-port",
+)
+"""The ports the docs' `ray start` names; this test gives each a free one of its own."""
+
+
+def _dev_loop() -> list[str]:
+    loop = commands(block("Local development loop", "bash", path=CLUSTER_PAGE))
+    assert "export RAY_AUTH_MODE=token" in loop and "kill $HEAD" in loop and "ray stop" not in loop, loop
+    return loop
+
+
+def _docs_head_command(temp_dir: Path) -> list[str]:
+    """The docs' `ray start --head` as written, with this test's own ports and temp dir in place of theirs."""
+    (start,) = [argv(c) for c in _dev_loop() if c.startswith("ray start --head")]
+    assert start[-1] == "&" and "--block" in start, start  # in the background, as the head's parent
+    flags = dict(arg.split("=", 1) for arg in start[3:-1] if "=" in arg)
+    assert set(PORT_FLAGS) <= set(flags) and "--temp-dir" in flags, start  # its own ports and temp dir
+    ports = dict(zip(PORT_FLAGS, _free_ports(len(PORT_FLAGS)), strict=True))
+    command = [str(BIN_DIR / "ray"), "start", "--head"]
+    for arg in start[3:-1]:
+        flag = arg.split("=", 1)[0]
+        if flag in ports:
+            arg = f"{flag}={ports[flag]}"
+        elif flag == "--temp-dir":
+            arg = f"--temp-dir={temp_dir}"
+        command.append(arg)
+    return command
+
+
+def _start_head(temp_dir: Path, env: dict[str, str]) -> tuple[subprocess.Popen, int]:
+    """The docs' `ray start --head --block ... &` once; returns (its process, whose pid is the session id of
+    every daemon and what `kill $HEAD` signals; the dashboard port)."""
+    command = _docs_head_command(temp_dir)
+    dashboard = int(next(arg for arg in command if arg.startswith("--dashboard-port=")).split("=")[1])
+    log_path = temp_dir / "ray-start.log"
+    with open(log_path, "ab") as log:
         process = subprocess.Popen(
             command,
             env=env,
@@ -136,14 +171,28 @@ def _start_head(temp_dir: Path, env: dict[str, str]) -> tuple[int, int]:
             stdin=subprocess.DEVNULL,
             start_new_session=True,
         )
+    until = time.monotonic() + HEAD_START_TIMEOUT_S
+    while "Ray runtime started" not in log_path.read_text(errors="replace"):
+        if process.poll() is not None or time.monotonic() > until:
+            tail = log_path.read_text(errors="replace")[-3000:]
+            rc = process.poll()
+            raise RuntimeError(f"`ray start --head` {'timed out' if rc is None else f'exited {rc}'}:\n{tail}")
+        time.sleep(0.2)
+    return process, dashboard
+
+
+def _stop_head_as_the_docs_do(process: subprocess.Popen, marker: bytes) -> list[int]:
+    """`kill $HEAD`: SIGTERM to `ray start --block`, which drains and stops its head; returns what is left
+    of the head once that is done (nothing, when the docs are right)."""
+    process.send_signal(signal.SIGTERM)
     try:
-        rc = process.wait(timeout=HEAD_START_TIMEOUT_S)
+        process.wait(timeout=DOCS_STOP_TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        rc = None
-    if rc != 0:
-        tail = (temp_dir / "ray-start.log").read_text(errors="replace")[-3000:]
-        raise RuntimeError(f"`ray start --head` {'timed out' if rc is None else f'exited {rc}'}:\n{tail}")
-    return process.pid, dashboard
+        pass
+    until = time.monotonic() + TERM_GRACE_S * 5
+    while _head_pids(marker, process.pid) and time.monotonic() < until:
+        time.sleep(0.2)
+    return _head_pids(marker, process.pid)
 
 
 def _wait_for_job_api(head: LocalHead) -> None:
@@ -175,11 +224,12 @@ def local_head() -> Iterator[LocalHead]:
         MARKER_VAR: str(temp_dir),
         "PATH": os.pathsep.join((str(BIN_DIR), env.get("PATH", ""))),
     }
-    session_id = None
+    session_id, process, left_by_stop = None, None, []
     try:
         for attempt in range(2):
             try:
-                session_id, dashboard_port = _start_head(temp_dir, env)
+                process, dashboard_port = _start_head(temp_dir, env)
+                session_id = process.pid
                 break
             except RuntimeError:
                 _kill_head(marker, session_id=None)  # a half-started head, before its ports are retried
@@ -193,20 +243,26 @@ def local_head() -> Iterator[LocalHead]:
         )
         _wait_for_job_api(head)
         yield head
+        left_by_stop = _stop_head_as_the_docs_do(process, marker)
     finally:
         survivors = _kill_head(marker, session_id)
         if not survivors:
             shutil.rmtree(temp_dir, ignore_errors=True)
         assert not survivors, f"processes of the test head outlived SIGKILL: {survivors}"
+    assert not left_by_stop, f"`kill $HEAD` left processes of the head running: {left_by_stop}"
 
 
 def _dev_loop_submit() -> tuple[list[str], list[str]]:
-    """The README's `ray job submit` and `ray job logs` commands of the local development loop."""
-    loop = commands(block("Local development loop", "bash"))
-    assert any(c.startswith("ray start --head") for c in loop) and "export RAY_AUTH_MODE=token" in loop, loop
+    """The docs' `ray job submit` and `ray job logs` commands of the local development loop."""
+    loop = _dev_loop()
     (submit,) = [argv(c) for c in loop if c.startswith("ray job submit")]
     (logs,) = [argv(c) for c in loop if c.startswith("ray job logs")]
     return submit, logs
+
+
+def submit_line() -> str:
+    (line,) = [c for c in _dev_loop() if c.startswith("ray job submit")]
+    return line
 
 
 def _at(command: list[str], address: str) -> list[str]:
@@ -217,12 +273,12 @@ def _at(command: list[str], address: str) -> list[str]:
 @pytest.mark.slow
 @pytest.mark.timeout(TEST_BUDGET_S + 50)  # backstop only: the test's own deadline fails it first
 def test_the_readme_dev_loop_submits_a_rollouts_job_that_succeeds_and_logs_its_summary(local_head):
-    """The README's local development loop, command by command: `ray start --head` is this test's own head
-    (its own ports, temp dir and a private token), `export RAY_AUTH_MODE=token` goes into the commands'
-    environment, `ray job submit` and `ray job logs` run as written against it; `ray stop` is not run."""
+    """The docs' local development loop, command by command: their `ray start --head` with this test's own
+    ports, temp dir and a private token, `export RAY_AUTH_MODE=token` in the commands' environment,
+    `ray job submit` and `ray job logs` as written against it, `kill $HEAD` at teardown."""
     from ray.job_submission import JobStatus, JobSubmissionClient
 
-    # The head enforces token auth: the client side must send the token (README, "Token authentication").
+    # The head enforces token auth: the client side must send the token (docs/cluster.md, "Token authentication").
     with pytest.raises(urllib.error.HTTPError) as refused:
         _direct.open(f"{local_head.dashboard_url}/api/jobs/", timeout=10)
     assert refused.value.code == 401
@@ -233,9 +289,13 @@ def test_the_readme_dev_loop_submits_a_rollouts_job_that_succeeds_and_logs_its_s
         int(entrypoint[entrypoint.index("--tasks") + 1]),
         int(entrypoint[entrypoint.index("--group-size") + 1]),
     )
+    # The docs' `--output "$PWD/results.jsonl"`, as the submitting shell expands it: this test's folder.
+    assert '"$PWD/results.jsonl"' in submit_line(), submit_line()
+    submit = [arg.replace("$PWD", str(local_head.temp_dir)) for arg in submit]
     output = local_head.temp_dir / "results.jsonl"
+    assert submit[submit.index("--output") + 1] == str(output), submit
     png = local_head.temp_dir / "report.png"
-    submit = _at(submit, local_head.dashboard_url) + ["--output", str(output), "--report-png", str(png)]
+    submit = _at(submit, local_head.dashboard_url) + ["--report-png", str(png)]
     env = {k: v for k, v in os.environ.items() if k not in CLIENT_ONLY_VARS}
     env |= {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(local_head.temp_dir / "auth_token")}
     done = subprocess.run(
@@ -261,6 +321,7 @@ def test_the_readme_dev_loop_submits_a_rollouts_job_that_succeeds_and_logs_its_s
     assert f"done {total}/{total}  in flight" in logs  # the plain status line of --no-progress
     assert png.stat().st_size > 10_000, logs  # the run report's plots
     assert f"rollouts: {total} in " in logs, logs  # the report's summary, as `rollouts report` prints it
+    assert f"results: {output}\n" in logs, logs  # where the results are, in full
     (by_kind,) = re.findall(r"^by kind: (.*)$", logs, re.MULTILINE)
     table = {kind: int(count) for kind, count in re.findall(r"(\w+)=(\d+)", by_kind)}
     assert set(table) == set(KINDS), logs

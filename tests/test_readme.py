@@ -34,13 +34,27 @@ NOT_RUN = {
     "ray down cluster.yaml": "needs the AWS cluster",
     "rollouts serve-env": "serves until stopped, in a verifiers-0.4 interpreter; tests/test_serve_env.py runs "
     "the same front against verifiers' own EnvClient",
+    "rollouts serve-standin": "serves until Ctrl-C; tests/test_cli.py runs it and checks the base URL and model "
+    "it prints",
+    "rollouts run --base-url http://127.0.0.1:8000/v1": "needs a server on port 8000 (the stand-in above, or vLLM "
+    "on a GPU); the suite runs `rollouts run` against its own stand-in (test_quick_start_..., test_cli.py)",
+    "vllm serve": "needs a GPU and the model's weights; its flags are those `ServerSpec` builds, which "
+    "tests/test_vllm_conformance.py parses with vLLM's own `serve` parser",
     "RAY_AUTH_MODE=token ray job submit": "the cluster's submit (a real vLLM endpoint); the same command "
     "against a local head runs in test_job_submit.py",
 }
 """Commands of the README the suite does not execute, by prefix, with the reason."""
 
-RUN_BY_DEV_LOOP_TEST = ("ray start --head", "export RAY_AUTH_MODE=token", "ray job submit", "ray job logs")
-"""Run by `test_job_submit.py` against a head of its own (its own ports and temp dir, a private token)."""
+RUN_BY_DEV_LOOP_TEST = (
+    "ray start --head",
+    "HEAD=$!",
+    "export RAY_AUTH_MODE=token",
+    "ray job submit",
+    "ray job logs",
+    "kill $HEAD",
+)
+"""Run by `test_job_submit.py` (docs/cluster.md's local development loop) against a head of its own: its own
+ports and temp dir, a private token, stopped by signalling its `ray start --block` as `kill $HEAD` does."""
 
 RUN_HERE = ("rollouts run",)
 
@@ -160,3 +174,14 @@ def test_every_readme_command_is_run_by_a_test_or_says_why_not():
                 unclassified.append(f"{snippet.name}: {command}")
     assert not unclassified, "README commands nobody runs or explains:\n" + "\n".join(unclassified)
     assert {b.lang for b in blocks()} <= {"python", "bash", "toml", ""}, "a block of a language no test reads"
+
+
+README_MAX_LINES = 300
+"""The README is the door (issue #48): what it is, the quick start, the folder map, one orchestrator example
+and links; the guides live in docs/, where test_docs.py runs their code."""
+
+
+def test_the_readme_stays_a_door_of_at_most_300_lines():
+    lines = README.read_text().splitlines()
+    assert len(lines) <= README_MAX_LINES, f"README.md has {len(lines)} lines; move the rest into docs/"
+    assert lines[2] == "## Quick start", "the README opens with the quick start"

@@ -352,8 +352,8 @@ def test_the_key_guards_only_v1_on_both_and_dev_routes_are_open(real_app, keyed_
         for path in ("/is_paused", "/weight_info"):
             assert real_app.client.get(path).status_code != 401
             assert http.get(path).status_code == 200
-    readme = (ROOT / "README.md").read_text()
-    assert "guards only `/v1`" in readme and "open to anyone who can reach the port" in readme
+    cluster = (ROOT / "docs" / "cluster.md").read_text()
+    assert "guards only `/v1`" in cluster and "open to anyone who can reach the port" in cluster
 
 
 # ------------------------------------------------------------------------- error bodies, side by side
@@ -823,13 +823,17 @@ def test_every_parser_the_family_table_names_is_registered_in_vllm(vllm):
 
 
 def _vllm_sections() -> str:
-    text = (ROOT / "README.md").read_text()
-    start = text.index("### Inference servers as supervised actors")
-    return text[start : text.index("## Configuration and reports", start)]
+    """docs/cluster.md from its inference servers on, and docs/orchestrator.md's policy publication."""
+    cluster = (ROOT / "docs" / "cluster.md").read_text()
+    orchestrator = (ROOT / "docs" / "orchestrator.md").read_text()
+    return (
+        cluster[cluster.index("## Inference servers as supervised actors") :]
+        + orchestrator[orchestrator.index("## Publishing a new policy (LoRA)") :]
+    )
 
 
 def test_every_flag_and_route_the_readme_names_for_vllm_is_vllms(vllm, real_app):
-    """Item 4: the README's vLLM section states only what these tests check."""
+    """Item 4: the docs' vLLM sections state only what these tests check."""
     section = _vllm_sections()
     options = set(vllm.parser._option_string_actions)
     flags = set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]+)", section))
