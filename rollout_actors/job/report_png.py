@@ -104,11 +104,13 @@ def _note(ax: Any, text: str) -> None:
 
 def write_png(results: list[dict[str, Any]], path: str | Path) -> Path:
     """Draw the run's report into the PNG at `path`. This module reads the summary (`report.summarize`);
-    the report never imports this one, so the two do not import each other."""
+    the report never imports this one, so the two do not import each other. Returns the file's absolute
+    path: a run under `ray job submit` works in a copy of its working dir, so a relative name alone would
+    not say where the file is."""
     import matplotlib.pyplot as plt
 
     fig = figure(results)
-    path = Path(path)
+    path = Path(path).resolve()
     fig.savefig(path, dpi=90)
     plt.close(fig)
     return path
