@@ -13,7 +13,7 @@ the new messages' tokens, never re-tokenising what was sampled, `None` when it c
 - **`fork_on_rewrite`** checks every turn against a full render, so a template that would render the
   history differently forks even where the library could have extended it.
 - **Sampled tokens are never swapped**: a fork is a new branch; the old one keeps what was sampled.
-- **The model's template is the reference** (README, "Template fidelity"): the `default` family renders
+- **The model's template is the reference** (docs/renderers.md): the `default` family renders
   with the template itself, arguments as sampled, and learns the template's reasoning whitespace (parse
   is the inverse of render) and its turn close (a stop id); the bundled model has its own renderer
   (`bundled.py`); where the library deliberately departs from a template (Qwen3, thinking off), the
@@ -55,13 +55,13 @@ THINKING_OFF_HISTORY = frozenset({"qwen3", "qwen3.5", "qwen3.6"})
 """Families whose template renders past turns the same with thinking on and off, where the library
 re-emits the empty think block on them with thinking off (its documented deviation): with
 `template_faithful` their history renders as with thinking on. Not `qwen3.8`: its `enable_thinking`
-also changes the system prompt, so it keeps the library's deviation (README, template fidelity)."""
+also changes the system prompt, so it keeps the library's deviation (docs/renderers.md)."""
 
 
 EMPTY_THINK_DROPPED = frozenset({"qwen3"})
 """Families whose template drops an empty think block from a turn once it is no longer the last (Qwen3's
 `loop.last or reasoning_content`) where the library's bridge keeps it: with `template_faithful`, such a
-turn is checked against the full render, which forks (README, family table)."""
+turn is checked against the full render, which forks (docs/renderers.md)."""
 EMPTY_CONTENT_AS_STRING = frozenset({"glm-4.5"})
 """Families whose template writes a `None` content as the text "None" (GLM-4.5's `visible_text`, and the
 library with it): a parsed turn without text carries `''`, so its re-render is what was sampled."""

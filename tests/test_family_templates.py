@@ -15,7 +15,7 @@ family, over conversations within what its template renders as the library does:
    and one cut by `length` is closed synthetically and kept as sampled.
 
 Where the library departs from a template the departure is asserted exactly (`test_*_deviation*`), and
-listed in the README's family table. Qwen3's own templates are in `test_template_fidelity.py`.
+listed in the family table (docs/renderers.md). Qwen3's own templates are in `test_template_fidelity.py`.
 """
 
 from __future__ import annotations

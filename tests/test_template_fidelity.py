@@ -79,18 +79,18 @@ CASES = {
 UNPARSED = {"qwen3", "qwen3-thinking-off", "qwen3-april-2025", "default-qwen3-april-2025"}
 """Qwen3's own templates render an empty think block on the last turn where the turn has no reasoning
 (the parse then reads `""`, not None): the parse property, written for the bundled template's shape, is
-not yet adapted to them (README, family table)."""
+not yet adapted to them (docs/renderers.md)."""
 PARSED = [name for name in CASES if name not in UNPARSED]
 BRIDGED = [name for name in CASES if name not in {"qwen3", "qwen3-april-2025", "default-qwen3-april-2025"}]
 """Not yet adapted to the bridge property's reference (the turn as generated, not as parsed): Qwen3-8B
 with thinking on (hypothesis finds whitespace-only reasoning, which the parse reads as another
 reasoning than the one generated, and a turn after a fork, whose generation prompt the reference does
 not extend), and the April-2025 template (it renders a past turn's reasoning differently for None and
-`""`). Their explicit tests below hold the behaviour that matters (README, family table)."""
+`""`). Their explicit tests below hold the behaviour that matters (docs/renderers.md)."""
 SPLITS_CONTENT = {"qwen3", "qwen3-thinking-off", "qwen3-april-2025"}
 """Where the library encodes a past assistant turn's content apart from its role line (as a model samples
 it, after the generation prompt's newline), so content that starts with whitespace does not merge with
-that newline as the template's one-pass encode does: the same text, other ids (README, family table)."""
+that newline as the template's one-pass encode does: the same text, other ids (docs/renderers.md)."""
 _LOADED: dict[str, tuple[Renderer, Any, dict[str, Any]]] = {}
 
 

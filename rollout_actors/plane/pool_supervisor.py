@@ -16,7 +16,7 @@ waits for Ray to free the old name), is started within the pool's restart budget
 spends a restart too; with the budget spent the pool is `failed` and every request that needs it is
 answered at once, until the window has room again (then one is started: the kernel keeps a floor of one).
 
-Nothing of a dead incarnation is adopted (README, "Supervision": what survives a pool's loss); each
+Nothing of a dead incarnation is adopted (docs/operations.md: what survives a pool's loss); each
 dispatch names the serving incarnation (`PoolName`), so a worker never uses a lost one (`pool_lookup.py`).
 """
 

@@ -3,7 +3,7 @@
 It lives in the rollout worker's process, on its event loop, beside the rollouts it serves: an agent's
 call reaches the rollout that owns it with no hop between processes, and the rollout answers it with its
 own client and renderer session as a token-mode turn would (why here and not in a proxy actor, with the
-measurement: README, "Agent mode"; `scripts/bench_agent.py`). One listening socket per process, opened
+measurement: docs/agent-mode.md; `scripts/bench_agent.py`). One listening socket per process, opened
 on first use and closed with the loop; a rollout only *registers* a route:
 
     grant = await endpoint_for_loop().register(calls)      # calls: the rollout's `AgentCalls`
