@@ -171,14 +171,22 @@ def _start_head(temp_dir: Path, env: dict[str, str]) -> tuple[subprocess.Popen, 
             stdin=subprocess.DEVNULL,
             start_new_session=True,
         )
+    # Its "Ray runtime started." sits in a pipe's buffer while it blocks: the dashboard's port answering
+    # is the sign it is up (the job API itself is awaited next, with the token).
     until = time.monotonic() + HEAD_START_TIMEOUT_S
-    while "Ray runtime started" not in log_path.read_text(errors="replace"):
+    while not _listening(dashboard):
         if process.poll() is not None or time.monotonic() > until:
             tail = log_path.read_text(errors="replace")[-3000:]
             rc = process.poll()
             raise RuntimeError(f"`ray start --head` {'timed out' if rc is None else f'exited {rc}'}:\n{tail}")
         time.sleep(0.2)
     return process, dashboard
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as sock:
+        sock.settimeout(1)
+        return sock.connect_ex(("127.0.0.1", port)) == 0
 
 
 def _stop_head_as_the_docs_do(process: subprocess.Popen, marker: bytes) -> list[int]:
