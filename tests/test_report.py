@@ -147,3 +147,11 @@ def test_png_shows_failures_by_kind_and_the_off_policy_lag_when_there_are_some()
     assert not failures.texts and "model (1)" in [t.get_text() for t in failures.get_legend().get_texts()]
     assert [tick.get_text() for tick in lag.get_xticklabels()] == ["0", "1"]
     assert sorted(bar.get_height() for bar in lag.patches) == [10, 10]
+
+
+def test_the_png_is_named_by_its_absolute_path(tmp_path, monkeypatch):
+    """A run under `ray job submit` works in a copy of its working dir: the path it prints must say where."""
+    results = read_results(_results(tmp_path / "r.jsonl"))
+    monkeypatch.chdir(tmp_path)
+    png = write_png(results, "relative.png")
+    assert png.is_absolute() and png == tmp_path / "relative.png" and png.exists()
