@@ -66,6 +66,9 @@ EMPTY_CONTENT_AS_STRING = frozenset({"glm-4.5", "gpt-oss"})
 """Families whose template takes a turn without text only as `''`: GLM-4.5's writes `None` as the text
 "None" (`visible_text`, and the library with it), gpt-oss's tests `in` on the content and fails on `None`.
 A parsed turn without text carries `''`, so the template renders it, as what was sampled."""
+STOP_CLOSES_BLOCK = frozenset({"gpt-oss"})
+"""Families whose stop token closes the turn's last block, and the library's parse reads it: harmony's
+`<|call|>` closes a call (without it the call reads as unclosed, and is dropped from the message)."""
 TOOL_ANSWERS_BY_NAME = frozenset({"gpt-oss"})
 """Families whose renderer names a tool answer's author by the answer's `name` (harmony's
 `functions.<name>`): an answer without one is named after the call it answers, as vLLM 0.33 and the
@@ -211,7 +214,8 @@ class Renderer:
         stop = next((i for i, token in enumerate(ids) if token in self.stop_ids), len(ids))
         body = ids[:stop]
         tail = list(prompt_tail or []) or None
-        parsed = self.library.parse_response(body, tools=tools, prompt_ids=tail)
+        read = ids[: stop + 1] if self.family in STOP_CLOSES_BLOCK else body
+        parsed = self.library.parse_response(read, tools=tools, prompt_ids=tail)
         reasoning, content = parsed.reasoning_content, parsed.content
         text = self.decode(body)
         if self.shape is not None:

@@ -40,11 +40,23 @@ class Family:
     """The template renders `reasoning_content` of turns after the last user message."""
     thinks_in_prompt: bool = False
     """The generation prompt opens the reasoning (`<think>\\n`): a sample starts inside it."""
+    system: bool = True
+    """A system message renders as the library renders it (False: a known deviation, asserted apart)."""
     needs_system: bool = False
     """Without a system message the template's default system prompt is not the library's (deviation)."""
     one_call_turn: bool = False
     """The template renders a second tool-call turn of a conversation as a continuation of the first
     (its `ns.is_first` is never reset: deviation): conversations here hold one."""
+    thinking_field: str | None = None
+    """The template reads a turn's reasoning under this name, and the family's model always opens its
+    turn with reasoning, possibly empty (gpt-oss: `thinking`, the analysis channel)."""
+    prompt_suffix: str = ""
+    """What the library's generation prompt adds after the template's (gpt-oss: it opens the analysis
+    channel the model would open itself; a deviation, asserted exactly apart)."""
+    vocabulary: str | None = None
+    """The tokenizer (`family_tokenizers.tokenizer_dir` name) where it is not the library family's."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """The renderer config's `options` (the `default` family's tool parser)."""
 
     def text(self) -> str:
         kind, name = self.template.split(":", 1)
@@ -59,6 +71,31 @@ FAMILIES = {
         "glm-4.5", "trl:glm4moe", {"enable_thinking": False}, mapping_arguments=True, reasoning=True
     ),
     "kimi-k2": Family("kimi-k2", "ref:moonshotai--Kimi-K2-Instruct", calls=False, needs_system=True),
+    "gpt-oss": Family(
+        "gpt-oss",
+        "trl:gptoss",
+        calls=False,
+        system=False,
+        thinking_field="thinking",
+        prompt_suffix="<|channel|>analysis<|message|>",
+    ),
+    "deepseek-r1-distill": Family(
+        "deepseek-r1", "trl:deepseek_r1_distill", calls=False, thinks_in_prompt=True
+    ),
+    "deepseek-r1-distill-default": Family(
+        "default",
+        "trl:deepseek_r1_distill",
+        calls=False,
+        thinks_in_prompt=True,
+        vocabulary="deepseek-r1",
+        options={"tool_parser": "deepseek-v3"},
+    ),
+    "deepseek-v3.1-default": Family(
+        "default",
+        "ref:deepseek-ai--DeepSeek-V3.1",
+        calls=False,
+        vocabulary="deepseek-v3",
+    ),
     "llama-3.1": Family("llama-3", "trl:llama3_1", mapping_arguments=True),
     "llama-3.2": Family(
         "llama-3",
@@ -86,8 +123,10 @@ def case(name: str) -> tuple[Family, Renderer, Any]:
     """(the family case, its renderer, the Hugging Face tokenizer holding the model's template)."""
     spec = FAMILIES[name]
     if name not in _LOADED:
-        model = template_variant(name, spec.text(), family=spec.family)
-        config = RendererConfig(family=spec.family, template_kwargs=spec.template_kwargs)
+        model = template_variant(name, spec.text(), family=spec.vocabulary or spec.family)
+        config = RendererConfig(
+            family=spec.family, template_kwargs=spec.template_kwargs, options=spec.options
+        )
         _LOADED[name] = (Renderer.load(RendererKey.from_config(model, config)), load_tokenizer(model))
     return (spec, *_LOADED[name])
 
@@ -99,6 +138,8 @@ def shaped(spec: Family, messages: list[dict[str, Any]]) -> list[dict[str, Any]]
     for m in messages:
         if m.get("reasoning") is not None:
             m = {**m, "reasoning_content": m["reasoning"]}
+            if spec.thinking_field:
+                m[spec.thinking_field] = m["reasoning"]
         if spec.mapping_arguments and m.get("tool_calls"):
             calls = [
                 {**c, "function": {**c["function"], "arguments": json.loads(c["function"]["arguments"])}}
@@ -115,10 +156,10 @@ def template_text(spec: Family, hf: Any, messages, tools, add_generation_prompt:
 
 
 def template(spec: Family, hf: Any, messages, tools, add_generation_prompt: bool) -> list[int]:
-    """The reference: the template's own render, tokenised by Hugging Face."""
-    return hf.encode(
-        template_text(spec, hf, messages, tools, add_generation_prompt), add_special_tokens=False
-    )
+    """The reference: the template's own render, tokenised by Hugging Face (with the generation prompt,
+    the family's known `prompt_suffix` after it)."""
+    text = template_text(spec, hf, messages, tools, add_generation_prompt)
+    return hf.encode(text + (spec.prompt_suffix if add_generation_prompt else ""), add_special_tokens=False)
 
 
 WORDS = ["the", "word", "json", "café", "東京", "42", "{", "}", '"', "x y"]
@@ -136,6 +177,8 @@ def assistant(spec: Family, content: str, reasoning: str | None, arguments: dict
     thinking = spec.template_kwargs.get("enable_thinking", True)
     if (spec.reasoning and thinking or spec.thinks_in_prompt) and reasoning is not None:
         message["reasoning_content"] = reasoning
+    if spec.thinking_field:
+        message[spec.thinking_field] = message["reasoning_content"] = reasoning or ""
     if spec.calls and arguments is not None:
         message["content"] = "" if spec.mapping_arguments else None
         message["tool_calls"] = [
@@ -163,6 +206,7 @@ def answers(message: dict[str, Any], text: str, new_user: bool) -> list[dict[str
 
 def opening(spec: Family, system: str | None, first: str) -> list[dict[str, Any]]:
     system = system if system is not None or not spec.needs_system else "Be brief."
+    system = system if spec.system else None
     return ([{"role": "system", "content": system}] if system is not None else []) + [
         {"role": "user", "content": first}
     ]

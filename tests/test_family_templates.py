@@ -7,7 +7,7 @@ The cases, templates and vocabularies are `family_cases.py`'s. For each family, 
    the trajectory (prompt + the sampled turn), and an unforked prompt is the template's render (text);
 3. a sampled tool call parses back to a message in the shape the template takes (DeepSeek: arguments as
    a JSON string and `None` content; GLM: arguments as a mapping, `''` content) that renders the ids
-   that were sampled;
+   that were sampled (gpt-oss and R1-Distill: their group files);
 4. a sample split into other tokens than the canonical encode bridges to the same text, fork for fork,
    and one cut by `length` is closed synthetically and kept as sampled.
 
