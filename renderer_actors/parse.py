@@ -155,6 +155,30 @@ def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def named_tool_answers(
+    messages: list[dict[str, Any]], earlier: Sequence[dict[str, Any]] = ()
+) -> list[dict[str, Any]]:
+    """The messages with each tool answer that has no `name` named after the call it answers (found by
+    `tool_call_id` among the calls of `earlier` and `messages`), as vLLM 0.33 names a harmony tool message
+    (`parse_chat_inputs_to_harmony_messages`): gpt-oss's renderer reads the name, and without it writes
+    `functions.unknown` where the model's template writes the function. The list itself when none needs it."""
+    names = {
+        call.get("id"): (call.get("function") or {}).get("name")
+        for message in (*earlier, *messages)
+        for call in message.get("tool_calls") or ()
+        if isinstance(call, dict)
+    }
+    out = messages
+    for i, message in enumerate(messages):
+        name = names.get(message.get("tool_call_id"))
+        if message.get("role") != "tool" or message.get("name") or not name:
+            continue
+        if out is messages:
+            out = list(messages)
+        out[i] = {**message, "name": name}
+    return out
+
+
 def _message(
     content: str | None, reasoning: str | None, calls: list[ToolCall], ids: Sequence[int]
 ) -> dict[str, Any]:

@@ -44,7 +44,7 @@ from renderer_actors.calls import (
 from renderer_actors.config import DEFAULT_RENDERER_PREFIXES
 from renderer_actors.key import RendererKey
 from renderer_actors.library import build_library_renderer
-from renderer_actors.parse import ParsedCompletion, from_library, template_messages
+from renderer_actors.parse import ParsedCompletion, from_library, named_tool_answers, template_messages
 from renderer_actors.template_shape import BUNDLED_SHAPE, ThinkShape, probe_close, probe_shape, template_ids
 from renderer_actors.tokenizer import FastTokenizer
 
@@ -61,10 +61,18 @@ also changes the system prompt, so it keeps the library's deviation (docs/render
 EMPTY_THINK_DROPPED = frozenset({"qwen3"})
 """Families whose template drops an empty think block from a turn once it is no longer the last (Qwen3's
 `loop.last or reasoning_content`) where the library's bridge keeps it: with `template_faithful`, such a
-turn is checked against the full render, which forks (docs/renderers.md)."""
-EMPTY_CONTENT_AS_STRING = frozenset({"glm-4.5"})
-"""Families whose template writes a `None` content as the text "None" (GLM-4.5's `visible_text`, and the
-library with it): a parsed turn without text carries `''`, so its re-render is what was sampled."""
+turn is checked against the full render, which forks (docs/families.md)."""
+EMPTY_CONTENT_AS_STRING = frozenset({"glm-4.5", "gpt-oss"})
+"""Families whose template takes a turn without text only as `''`: GLM-4.5's writes `None` as the text
+"None" (`visible_text`, and the library with it), gpt-oss's tests `in` on the content and fails on `None`.
+A parsed turn without text carries `''`, so the template renders it, as what was sampled."""
+STOP_CLOSES_BLOCK = frozenset({"gpt-oss"})
+"""Families whose stop token closes the turn's last block, and the library's parse reads it: harmony's
+`<|call|>` closes a call (without it the call reads as unclosed, and is dropped from the message)."""
+TOOL_ANSWERS_BY_NAME = frozenset({"gpt-oss"})
+"""Families whose renderer names a tool answer's author by the answer's `name` (harmony's
+`functions.<name>`): an answer without one is named after the call it answers, as vLLM 0.33 and the
+model's template name it (`parse.named_tool_answers`)."""
 
 
 class Renderer:
@@ -133,7 +141,7 @@ class Renderer:
         tools: list[dict[str, Any]] | None = None,
         add_generation_prompt: bool = True,
     ) -> Rendered:
-        messages = template_messages(messages)
+        messages = self._as_templates_read(messages)
         if self.family == "default":
             return self._render_by_template(messages, tools, add_generation_prompt)
         library = self._history_renderer or self.library
@@ -155,7 +163,7 @@ class Renderer:
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, add_generation_prompt: bool
     ) -> list[int]:
         """The conversation's ids as the model's template renders them (the reference for every turn)."""
-        messages = template_messages(messages)
+        messages = self._as_templates_read(messages)
         if self.family == "default":
             return template_ids(self.tokenizer, messages, tools, add_generation_prompt, self.template_kwargs)
         if self._history_renderer is not None:
@@ -164,6 +172,12 @@ class Renderer:
         return list(
             self.library.render_ids(messages, tools=tools, add_generation_prompt=add_generation_prompt)
         )
+
+    def _as_templates_read(
+        self, messages: list[dict[str, Any]], earlier: Sequence[dict[str, Any]] = ()
+    ) -> list[dict[str, Any]]:
+        messages = template_messages(messages)
+        return named_tool_answers(messages, earlier) if self.family in TOOL_ANSWERS_BY_NAME else messages
 
     def _render_by_template(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, add_generation_prompt: bool
@@ -200,7 +214,8 @@ class Renderer:
         stop = next((i for i, token in enumerate(ids) if token in self.stop_ids), len(ids))
         body = ids[:stop]
         tail = list(prompt_tail or []) or None
-        parsed = self.library.parse_response(body, tools=tools, prompt_ids=tail)
+        read = ids[: stop + 1] if self.family in STOP_CLOSES_BLOCK else body
+        parsed = self.library.parse_response(read, tools=tools, prompt_ids=tail)
         reasoning, content = parsed.reasoning_content, parsed.content
         text = self.decode(body)
         if self.shape is not None:
@@ -228,7 +243,7 @@ class Renderer:
             message = self.parse(completion, request.tools, request.prompt_tail).message
         synthetic = not (completion and completion[-1] in self.stop_ids)
         reply = {"synthetic_close": synthetic, "assistant_message": message}
-        extension = self._library_extension(request) if self.library_bridges else None
+        extension = self._library_extension(request, message) if self.library_bridges else None
         checked = self.always_needs_history or (
             self.key.template_faithful
             and self.family in EMPTY_THINK_DROPPED
@@ -265,13 +280,17 @@ class Renderer:
             return 0
         return next((i + 1 for i, token in enumerate(appended) if token in self.stop_ids), 0)
 
-    def _library_extension(self, request: BridgeRequest) -> list[int] | None:
-        """The library's bridge from the prompt tail, if it keeps the tail and the completion exactly."""
+    def _library_extension(
+        self, request: BridgeRequest, message: dict[str, Any] | None = None
+    ) -> list[int] | None:
+        """The library's bridge from the prompt tail, if it keeps the tail and the completion exactly.
+        `message`: the sampled turn as parsed (the calls the new tool answers answer)."""
         tail, completion = request.prompt_tail, request.completion_ids
         if not tail:
             return None
+        new_messages = self._as_templates_read(request.new_messages, [message] if message else [])
         bridged = self.library.bridge_to_next_turn(
-            list(tail), list(completion), request.new_messages, tools=request.tools
+            list(tail), list(completion), new_messages, tools=request.tools
         )
         if bridged is None:
             return None

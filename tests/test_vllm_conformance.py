@@ -437,7 +437,86 @@ def _salt(value: str) -> Any:
     return refused.value
 
 
+MAX_MODEL_LEN = served_like_vllm().max_model_len
+VOCAB_SIZE = 151_669  # the bundled (Qwen3) tokenizer's, as vLLM's model config would give it
+
+
+def _refused(call: Any) -> Any:
+    """What vLLM's own check raises (a `VLLMValidationError`)."""
+    from vllm.exceptions import VLLMValidationError
+
+    with pytest.raises(VLLMValidationError) as refused:
+        call()
+    return refused.value
+
+
+def _out_of_vocabulary(ids: list[int]) -> Any:
+    """`BaseRenderer.validate_token_ids` (vllm/renderers/base.py), as the engine's input processor calls it."""
+    from vllm.renderers.base import BaseRenderer
+
+    renderer = SimpleNamespace(
+        tokenizer=None, model_config=SimpleNamespace(get_vocab_size=lambda: VOCAB_SIZE)
+    )
+    return _refused(lambda: BaseRenderer.validate_token_ids(renderer, ids))
+
+
+def _no_prompt() -> Any:
+    """`BaseRenderer.render_prompts` of what `prompt_to_seq` makes of `"prompt": []`: no prompt at all."""
+    from vllm.renderers.base import BaseRenderer
+    from vllm.renderers.inputs.preprocess import prompt_to_seq
+
+    return _refused(lambda: BaseRenderer.render_prompts(SimpleNamespace(), prompt_to_seq([])))
+
+
+def _prompt_length(length: int) -> Any:
+    """`InputProcessor._validate_prompt_len` (vllm/v1/engine/input_processor.py) for a text-only model."""
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    processor = SimpleNamespace(
+        skip_prompt_length_check=False,
+        supports_mm_inputs=False,
+        model_config=SimpleNamespace(max_model_len=MAX_MODEL_LEN, runner_type="generate"),
+    )
+    return _refused(lambda: InputProcessor._validate_prompt_len(processor, length, "decoder"))
+
+
+def _tokenize_params(model: type, body: dict, ids: list[int] | None = None) -> Any:
+    """The request's `TokenizeParams` (built, then its token length check): vLLM's context checks."""
+    config = SimpleNamespace(max_model_len=MAX_MODEL_LEN)
+
+    def check() -> None:
+        params = model.model_validate(body).build_tok_params(config)
+        if ids is not None:
+            params._token_len_check(None, ids)
+
+    return _refused(check)
+
+
+FILLS_CONTEXT = {**TOKENS, "prompt": [1] * MAX_MODEL_LEN}
+OVER_CONTEXT = {**TOKENS, "prompt": [1] * (MAX_MODEL_LEN + 1)}
 ENGINE_ERRORS = [
+    ("/v1/completions", {**TOKENS, "prompt": [1, 10**6]}, lambda v: _out_of_vocabulary([1, 10**6])),
+    ("/v1/completions", {**TOKENS, "prompt": [-1, 2]}, lambda v: _out_of_vocabulary([-1, 2])),
+    ("/v1/completions", {**TOKENS, "prompt": []}, lambda v: _no_prompt()),
+    ("/v1/completions", {**TOKENS, "prompt": [[]]}, lambda v: _prompt_length(0)),
+    ("/v1/completions", FILLS_CONTEXT, lambda v: _prompt_length(MAX_MODEL_LEN)),
+    (
+        "/v1/completions",
+        OVER_CONTEXT,
+        lambda v: _tokenize_params(v.CompletionRequest, OVER_CONTEXT, OVER_CONTEXT["prompt"]),
+    ),
+    (
+        "/v1/completions",
+        {**TOKENS, "max_tokens": MAX_MODEL_LEN + 1},
+        lambda v: _tokenize_params(v.CompletionRequest, {**TOKENS, "max_tokens": MAX_MODEL_LEN + 1}),
+    ),
+    (
+        "/v1/chat/completions",
+        {**CHAT_HI, "max_completion_tokens": MAX_MODEL_LEN + 1},
+        lambda v: _tokenize_params(
+            v.ChatCompletionRequest, {**CHAT_HI, "max_completion_tokens": MAX_MODEL_LEN + 1}
+        ),
+    ),
     (
         "/v1/completions",
         {**TOKENS, "logprobs": 30},
@@ -489,6 +568,20 @@ def test_every_error_vllms_engine_would_answer_has_the_same_body_from_the_stand_
     with httpx.Client(timeout=10, trust_env=False) as http:
         ours = http.post(f"{keyed_standin.url}{path}", json=body, headers=key_header())
     assert (ours.status_code, ours.json()) == (expected["error"]["code"], expected)
+
+
+def test_more_tokens_than_the_room_after_the_prompt_are_clamped_as_vllm_clamps_them(vllm, keyed_standin):
+    """vLLM 0.33 refuses a request for more than the context (above), and clamps one for more than the
+    room the prompt leaves (`get_max_tokens`): answered, never past the context."""
+    from vllm.entrypoints.serve.utils.api_utils import get_max_tokens
+
+    prompt = [1] * (MAX_MODEL_LEN - 3)
+    room = get_max_tokens(MAX_MODEL_LEN, 100, len(prompt), {})
+    body = {**TOKENS, "prompt": prompt, "max_tokens": 100, "ignore_eos": True}
+    with httpx.Client(timeout=30, trust_env=False) as http:
+        ours = http.post(f"{keyed_standin.url}/v1/completions", json=body, headers=key_header())
+    assert ours.status_code == 200, ours.text
+    assert room == 3 and ours.json()["usage"]["completion_tokens"] == room
 
 
 SAMPLING_ERRORS = [

@@ -108,12 +108,13 @@ class Answers:
         if kind == "completions":
             _single_choice(req.n, req.stream)
             prompts = self._completion_prompts(req.prompt)
-            limit = req.max_tokens
+            limit, param = req.max_tokens, "max_tokens"
         else:
             _single_choice(req.n or 1, bool(req.stream))
             self._check_tool_choice(req)
             prompts = [self._render(req)]
             limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+            param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
             if self.parsers.reasoning_parser is not None and _thinking(req):
                 # A thinking Qwen3 always opens a think block, and vLLM's qwen3 parser reads a turn without
                 # one as all reasoning: the scripted policy thinks on every such turn.
@@ -121,7 +122,7 @@ class Answers:
         _check_cache_salt(getattr(req, "cache_salt", None))
         drafts = []
         for prompt_ids in prompts:
-            max_tokens = self._max_tokens(prompt_ids, limit)
+            max_tokens = self._max_tokens(prompt_ids, limit, param)
             check_sampling(req.temperature, req.top_p, max_tokens)
             self._check_logprobs(req.logprobs if kind == "completions" else req.logprobs and req.top_logprobs)
             sampled = self._sample(prompt_ids, req, max_tokens, seed, config)
@@ -210,13 +211,20 @@ class Answers:
             prompts = [self._encode(p) for p in prompt]
         elif prompt and isinstance(prompt[0], list):
             prompts = prompt
-        else:
+        elif prompt:
             prompts = [prompt]
+        else:  # vLLM 0.33 reads `[]` as no prompt at all (`prompt_to_seq`), `[[]]` as one empty prompt
+            prompts = []
+        if not prompts:
+            raise RequestError("You must pass at least one prompt", "prompt")
         for ids in prompts:
+            # vLLM 0.33's `InputProcessor._validate_prompt_len` and `BaseRenderer.validate_token_ids`
             if not ids:
-                raise RequestError("prompt must not be empty", "prompt")
-            if min(ids) < 0 or max(ids) >= self.vocab_size:
-                raise RequestError(f"Token id out of vocabulary (size {self.vocab_size})", "prompt")
+                raise RequestError("The decoder prompt cannot be empty", None)
+            if min(ids) < 0:
+                raise RequestError(f"Token id {min(ids)} is out of vocabulary", None)
+            if max(ids) >= self.vocab_size:
+                raise RequestError(f"Token id {max(ids)} is out of vocabulary", None)
         return prompts
 
     def _completion_logprobs(self, sampled: Sampled, top: int, as_ids: bool | None) -> CompletionLogProbs:
@@ -339,15 +347,35 @@ class Answers:
             config=config,
         )
 
-    def _max_tokens(self, prompt_ids: list[int], requested: int | None) -> int:
-        room = self.max_model_len - len(prompt_ids)
-        if room <= 0 or (requested is not None and requested > room):
+    def _max_tokens(self, prompt_ids: list[int], requested: int | None, param: str = "max_tokens") -> int:
+        """vLLM 0.33's output budget: a request for more than the context is refused (`TokenizeParams`),
+        a prompt that fills it is refused (`_token_len_check`, `_validate_prompt_len`), and a request for
+        more than the room after the prompt is clamped to that room (`get_max_tokens`), not refused."""
+        limit, length = self.max_model_len, len(prompt_ids)
+        if requested is not None and requested > limit:
             raise RequestError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, you "
-                f"requested {len(prompt_ids) + (requested or 0)} tokens ({len(prompt_ids)} in the prompt).",
-                "max_tokens",
+                f"{param}={requested} cannot be greater than max_model_len={limit}. "
+                "Please request fewer output tokens.",
+                param,
+                requested,
             )
-        return room if requested is None else requested
+        if length > limit:  # "at least" where vLLM's tokenizer may have cut the prompt at limit + 1
+            raise RequestError(
+                f"This model's maximum context length is {limit} tokens. However, your prompt contains "
+                f"{'at least ' if length == limit + 1 else ''}{length} input tokens, which exceeds this limit even without any output tokens. Please "
+                "reduce the length of the input prompt.",
+                "input_tokens",
+                length,
+            )
+        if length == limit:
+            raise RequestError(
+                f"The decoder prompt (length {length}) plus the number of requested output tokens (at least "
+                f"1) is longer than the maximum model length of {limit}. Make sure that `max_model_len` is "
+                "no smaller than the number of text tokens (prompt + requested output tokens).",
+                None,
+            )
+        room = limit - length
+        return room if requested is None else min(requested, room)
 
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
