@@ -44,6 +44,7 @@ ENV_CONFIG = {
     "taskset": {"id": "framework-vf-tasks"},
     "agent": {"harness": {"id": "framework-vf-turns"}, "runtime": {"type": "subprocess"}},
 }
+PROFILED = ("driver (CLI, ROUTER)", "ray::EnvServer", "ray::EnvPool", "broker", "worker")
 SAMPLE_S = 1.0  # CPU and RSS sampling period; a process living less than this may go uncounted
 START_TIMEOUT_S = 600.0  # a side's start: Ray, W fresh verifiers-0.4 interpreters, the warm-up load
 
@@ -64,7 +65,7 @@ async def client_load(case: dict) -> dict:
     await env.wait_for_server_startup(timeout=START_TIMEOUT_S)
 
     async def one(i: int) -> dict:
-        deltas = 0
+        deltas, started = 0, time.monotonic()
 
         def on_delta(_delta: dict) -> None:
             nonlocal deltas
@@ -74,9 +75,9 @@ async def client_load(case: dict) -> dict:
         try:
             episode = await env.run(case["client"], case["model"], case["sampling"], data, on_delta)
         except Exception as exc:
-            return {"error": f"{type(exc).__name__}: {exc}"[:120], "deltas": deltas, "calls": 0}
+            return {"error": f"{type(exc).__name__}: {exc}"[:120], "deltas": deltas, "calls": 0, "s": 0.0}
         calls = sum(len(trace.calls) for trace in episode.traces)
-        return {"error": None, "deltas": deltas, "calls": calls}
+        return {"error": None, "deltas": deltas, "calls": calls, "s": time.monotonic() - started}
 
     try:
         warm = await asyncio.gather(*(one(i) for i in range(case["warmup"])))
@@ -97,6 +98,7 @@ async def client_load(case: dict) -> dict:
         "errors": dict(Counter(r["error"] for r in runs if r["error"])),
         "deltas": sum(r["deltas"] for r in runs),
         "calls": dict(Counter(str(r["calls"]) for r in runs)),
+        "episode_s": sorted(r["s"] for r in runs),
     }
 
 
@@ -119,6 +121,7 @@ class TreeMeter:
     start: dict[tuple[int, float], float] = field(default_factory=dict)
     last: dict[tuple[int, float], tuple[str, float]] = field(default_factory=dict)
     peak_rss: int = 0
+    kinds_at_start: dict[tuple[int, float], str] = field(default_factory=dict)
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
 
@@ -142,7 +145,9 @@ class TreeMeter:
         return seen
 
     def begin(self) -> None:
-        self.start = {key: cpu for key, (_, cpu, _) in self._sample().items()}
+        seen = self._sample()
+        self.start = {key: cpu for key, (_, cpu, _) in seen.items()}
+        self.kinds_at_start = {key: kind for key, (kind, _, _) in seen.items()}
         self._thread = threading.Thread(target=self._loop, daemon=True)
         self._thread.start()
 
@@ -235,6 +240,7 @@ def run_load(
         if any(ready["ready"]):
             raise RuntimeError(f"warm-up runs failed: {Counter(ready['ready'])}")
         meter.begin()
+        profiler = profile(meter, args.profile, c) if args.profile else None
         proc.stdin.write("go\n")
         proc.stdin.flush()
         timer = threading.Timer(args.load_timeout, proc.kill)
@@ -242,6 +248,8 @@ def run_load(
         line = proc.stdout.readline()
         timer.cancel()
         kinds = meter.end()
+        if profiler is not None:
+            profiler.stop()
         if not line:
             return {"answered": 0, "ok": 0, "errors": {f"killed after {args.load_timeout:g} s": c},
                     "cpu_by_kind": kinds, "peak_rss": meter.peak_rss}  # fmt: skip
@@ -252,6 +260,20 @@ def run_load(
         if proc.poll() is None:
             proc.kill()
         proc.wait(30)
+
+
+def profile(meter: TreeMeter, out_dir: str, c: int) -> object:
+    """py-spy on the side's serving processes (`PROFILED`), for the load (`_bench_profile`)."""
+    from _bench_profile import WaveProfiler
+
+    roles: dict[str, list[int]] = {}
+    for (pid, _), kind in meter.kinds_at_start.items():
+        if kind not in PROFILED:
+            continue
+        role = kind.replace(" ", "_").replace("(", "").replace(")", "").replace(",", "").replace(":", "")
+        roles.setdefault(role, []).append(pid)
+    side = meter.kind_of.__name__.split("_")[0]
+    return WaveProfiler(Path(out_dir) / f"{side}-{c}", roles).start()
 
 
 def stop_tree(proc: subprocess.Popen) -> None:
@@ -337,8 +359,8 @@ def cpu_total(load: dict) -> float:
 
 
 def print_tables(sides: list[Side], concurrency: list[int]) -> None:
-    header = ["C", "server", "answered", "ok", "calls/ep", "wall s", "server CPU ms/ep", "client CPU ms/ep",
-              "peak RSS MiB"]  # fmt: skip
+    header = ["C", "server", "answered", "ok", "calls/ep", "deltas/ep", "wall s", "episode s p50/max", "server CPU ms/ep",
+              "client CPU ms/ep", "peak RSS MiB"]  # fmt: skip
     rows = []
     for c in concurrency:
         for side in sides:
@@ -347,7 +369,9 @@ def print_tables(sides: list[Side], concurrency: list[int]) -> None:
             rows.append([
                 str(c), side.name, f"{load['answered']}/{c}", str(load["ok"]),
                 ",".join(f"{k}x{v}" for k, v in sorted(load.get("calls", {}).items())) or "-",
-                f"{load.get('wall_s', float('nan')):.1f}", f"{1000 * cpu_total(load) / n:.1f}",
+                f"{load.get('deltas', 0) / n:.1f}",
+                f"{load.get('wall_s', float('nan')):.1f}", spread(load.get("episode_s") or [0.0]),
+                f"{1000 * cpu_total(load) / n:.1f}",
                 f"{1000 * load.get('cpu_s', float('nan')) / n:.1f}", f"{load['peak_rss'] / 2**20:.0f}",
             ])  # fmt: skip
     print_table(header, rows)
@@ -384,6 +408,10 @@ def print_tables(sides: list[Side], concurrency: list[int]) -> None:
         )
 
 
+def spread(seconds: list[float]) -> str:
+    return f"{seconds[len(seconds) // 2]:.1f}/{seconds[-1]:.1f}"
+
+
 def print_table(header: list[str], rows: list[list[str]]) -> None:
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     for row in [header, *rows]:
@@ -400,9 +428,10 @@ def main() -> int:
     parser.add_argument("--latency", type=float, default=0.5, help="seconds each model call waits")
     parser.add_argument("--warmup", type=int, default=16, help="episodes before the measured load")
     parser.add_argument("--load-timeout", type=float, default=1800.0, help="seconds a load may take")
+    parser.add_argument("--profile", default=None, help="py-spy every side's processes into this folder")
     parser.add_argument("--sides", nargs="+", default=["pool", "front"], choices=["pool", "front"])
     args = parser.parse_args()
-    sys.path[:0] = [str(ROOT), str(TESTS)]
+    sys.path[:0] = [str(ROOT), str(TESTS), str(ROOT / "scripts")]
     from conftest import served_like_vllm
 
     from renderer_actors.tokenizer import BUNDLED_MODEL
