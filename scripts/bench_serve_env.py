@@ -121,6 +121,7 @@ class TreeMeter:
     start: dict[tuple[int, float], float] = field(default_factory=dict)
     last: dict[tuple[int, float], tuple[str, float]] = field(default_factory=dict)
     peak_rss: int = 0
+    peak_rss_by_kind: dict[str, int] = field(default_factory=dict)
     kinds_at_start: dict[tuple[int, float], str] = field(default_factory=dict)
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
@@ -155,7 +156,10 @@ class TreeMeter:
         while True:
             seen = self._sample()
             self.last.update({key: (kind, cpu) for key, (kind, cpu, _) in seen.items()})
-            self.peak_rss = max(self.peak_rss, sum(rss for _, _, rss in seen.values()))
+            if (total := sum(rss for _, _, rss in seen.values())) > self.peak_rss:
+                self.peak_rss, self.peak_rss_by_kind = total, {}
+                for kind, _, rss in seen.values():
+                    self.peak_rss_by_kind[kind] = self.peak_rss_by_kind.get(kind, 0) + rss
             if self._stop.wait(SAMPLE_S):
                 return
 
@@ -254,7 +258,7 @@ def run_load(
             return {"answered": 0, "ok": 0, "errors": {f"killed after {args.load_timeout:g} s": c},
                     "cpu_by_kind": kinds, "peak_rss": meter.peak_rss}  # fmt: skip
         report = json.loads(line)
-        report.update(cpu_by_kind=kinds, peak_rss=meter.peak_rss)
+        report.update(cpu_by_kind=kinds, peak_rss=meter.peak_rss, rss_by_kind=meter.peak_rss_by_kind)
         return report
     finally:
         if proc.poll() is None:
@@ -331,7 +335,8 @@ def measure_front(python: str, args: argparse.Namespace, base_url: str, model: s
         sys.executable, "-m", "rollout_actors.cli", "serve-env", "--address", address,
         "--env-config", json.dumps(ENV_CONFIG), "--pool-config", json.dumps(pool),
     ]  # fmt: skip
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    # the raylet's default wait for its agent (~30 s) is too short on a loaded 2-core machine (as conftest)
+    env = dict(os.environ, PYTHONPATH=str(ROOT), RAY_agent_register_timeout_ms="300000")
     env.pop("RAY_ADDRESS", None)  # its own embedded Ray, never a cluster left on the machine
     server = subprocess.Popen(command, env=env, start_new_session=True)
     side = Side(f"rollouts serve-env ({args.workers} env servers)")
@@ -382,10 +387,19 @@ def print_tables(sides: list[Side], concurrency: list[int]) -> None:
             load = side.loads[c]
             n = max(1, load["answered"])
             for kind, (procs, seconds) in sorted(load["cpu_by_kind"].items(), key=lambda kv: -kv[1][1]):
+                rss = load.get("rss_by_kind", {}).get(kind, 0) / 2**20
                 rows.append(
-                    [str(c), side.name, kind, str(procs), f"{seconds:.1f}", f"{1000 * seconds / n:.1f}"]
+                    [
+                        str(c),
+                        side.name,
+                        kind,
+                        str(procs),
+                        f"{seconds:.1f}",
+                        f"{1000 * seconds / n:.1f}",
+                        f"{rss:.0f}",
+                    ]
                 )
-    print_table(["C", "server", "process", "n", "CPU s", "CPU ms/ep"], rows)
+    print_table(["C", "server", "process", "n", "CPU s", "CPU ms/ep", "RSS MiB at peak"], rows)
     for c in concurrency:
         for side in sides:
             if side.loads[c]["errors"]:
