@@ -1,9 +1,9 @@
 """`rollouts serve-env` against verifiers 0.4.0's own worker pool, side by side in one run: the same
 `EnvClient` load, the same 3-turn episodes, the same stand-in model server with a latency model.
 
-    python scripts/bench_serve_env.py [--concurrency 256 1024] [--workers 2] [--latency 0.5]
+    python scripts/bench_serve_env.py [--concurrency 256 1024] [--workers 2] [--latency 0.5] [--profile DIR]
 
-Each side is started once and serves one load per `--concurrency`: C episodes at once through one
+The pool's side runs first, then the front's; each is started once and serves one load per `--concurrency`: C episodes at once through one
 verifiers `EnvClient` (the client prime-rl's orchestrator uses, in the verifiers-0.4 interpreter), after a
 warm-up load that every env server / pool worker has loaded the environment for. The episodes are the
 suite's taskset (`tests/framework_vf_tasks`) with a harness that makes exactly three model calls
@@ -14,12 +14,12 @@ suite's taskset (`tests/framework_vf_tasks`) with a harness that makes exactly t
 - front: `rollouts serve-env` (the CLI, a Ray driver with an embedded local Ray) with an env pool of W env
   servers (`min_servers = max_servers = W`).
 
-CPU is counted per process tree, sampled every `SAMPLE_S` during the load (a process that exits keeps its
-last sample): on each side the server's process and every descendant (the front: the CLI driver, Ray's
+CPU is counted per process tree (`_bench_tree.TreeMeter`), sampled during the load: on each side the server's process and every descendant (the front: the CLI driver, Ray's
 GCS, raylet, its agents and every worker and actor; verifiers: the broker, its workers and their
 multiprocessing helper). The client is counted apart (its own `getrusage`), the stand-in on neither.
 RSS is the peak over the samples of the tree's summed RSS (shared pages counted in each process).
-Wall is the client's, from the first `run` sent to the last reply. The ratios are printed last.
+Wall is the client's, from the first `run` sent to the last reply. The ratios are printed last. `--profile`
+runs py-spy on each side's serving processes during the load (`_bench_profile`) and prints where they spent it.
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -37,6 +36,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+from _bench_tree import TreeMeter, stop_tree  # noqa: E402
+
 TESTS = ROOT / "tests"
 KEY_VAR = "SERVE_ENV_TEST_KEY"
 PACKAGES = ("framework_envs", "framework_vf_tasks", "framework_vf_turns")
@@ -45,7 +47,6 @@ ENV_CONFIG = {
     "agent": {"harness": {"id": "framework-vf-turns"}, "runtime": {"type": "subprocess"}},
 }
 PROFILED = ("driver (CLI, ROUTER)", "ray::EnvServer", "ray::EnvPool", "broker", "worker")
-SAMPLE_S = 1.0  # CPU and RSS sampling period; a process living less than this may go uncounted
 START_TIMEOUT_S = 600.0  # a side's start: Ray, W fresh verifiers-0.4 interpreters, the warm-up load
 
 
@@ -110,71 +111,6 @@ def pool_server(address: str, workers: int) -> None:
 
 
 # ------------------------------------------------------------------------ the meter (this interpreter)
-
-
-@dataclass
-class TreeMeter:
-    """CPU seconds and peak RSS of a process and its descendants, sampled from a thread."""
-
-    root: int
-    kind_of: object
-    start: dict[tuple[int, float], float] = field(default_factory=dict)
-    last: dict[tuple[int, float], tuple[str, float]] = field(default_factory=dict)
-    peak_rss: int = 0
-    peak_rss_by_kind: dict[str, int] = field(default_factory=dict)
-    kinds_at_start: dict[tuple[int, float], str] = field(default_factory=dict)
-    _stop: threading.Event = field(default_factory=threading.Event)
-    _thread: threading.Thread | None = None
-
-    def _sample(self) -> dict[tuple[int, float], tuple[str, float, int]]:
-        import psutil
-
-        seen = {}
-        try:
-            root = psutil.Process(self.root)
-            procs = [root, *root.children(recursive=True)]
-        except psutil.Error:
-            return seen
-        for proc in procs:
-            try:
-                with proc.oneshot():
-                    times = proc.cpu_times()
-                    key = (proc.pid, proc.create_time())
-                    seen[key] = (self.kind_of(proc), times.user + times.system, proc.memory_info().rss)
-            except psutil.Error:
-                continue
-        return seen
-
-    def begin(self) -> None:
-        seen = self._sample()
-        self.start = {key: cpu for key, (_, cpu, _) in seen.items()}
-        self.kinds_at_start = {key: kind for key, (kind, _, _) in seen.items()}
-        self._thread = threading.Thread(target=self._loop, daemon=True)
-        self._thread.start()
-
-    def _loop(self) -> None:
-        while True:
-            seen = self._sample()
-            self.last.update({key: (kind, cpu) for key, (kind, cpu, _) in seen.items()})
-            if (total := sum(rss for _, _, rss in seen.values())) > self.peak_rss:
-                self.peak_rss, self.peak_rss_by_kind = total, {}
-                for kind, _, rss in seen.values():
-                    self.peak_rss_by_kind[kind] = self.peak_rss_by_kind.get(kind, 0) + rss
-            if self._stop.wait(SAMPLE_S):
-                return
-
-    def end(self) -> dict[str, tuple[int, float]]:
-        """CPU seconds spent during the load, by kind of process: {kind: (processes, seconds)}."""
-        self._stop.set()
-        assert self._thread is not None
-        self._thread.join()
-        seen = self._sample()
-        self.last.update({key: (kind, cpu) for key, (kind, cpu, _) in seen.items()})
-        kinds: dict[str, tuple[int, float]] = {}
-        for key, (kind, cpu) in self.last.items():
-            n, total = kinds.get(kind, (0, 0.0))
-            kinds[kind] = (n + 1, total + cpu - self.start.get(key, 0.0))
-        return kinds
 
 
 def front_kind(proc) -> str:
@@ -278,29 +214,6 @@ def profile(meter: TreeMeter, out_dir: str, c: int) -> object:
         roles.setdefault(role, []).append(pid)
     side = meter.kind_of.__name__.split("_")[0]
     return WaveProfiler(Path(out_dir) / f"{side}-{c}", roles).start()
-
-
-def stop_tree(proc: subprocess.Popen) -> None:
-    """SIGTERM the side's server (each ends its own children), then SIGKILL whatever of its tree is left."""
-    import psutil
-
-    try:
-        descendants = psutil.Process(proc.pid).children(recursive=True)
-    except psutil.Error:
-        descendants = []
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-    _, alive = psutil.wait_procs(descendants, timeout=20)
-    for leftover in alive:
-        try:
-            leftover.kill()
-        except psutil.Error:
-            pass
 
 
 def free_address() -> str:
@@ -445,7 +358,7 @@ def main() -> int:
     parser.add_argument("--profile", default=None, help="py-spy every side's processes into this folder")
     parser.add_argument("--sides", nargs="+", default=["pool", "front"], choices=["pool", "front"])
     args = parser.parse_args()
-    sys.path[:0] = [str(ROOT), str(TESTS), str(ROOT / "scripts")]
+    sys.path[:0] = [str(ROOT), str(TESTS)]
     from conftest import served_like_vllm
 
     from renderer_actors.tokenizer import BUNDLED_MODEL
