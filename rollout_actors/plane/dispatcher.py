@@ -101,6 +101,8 @@ class Dispatcher:
         """(model, renderer config JSON) whose renderer this plane had warmed (see `_warm_renderer`)."""
         self._warming: set[asyncio.Future[None]] = set()
         """Warm-ups still running (held here so that one outliving its dispatch is not collected)."""
+        self._wakers: dict[str, Callable[[], None]] = {}
+        """Request id -> what wakes its dispatch waiting on a worker (`cancel` calls it)."""
 
     # records ---------------------------------------------------------------------------------------
     def accept(self, request: RolloutRequest) -> InFlight:
@@ -142,6 +144,9 @@ class Dispatcher:
         if record.cancelled.is_set():
             return False
         record.cancelled.set()
+        wake = self._wakers.get(request_id)
+        if wake is not None:  # its dispatch is waiting on its worker: it now waits `cancel_grace_s` at most
+            wake()
         slot = record.slot  # None while being placed: `_attempt` checks the event before it sends
         if slot is not None and slot.alive:
             with contextlib.suppress(Exception):  # the dispatch still answers after `cancel_grace_s`
@@ -413,18 +418,16 @@ class Dispatcher:
         self._workers.dispatched(slot)
         record.slot = slot
         lost = slot.gone  # the supervisor's: resolved when the worker is retired (never cancelled here)
-        cancel = asyncio.ensure_future(record.cancelled.wait())
         wait_s = envelope.remaining_timeout_s + self.answer_grace_s
+        request_id = record.request.request_id
         try:
-            done, _ = await asyncio.wait(
-                {answer, lost, cancel}, timeout=wait_s, return_when="FIRST_COMPLETED"
-            )
-            if done == {cancel}:
+            # One future woken by the answer, the loss or `cancel` (through `_wakers`), not `asyncio.wait`
+            # over a task waiting on the event: a task per dispatch was a tenth of the driver's CPU.
+            await _first_of((answer, lost), wait_s, self._wakers, request_id)
+            if record.cancelled.is_set() and not answer.done() and not lost.done():
                 # The worker was asked to cancel: it has `cancel_grace_s` to clean up and answer.
-                done, _ = await asyncio.wait(
-                    {answer, lost}, timeout=self.cancel_grace_s, return_when="FIRST_COMPLETED"
-                )
-            if answer in done:
+                await _first_of((answer, lost), self.cancel_grace_s, self._wakers, request_id)
+            if answer.done():
                 try:
                     return Result.model_validate_json(answer.result())  # the worker answers JSON
                 except PartLost as exc:  # its worker was lost: Ray said so before the plane's probe did
@@ -435,7 +438,7 @@ class Dispatcher:
                     return self._failed(record, "infrastructure", Failure.from_exception(exc))
             if record.cancelled.is_set():
                 return self._cancelled(record, "worker did not confirm within cancel_grace_s")
-            if lost in done or not slot.alive:
+            if lost.done() or not slot.alive:
                 return _worker_loss(slot)
             late = Unavailable(
                 f"no answer within timeout_s + answer_grace_s = {wait_s:g} s", type_name="DeadlineExceeded"
@@ -444,7 +447,6 @@ class Dispatcher:
         finally:
             self._workers.finished(slot)
             record.slot = None
-            cancel.cancel()
             if not answer.done():
                 # A late answer from this attempt, if any, goes through `_late_answer`: delivered if the
                 # record is still open, otherwise counted and dropped.
@@ -496,6 +498,32 @@ def _kind(kind: str) -> ResultKind:
 
 def _now() -> float:
     return asyncio.get_running_loop().time()
+
+
+async def _first_of(
+    futures: tuple[asyncio.Future[Any], ...], timeout: float, wakers: dict[str, Callable[[], None]], key: str
+) -> None:
+    """Wait until one of `futures` is done, `wakers[key]` is called, or `timeout` passes. Cancels none of
+    them, and leaves no callback behind."""
+    woken = asyncio.get_running_loop().create_future()
+
+    def wake(_: Any = None) -> None:
+        if not woken.done():
+            woken.set_result(None)
+
+    if any(future.done() for future in futures):
+        return
+    for future in futures:
+        future.add_done_callback(wake)
+    wakers[key] = wake
+    timer = asyncio.get_running_loop().call_later(timeout, wake)
+    try:
+        await woken
+    finally:
+        timer.cancel()
+        wakers.pop(key, None)
+        for future in futures:
+            future.remove_done_callback(wake)
 
 
 def _worker_loss(slot: Any) -> Loss:
