@@ -167,10 +167,11 @@ OLD_NAMES = (
 )  # fmt: skip
 OLD = re.compile(r"\b(" + "|".join(OLD_NAMES) + r")\b")
 SAYS_OLD = re.compile(
-    r"old name|old spelling|renamed_fields|warn_renamed|was `|were `|ThreadPoolExecutor|^\s*\"\w+\": \"\w+\",?$"
+    r"old name|old spelling|renamed_fields|warn_renamed|was `|were `|ThreadPoolExecutor|serve_env\(|^\s*\"\w+\": \"\w+\",?$"
 )
 """Where an old name may still appear: where it is kept working (a `renamed_fields` map entry, a warning)
-or documented as the old one (and Python's own `ThreadPoolExecutor(max_workers=)`)."""
+or documented as the old one (and Python's own `ThreadPoolExecutor(max_workers=)`, verifiers' own
+`serve_env(max_workers=)`)."""
 
 
 def stale_lines(path: Path, window: int) -> list[str]:
