@@ -134,3 +134,101 @@ def test_a_pool_interpreter_that_cannot_start_a_ray_worker_fails_every_rollout_a
         )
         assert result.kind == "caller" and result.attempts == 1, result.error
         assert python in result.error.message and cause in result.error.message, result.error.message
+
+
+FAULT_RENDERERS = ("renderer_actors.faults.",)
+RENDERER_START_DEADLINE_S = 60  # budget of four starts of a fresh renderer process on a loaded machine
+
+
+@pytest.mark.parametrize(
+    "module, kind, fault, cause",
+    [
+        ("raises_on_import", "infrastructure", "load", "planted: the renderer's module broke on import"),
+        ("dies_on_import", "infrastructure", "unavailable", "died while starting"),
+    ],
+)
+def test_a_renderer_whose_start_crashes_answers_every_rollout_of_its_key_in_seconds_with_the_cause(
+    ray_session, standin, module, kind, fault, cause
+):
+    """A custom renderer whose module raises on import fails its load once, quoting the error; one whose
+    process ends during its start is restarted on the key's budget (its rollouts, not to blame for a
+    renderer lost while loading, may be re-dispatched meanwhile), then every rollout is answered with why
+    the last one ended. Neither waits out the renderer's ready timeout (300 s)."""
+    config = PlaneConfig(
+        lanes={"train": 64},
+        workers=1,
+        worker_num_cpus=0.25,
+        env_pool={"num_cpus": 0.25},
+        allowed_ref_prefixes=TEST_REF_PREFIXES,
+        renderer_pool={"allowed_ref_prefixes": FAULT_RENDERERS, "renderer_num_cpus": 0.25},
+    )
+    renderer = RendererConfig(
+        tokenizer=BUNDLED_MODEL,
+        family="custom",
+        custom=Ref(target=f"renderer_actors.faults.{module}:Renderer"),
+    )
+
+    async def scenario():
+        async with RolloutPlane(config) as plane:
+            submitted = time.monotonic()
+            for index in range(8):
+                item = request(standin, BUNDLED_MODEL, index)
+                await plane.submit(item.model_copy(update={"renderer": renderer}))
+            results = [await plane.next_result(timeout=RENDERER_START_DEADLINE_S) for _ in range(8)]
+            print(
+                f"\nrenderer {module}: 8 rollouts answered {time.monotonic() - submitted:.1f} s after submit"
+            )
+            return results, plane.stats()
+
+    results, stats = asyncio.run(asyncio.wait_for(scenario(), RENDERER_START_DEADLINE_S + 60))
+    for result in results:
+        assert (result.kind, result.error.fault) == (kind, fault), result.error
+        assert cause in result.error.message, result.error.message
+    if fault == "load":  # a load that failed fails the same way anywhere: never re-dispatched
+        assert stats.redispatched == 0 and {r.attempts for r in results} == {1}
+
+
+BROKEN_ORJSON = "raise RuntimeError('planted: orjson broke in this interpreter')\n"
+JOIN_AND_START = """
+import asyncio, sys
+import ray
+from rollout_actors.plane import PlaneConfig, PlaneStartError, RolloutPlane
+
+ray.init(address=sys.argv[1], runtime_env={"env_vars": {"PYTHONPATH": sys.argv[2]}})
+
+async def main():
+    try:
+        async with RolloutPlane(PlaneConfig(workers=1, worker_num_cpus=0.25, lanes={"train": 4})):
+            print("STARTED")
+    except PlaneStartError as error:
+        print("REFUSED", error)
+
+asyncio.run(asyncio.wait_for(main(), 100))
+"""
+
+
+def test_rollout_workers_whose_start_crashes_fail_the_plane_start_in_seconds_in_one_line(
+    ray_session, tmp_path
+):
+    """A job whose workers cannot import the project (a broken package on their path, as on a node set up
+    differently from the head) gets `PlaneStartError` from `start()`: one line naming the rollout workers
+    and quoting the error their constructor raised, nothing left running."""
+    (tmp_path / "orjson").mkdir()
+    (tmp_path / "orjson" / "__init__.py").write_text(BROKEN_ORJSON)
+    root = Path(__file__).resolve().parent.parent
+    address = ray.get_runtime_context().gcs_address
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-c", JOIN_AND_START, address, f"{tmp_path}:{root}"],
+        capture_output=True,
+        text=True,
+        timeout=150,
+        cwd=root,
+    )
+    elapsed = time.monotonic() - started
+    print(f"\nworkers that cannot start: start() refused {elapsed:.1f} s after the driver began")
+    lines = [line for line in done.stdout.splitlines() if line.startswith(("STARTED", "REFUSED"))]
+    assert lines == [
+        "REFUSED the plane could not start its rollout workers: "
+        "RuntimeError: planted: orjson broke in this interpreter"
+    ], done.stdout + done.stderr[-3000:]

@@ -193,6 +193,16 @@ def exit_detail(exc: BaseException) -> str:
     return " ".join((text[:end] if end >= 0 else text).split())[:MAX_EXIT_DETAIL_CHARS]
 
 
+def start_error(exc: BaseException) -> str:
+    """What ended an actor's start, in one line: the exception its constructor raised (the last line of
+    the traceback Ray carries), or why its process ended."""
+    text = str(exc)
+    if "creation task" in text:
+        lines = [line.strip() for line in text.splitlines() if line.strip()]
+        return lines[-1][:MAX_EXIT_DETAIL_CHARS]
+    return exit_detail(exc)
+
+
 def remote_cause(exc: BaseException) -> BaseException:
     """What a `RayTaskError` carries from the far side (its cause), or the exception itself."""
     cause = getattr(exc, "cause", None)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["PlaneConfig", "RolloutPlane", "SyncRolloutPlane"]
+__all__ = ["PlaneConfig", "PlaneStartError", "RolloutPlane", "SyncRolloutPlane"]
 
 
 def __getattr__(name: str) -> Any:
@@ -15,10 +15,10 @@ def __getattr__(name: str) -> Any:
         from rollout_actors.plane.config import PlaneConfig
 
         return PlaneConfig
-    if name == "RolloutPlane":
-        from rollout_actors.plane.facade import RolloutPlane
+    if name in ("RolloutPlane", "PlaneStartError"):
+        from rollout_actors.plane import facade
 
-        return RolloutPlane
+        return getattr(facade, name)
     if name == "SyncRolloutPlane":
         from rollout_actors.plane.sync import SyncRolloutPlane
 

@@ -30,7 +30,7 @@ import ray
 from env_actors.session import EnvSession
 from rollout_actors.inference.load import LoadReader
 from rollout_actors.kernel import Ref, RefResolver
-from rollout_actors.kernel.faults import Unavailable
+from rollout_actors.kernel.faults import Unavailable, ray_loss, start_error
 from rollout_actors.plane.concurrency import ConcurrencyController
 from rollout_actors.plane.config import PlaneConfig
 from rollout_actors.plane.dispatcher import Dispatcher
@@ -68,6 +68,12 @@ def _refuse_inside_ray_worker() -> None:
             "RolloutPlane must be built on the driver (the orchestrator process), not inside a Ray task or "
             "actor: it owns workers and pools whose lifetimes must follow the driver's."
         )
+
+
+class PlaneStartError(RuntimeError):
+    """`start()` could not bring up the plane's own actors (a rollout worker whose process cannot import
+    the project, a constructor that raises): one line naming the part and quoting its error; Ray's full
+    report is the cause."""
 
 
 class RolloutPlane:
@@ -159,11 +165,15 @@ class RolloutPlane:
         self._fit_to_cluster()
         # Side by side: a worker looks its pools up per dispatch, so neither start waits for the other.
         started = await asyncio.gather(self._pools.start(), self._workers.start(), return_exceptions=True)
-        failed = [outcome for outcome in started if isinstance(outcome, BaseException)]
+        parts = ("shared pools", "rollout workers")
+        failed = [(part, out) for part, out in zip(parts, started) if isinstance(out, BaseException)]
         if failed:  # nothing half-started is left behind (the caller's `async with` never reached exit)
             await self._workers.close()
             await self._pools.close()
-            raise failed[0]
+            part, error = failed[0]
+            if ray_loss(error) is None:
+                raise error
+            raise PlaneStartError(f"the plane could not start its {part}: {start_error(error)}") from error
         self._metrics_task = asyncio.get_running_loop().create_task(self._metrics.run(self))
         if self.config.concurrency is not None:
             reader = LoadReader(self._api_key_var)
