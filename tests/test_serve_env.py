@@ -275,12 +275,13 @@ def test_a_cancelled_multi_turn_run_leaves_no_tool_server_or_agent_program(tool_
     watcher.start()
     try:
         slow = {"X-Standin-Latency": "10"}  # the first model call outlives the cancel
-        run = [{"index": 0, "cancel": True}]
+        # Delta 1 is the trace, 2 its tools (the tool server is up), 3 the first model call's request.
+        run = [{"index": 0, "cancel": True, "cancel_at_delta": 3}]
         [ours] = episodes(tool_servers["front"].front.address, standin, run, slow, taskset=TOOLS_TASKSET)
     finally:
         watching.set()
         watcher.join()
-    assert ours["replies"] == [{"success": False, "error": CANCELLED_ERROR}]
+    assert ours["replies"] == [{"success": False, "error": CANCELLED_ERROR}] and ours["deltas"] >= 3
     assert seen == ROLLOUT_PROGRAMS[tool_servers["case"]], "the run should have started them"
     deadline = time.monotonic() + 30
     while left := rollout_programs():
