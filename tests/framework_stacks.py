@@ -32,6 +32,10 @@ FRAMEWORK_VF_TASKS = Path(__file__).parent / "framework_vf_tasks"
 """The verifiers v1 test taskset: a top-level package, as verifiers loads tasksets by id."""
 FRAMEWORK_VF_CHAT = Path(__file__).parent / "framework_vf_chat"
 """A verifiers v1 harness (the plain chat loop, in process), for verifiers' own episodes."""
+FRAMEWORK_VF_TOOLS = Path(__file__).parent / "framework_vf_tools"
+"""A verifiers v1 taskset with a toolset (a `calculator` MCP server per rollout): multi-turn episodes."""
+FRAMEWORK_VF_AGENT = Path(__file__).parent / "framework_vf_agent"
+"""A verifiers v1 harness that runs the chat loop as a program of its own, through the interception."""
 
 
 def cache_dir() -> Path:

@@ -6,8 +6,8 @@
 `client`: `{"address", "taskset": TasksetConfig dict, "client": ClientConfig dict, "model", "sampling",
 "runs": [{"index": i, "cancel": bool}]}`. All runs go at once through one `EnvClient` (the client prime-rl's
 orchestrator uses); each prints as `{"episode": WireEpisode dumped | None, "error": str | None, "deltas": n}`.
-A run marked `cancel` is cancelled by its caller once its first delta arrives, as an orchestrator abandons
-a rollout; its outcome then also carries the raw `reply` the server sent the run afterwards (a second
+A run marked `cancel` is cancelled by its caller once its first delta arrives (its `cancel_at_delta`-th,
+when it names one), as an orchestrator abandons a rollout; its outcome then also carries the raw `reply` the server sent the run afterwards (a second
 DEALER listens for nothing: the reply is read off the client's own socket by wrapping its receive).
 
 `server`: `serve_env(max_workers, address, config_data)`: a lone `EnvServer` (`max_workers` 1) or the
@@ -43,12 +43,14 @@ async def client(case: dict) -> list[dict]:
 
     async def one(run: dict) -> dict:
         deltas = 0
-        first = asyncio.Event()
+        first = asyncio.Event()  # the delta the run is cancelled at has arrived
+        cancel_at = run.get("cancel_at_delta", 1)
 
         def on_delta(_delta: dict) -> None:
             nonlocal deltas
             deltas += 1
-            first.set()
+            if deltas >= cancel_at:
+                first.set()
 
         task = tasks[run["index"]]
         running = asyncio.ensure_future(

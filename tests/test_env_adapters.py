@@ -5,6 +5,7 @@ packages, `framework_stacks.py`), beside the plane's own packages, in one plane.
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import subprocess
@@ -13,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from framework_envs import PROBLEMS
+from framework_envs import EXPRESSIONS, PROBLEMS, calculator
 from framework_stacks import FRAMEWORK_ENVS, FRAMEWORK_VF_CHAT, FRAMEWORK_VF_TASKS, STACKS, stack_python
 from readme import DOCS, argv, block, commands
 from waiting import runner
@@ -340,8 +341,12 @@ def readme_packages(folder: Path) -> None:
     """The packages the README's commands name, written as a user's would be: the test environments,
     self-contained (no import of `framework_envs`)."""
     inline = ("from framework_envs import PROBLEMS", f"PROBLEMS = {PROBLEMS!r}")
+    with_tool = (
+        "from framework_envs import EXPRESSIONS, PROBLEMS, calculator",
+        f"PROBLEMS = {PROBLEMS!r}\nEXPRESSIONS = {EXPRESSIONS!r}\n\n\n{inspect.getsource(calculator)}",
+    )
     sources = {
-        "my_vf_env": (FRAMEWORK_ENVS / "vf_classic_envs.py").read_text().replace(*inline),
+        "my_vf_env": (FRAMEWORK_ENVS / "vf_classic_envs.py").read_text().replace(*with_tool),
         "my_sky_env": (FRAMEWORK_ENVS / "sky_math.py")
         .read_text()
         .replace(*inline)

@@ -6,6 +6,7 @@ assembled `WireEpisode`s are equal field by field except ids and times. Faults k
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -14,11 +15,19 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from framework_stacks import FRAMEWORK_ENVS, FRAMEWORK_VF_CHAT, FRAMEWORK_VF_TASKS, stack_python
+from framework_stacks import (
+    FRAMEWORK_ENVS,
+    FRAMEWORK_VF_AGENT,
+    FRAMEWORK_VF_CHAT,
+    FRAMEWORK_VF_TASKS,
+    FRAMEWORK_VF_TOOLS,
+    stack_python,
+)
 
 from env_actors.config import EnvPoolConfig
 from renderer_actors.tokenizer import BUNDLED_MODEL
@@ -35,7 +44,14 @@ ENV_CONFIG = {
     "taskset": TASKSET,
     "agent": {"harness": {"id": "framework-vf-chat"}, "runtime": {"type": "subprocess"}},
 }
-PACKAGES = ("framework_envs.", "framework_vf_tasks", "framework_vf_chat")
+PACKAGES = (
+    "framework_envs.",
+    "framework_vf_tasks",
+    "framework_vf_chat",
+    "framework_vf_tools",
+    "framework_vf_agent",
+)
+SHIPPED = [FRAMEWORK_ENVS, FRAMEWORK_VF_TASKS, FRAMEWORK_VF_CHAT, FRAMEWORK_VF_TOOLS, FRAMEWORK_VF_AGENT]
 TIME_KEYS = {"time", "timing", "timestamp", "start", "end", "created", "duration"}
 IDS = re.compile(r"[0-9a-f]{32}|chatcmpl-[\w-]+")
 
@@ -58,7 +74,7 @@ def pool_config(packages: tuple[str, ...] = PACKAGES) -> EnvPoolConfig:
         env_packages=packages,
         runtime_env={
             "py_executable": vf04_python(),
-            "py_modules": [str(FRAMEWORK_ENVS), str(FRAMEWORK_VF_TASKS), str(FRAMEWORK_VF_CHAT)],
+            "py_modules": [str(path) for path in SHIPPED],
             "env_vars": {KEY_VAR: "unused"},
         },
     )
@@ -109,13 +125,13 @@ class Front:
 class VerifiersServer:
     """verifiers' own `serve_env` in the stack's interpreter: a lone EnvServer (1) or its elastic pool."""
 
-    def __init__(self, port: int, max_workers: int) -> None:
+    def __init__(self, port: int, max_workers: int, env_config: dict[str, Any] = ENV_CONFIG) -> None:
         self.address = f"tcp://127.0.0.1:{port}"
         self.process = subprocess.Popen(
             [vf04_python(), str(CLIENT), "server", self.address, str(max_workers)],
             stdin=subprocess.PIPE, env=stack_env(), start_new_session=True, text=True,
         )  # fmt: skip
-        self.process.stdin.write(json.dumps(ENV_CONFIG))
+        self.process.stdin.write(json.dumps(env_config))
         self.process.stdin.close()
 
     def close(self) -> None:
@@ -131,10 +147,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def servers(ray_session, standin):
-    front = Front(ServeEnvConfig(address="tcp://127.0.0.1:0", env_config=ENV_CONFIG, pool=pool_config()))
-    lone, pool = VerifiersServer(free_port(), 1), VerifiersServer(free_port(), 2)
+@contextlib.contextmanager
+def served(env_config: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """The front, verifiers' lone EnvServer and its elastic pool, each serving `env_config`."""
+    front = Front(ServeEnvConfig(address="tcp://127.0.0.1:0", env_config=env_config, pool=pool_config()))
+    lone, pool = VerifiersServer(free_port(), 1, env_config), VerifiersServer(free_port(), 2, env_config)
     try:
         yield {"front": front, "lone": lone, "pool": pool}
     finally:
@@ -143,16 +160,28 @@ def servers(ray_session, standin):
         front.close()
 
 
-def test_episodes_match_verifiers_own_server_and_pool(servers, standin):
-    runs = [{"index": i} for i in range(4)]
-    ours = episodes(servers["front"].front.address, standin, runs)
+def same_episodes_as_verifiers(servers, standin, runs: list[dict[str, Any]], **case: Any) -> list[dict]:
+    """`runs` through the front, then through verifiers' lone server and its pool: every outcome an
+    episode, equal field by field but ids and times. The front's outcomes."""
+    ours = episodes(servers["front"].front.address, standin, runs, **case)
     assert servers["front"].front.pool is not None  # health answered: the environment had loaded
     for label in ("lone", "pool"):
-        theirs = episodes(servers[label].address, standin, runs)
+        theirs = episodes(servers[label].address, standin, runs, **case)
         for mine, own in zip(ours, theirs, strict=True):
             assert own["error"] is None and mine["error"] is None, (own["error"], mine["error"])
             assert mine["deltas"] > 0 and own["deltas"] > 0
             assert comparable(mine["episode"]) == comparable(own["episode"]), label
+    return ours
+
+
+@pytest.fixture(scope="module")
+def servers(ray_session, standin):
+    with served(ENV_CONFIG) as three:
+        yield three
+
+
+def test_episodes_match_verifiers_own_server_and_pool(servers, standin):
+    ours = same_episodes_as_verifiers(servers, standin, [{"index": i} for i in range(4)])
     traces = [trace for outcome in ours for trace in outcome["episode"]["traces"]]
     assert all(trace["nodes"] for trace in traces), "the stand-in's turns should be recorded"
 
@@ -174,6 +203,90 @@ def test_a_cancelled_run_still_gets_verifiers_cancelled_reply(servers, standin):
     expected = {"success": False, "error": CANCELLED_ERROR}
     assert theirs[0]["replies"] == [expected]
     assert ours[0]["replies"] == [expected]
+
+
+TOOLS_TASKSET = {"id": "framework-vf-tools"}
+HARNESSES = {
+    "toolset": "framework-vf-chat",  # the chat loop in process, its tools the rollout's MCP servers
+    "agent program": "framework-vf-agent",  # the same loop as a program of its own, in the runtime
+}
+
+
+def tools_config(harness: str) -> dict[str, Any]:
+    return {
+        "taskset": TOOLS_TASKSET,
+        "agent": {"harness": {"id": harness}, "runtime": {"type": "subprocess"}},
+    }
+
+
+ROLLOUT_PROGRAMS = {
+    "toolset": {"framework_vf_tools.toolset"},
+    "agent program": {"framework_vf_tools.toolset", "framework_vf_agent.program"},
+}
+"""The processes verifiers starts for each rollout of a case (`python -m MODULE`)."""
+
+
+@pytest.fixture(scope="module", params=list(HARNESSES))
+def tool_servers(request, ray_session, standin):
+    """The multi-turn cases, one harness each."""
+    with served(tools_config(HARNESSES[request.param])) as three:
+        yield {**three, "case": request.param}
+
+
+def test_multi_turn_tool_episodes_match_verifiers_own_server_and_pool(tool_servers, standin):
+    """Each episode is a model call, a call of the rollout's own `calculator` MCP server (launched by
+    verifiers in the env server's runtime), and a model call on its answer; through the front exactly as
+    through verifiers' own servers."""
+    runs = [{"index": i} for i in range(3)]
+    ours = same_episodes_as_verifiers(tool_servers, standin, runs, taskset=TOOLS_TASKSET)
+    for outcome in ours:
+        [trace] = outcome["episode"]["traces"]
+        roles = [node["message"]["role"] for node in trace["nodes"]]
+        assert roles == ["system", "user", "assistant", "tool", "assistant"], roles
+        assert [c["name"] for c in trace["nodes"][2]["message"]["tool_calls"]] == ["calculator"]
+        assert trace["metrics"]["tool_calls"] == 1.0 and trace["errors"] == [] and trace["ok"]
+
+
+def rollout_programs() -> set[str]:
+    """The modules of the live `python -m MODULE` processes that rollouts of the tool cases start."""
+    found = set()
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            argv = cmdline.read_bytes().split(b"\0")
+        except OSError:  # exited while we looked
+            continue
+        found.update(
+            a.decode() for a in argv if a.startswith((b"framework_vf_tools.", b"framework_vf_agent."))
+        )
+    return found
+
+
+def test_a_cancelled_multi_turn_run_leaves_no_tool_server_or_agent_program(tool_servers, standin):
+    """Cancelling a run mid-episode ends what verifiers started for it: its tool server, its agent program."""
+    seen: set[str] = set()
+    watching = threading.Event()
+
+    def watch() -> None:
+        while not watching.is_set():
+            seen.update(rollout_programs())
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        slow = {"X-Standin-Latency": "10"}  # the first model call outlives the cancel
+        # Delta 1 is the trace, 2 its tools (the tool server is up), 3 the first model call's request.
+        run = [{"index": 0, "cancel": True, "cancel_at_delta": 3}]
+        [ours] = episodes(tool_servers["front"].front.address, standin, run, slow, taskset=TOOLS_TASKSET)
+    finally:
+        watching.set()
+        watcher.join()
+    assert ours["replies"] == [{"success": False, "error": CANCELLED_ERROR}] and ours["deltas"] >= 3
+    assert seen == ROLLOUT_PROGRAMS[tool_servers["case"]], "the run should have started them"
+    deadline = time.monotonic() + 30
+    while left := rollout_programs():
+        assert time.monotonic() < deadline, f"still running after the cancel: {left}"
+        time.sleep(0.2)
 
 
 def test_an_env_server_killed_mid_episode_ends_the_run_with_a_reply_naming_it(servers, standin):

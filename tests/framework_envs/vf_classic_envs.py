@@ -15,10 +15,9 @@ import re
 import verifiers.legacy as vf
 from datasets import Dataset
 
-from framework_envs import PROBLEMS
+from framework_envs import EXPRESSIONS, PROBLEMS, calculator
 
 BOXED = re.compile(r"\\boxed\{(-?\d+)\}")
-EXPRESSIONS = [("(17 * 23) + 45", 436), ("(9 + 6) * 4", 60), ("120 / 8 - 3", 12)]
 
 
 def text_of(message):
@@ -42,18 +41,6 @@ def boxed(completion) -> float:
 
 def used_calculator(completion) -> float:
     return float(any((getattr(m, "tool_calls", None) or []) for m in completion))
-
-
-def calculator(expression: str) -> str:
-    """Evaluate an arithmetic expression.
-
-    Args:
-        expression: the expression, e.g. "(3 + 4) * 5"
-    """
-    if not re.fullmatch(r"[\d\s()+\-*/.]+", expression):
-        return "error: not arithmetic"
-    value = eval(expression)  # the pattern above admits arithmetic only
-    return str(int(value) if float(value).is_integer() else value)
 
 
 class FollowUpMath(vf.MultiTurnEnv):
