@@ -24,7 +24,17 @@ from typing import Any
 import ray
 
 from env_actors.config import EnvPoolConfig, EnvPoolStats
-from env_actors.interface import DEADLINE_FAILURE, EnvResponse
+from env_actors.failures import (
+    DuplicateEnvSession,
+    EnvNoAnswer,
+    EnvPoolClosed,
+    EnvServerLost,
+    EnvStartupError,
+    NoLiveEnvServer,
+    OwnerLost,
+    UnexplainedEnvFailure,
+)
+from env_actors.interface import EnvResponse
 from env_actors.sessions import OpenSessions
 from env_actors.supervisor import ServerSlot, Supervisor
 from rollout_actors.kernel import Failure, Ref
@@ -55,15 +65,6 @@ POOL_STARTUP_SLACK_S = 10.0  # the pool's own answer, on top of the environment'
 RETIRED_SHOWN = 32  # the newest retired servers `stats` names, with why they left
 LOST_OWNER_MEMORY = 1_000  # lost owners remembered, so a placement one sent before dying is refused
 SESSION_REAP_EVERY_S = 1.0
-
-
-class EnvStartupError(RuntimeError):
-    """The environment could not be brought up: import or load failure (with its traceback), a worker that
-    died while loading past the restart budget, or the readiness deadline."""
-
-    def __init__(self, message: str, failure: Failure | None = None):
-        super().__init__(message)
-        self.failure = failure
 
 
 class EnvPool:
@@ -159,10 +160,9 @@ class EnvPool:
         if self._closed:
             return self._closed_response()
         if owner is not None and owner in self._lost_owners:
-            lost = Failure(type="OwnerLost", message=f"the opener {owner} was lost; nothing is placed")
-            return EnvResponse.failed(lost)
+            return EnvResponse.of(OwnerLost(f"the opener {owner} was lost; nothing is placed"))
         if session_id in self._sessions:
-            return _caller_failure("DuplicateEnvSession", f"session id {session_id!r} is in use")
+            return EnvResponse.of(DuplicateEnvSession(f"session id {session_id!r} is in use"))
         return None
 
     async def close_owned(self, owner: str) -> int:
@@ -263,11 +263,9 @@ class EnvPool:
             if slot.gone.done():
                 reason = slot.gone.result()[0]
                 message = f"env server {slot.name} was retired during {method}: {reason}"
-                return EnvResponse.failed(
-                    Failure(type="EnvServerLost", message=message), server_name=slot.name, server_exit=reason
-                )
+                return EnvResponse.of(EnvServerLost(message), server_name=slot.name, server_exit=reason)
             message = f"{method} got no answer from env server {slot.name} within its {deadline:g} s deadline"
-            return EnvResponse.failed(Failure(type=DEADLINE_FAILURE, message=message), server_name=slot.name)
+            return EnvResponse.of(EnvNoAnswer(message), server_name=slot.name)
         finally:
             slot.inflight -= 1
 
@@ -278,10 +276,10 @@ class EnvPool:
         if ray_loss(exc) == "died":
             detail = exit_detail(exc)
             self._supervisor.retire(slot, f"died: {detail}", "died")
-            failure = Failure(
-                type=type(exc).__name__, message=f"env server {slot.name} died during {method}: {detail}"
+            died = EnvServerLost(
+                f"env server {slot.name} died during {method}: {detail}", type_name=type(exc).__name__
             )
-            return EnvResponse.failed(failure, server_name=slot.name, server_exit=detail)
+            return EnvResponse.of(died, server_name=slot.name, server_exit=detail)
         return EnvResponse.failed(Failure.from_exception(exc), server_name=slot.name)
 
     def _forget(self, session_id: str) -> None:
@@ -332,16 +330,10 @@ class EnvPool:
         message = (
             f"no live env server in pool {self._name!r} ({detail}); failing at once rather than queueing"
         )
-        return EnvResponse.failed(Failure(type="NoLiveEnvServer", message=message))
+        return EnvResponse.of(NoLiveEnvServer(message))
 
     def _closed_response(self) -> EnvResponse:
-        return EnvResponse.failed(
-            Failure(type="EnvPoolClosed", message=f"env pool {self._name!r} is shut down")
-        )
-
-
-def _caller_failure(type_: str, message: str) -> EnvResponse:
-    return EnvResponse.failed(Failure(type=type_, message=message), kind="caller")
+        return EnvResponse.of(EnvPoolClosed(f"env pool {self._name!r} is shut down"))
 
 
 _EnvPoolActor = ray.remote(max_restarts=0, max_task_retries=0)(EnvPool)
@@ -387,7 +379,7 @@ async def start_env_pool(
         raise EnvStartupError(message, Failure.from_exception(exc)) from exc
     if not response.success:
         kill_actor(handle)
-        failure = response.error or Failure(type="EnvStartupError", message="unknown")
+        failure = response.error or UnexplainedEnvFailure("the pool did not say why").failure
         message = f"env pool {name!r} could not start {env.target}: {failure.type}: {failure.message}"
         if failure.traceback:
             message += f"\n--- environment traceback ---\n{failure.traceback}"

@@ -33,8 +33,8 @@ from env_actors.config import EnvCallLimits, EnvServerHealth
 from env_actors.env_calls import CALL, CallTag, stuck_call
 from env_actors.env_loop import EnvLoop, run_env_code
 from env_actors.episode_stream import Frame, serving_env, stream_episode
+from env_actors.failures import EnvDeadline, EnvSessionClosed
 from env_actors.interface import (
-    DEADLINE_FAILURE,
     EnvAnswer,
     EnvCall,
     EnvResponse,
@@ -44,7 +44,7 @@ from env_actors.interface import (
     check_index,
 )
 from env_actors.shared_deadline import SharedDeadline
-from rollout_actors.kernel import DEFAULT_ALLOWED_PREFIXES, CallerError, Failure, Ref, RefResolver
+from rollout_actors.kernel import DEFAULT_ALLOWED_PREFIXES, CallerError, Ref, RefResolver
 from rollout_actors.kernel.collector import settle_actor
 from rollout_actors.kernel.loop_watch import HEARTBEAT_S, LoopWatch
 
@@ -250,8 +250,8 @@ class EnvServer:
                 deadline.join()
                 work = self._run(call, deadline)
             else:
-                failure = Failure(type="CallerError", message=f"{call.method!r} cannot be batched")
-                work = _answer(EnvResponse.failed(failure, "caller", self._name))
+                refused = CallerError(f"{call.method!r} cannot be batched")
+                work = _answer(EnvResponse.of(refused, self._name))
             ticket = next(self._tickets)
             self._batched[ticket] = (call.session_id, loop.create_task(work))
             tickets.append(ticket)
@@ -317,9 +317,7 @@ class EnvServer:
             self._batched.pop(ticket, None)
             if entry is None or entry[1].cancelled():
                 message = f"batched call {ticket} was ended before it answered (its session closed)"
-                answers.append(
-                    EnvAnswer(ticket, EnvResponse.failed(Failure(type="EnvSessionClosed", message=message)))
-                )
+                answers.append(EnvAnswer(ticket, EnvResponse.of(EnvSessionClosed(message))))
             else:
                 answers.append(EnvAnswer(ticket, entry[1].result()))
         return answers
@@ -370,8 +368,7 @@ class EnvServer:
             if not scope.expired():  # the environment's own TimeoutError, not our deadline
                 return EnvResponse.from_exception(exc, self._name)
             message = f"{method} exceeded its {timeout:g} s deadline on env server {self._name}"
-            missed = Failure(type=DEADLINE_FAILURE, message=message, fault="env")  # the environment's
-            return EnvResponse.failed(missed, "env", server_name=self._name)
+            return EnvResponse.of(EnvDeadline(message), server_name=self._name)  # the environment's
         except Exception as exc:
             return EnvResponse.from_exception(exc, self._name)
         finally:

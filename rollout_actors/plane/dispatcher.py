@@ -35,7 +35,7 @@ from typing import Any
 
 from renderer_actors.key import RendererKey
 from rollout_actors.kernel import Loss
-from rollout_actors.kernel.faults import Fault, PartLost, Unavailable
+from rollout_actors.kernel.faults import Cancelled, Fault, PartLost, Unavailable
 from rollout_actors.plane.inflight import (
     ANSWERED_LEASES_KEPT,
     AnsweredLeases,
@@ -184,7 +184,7 @@ class Dispatcher:
             result.policy_version_end = self._host.policy_version
         if record.cancel_reason is not None and result.kind == "cancelled":
             failure_type, why = record.cancel_reason
-            result.error = Failure(type=failure_type, message=f"rollout was cancelled ({why})")
+            result.error = Cancelled(f"rollout was cancelled ({why})", type_name=failure_type).failure
             self.counters[f"cancelled.{failure_type}"] += 1
             self.guard.cancelled += failure_type == STALE
         self.guard.finished(result.versions_behind)
@@ -486,7 +486,7 @@ class Dispatcher:
 
 
 def cancelled_failure(why: str) -> Failure:
-    return Failure(type="Cancelled", message=f"rollout was cancelled ({why})")
+    return Cancelled(f"rollout was cancelled ({why})").failure
 
 
 def _kind(kind: str) -> ResultKind:
