@@ -77,7 +77,7 @@ def test_calls_of_one_batch_keep_their_own_deadlines_and_the_environments_timeou
         assert not missed.success and missed.kind == "env" and missed.error.type == EnvDeadline.__name__
         assert "0.3 s deadline" in missed.error.message
         assert not own.success and own.error.type == "TimeoutError" and own.kind == "env"
-        assert server._busy == {}  # nothing counts as in flight once answered
+        assert server._sessions.calls_in_flight() == 0  # nothing counts as in flight once answered
 
     run(body())
 
