@@ -11,7 +11,7 @@ Ray round trip, not one each. What the pool still has to know travels on the sid
   this loop opens) and hands back its handle, unless this process holds it already (`SERVERS`); the
   session's reset then goes to the server directly.
 - **A death.** Ray fails a dead actor's calls within milliseconds (`ActorDiedError`). The session then
-  asks the pool why the server ended (`worker_lost`): the supervisor may have killed it as wedged, and
+  asks the pool why the server ended (`server_lost`): the supervisor may have killed it as wedged, and
   that reason is what the caller gets; if the supervisor had not noticed yet, it retires the server now.
 - **A session ended by its scored step.** The pool drops it from placement (`forget_many`), one call
   per pool per event-loop tick, not awaited by the rollout: a lost notice only leaves the session to the
@@ -189,7 +189,7 @@ def forget_later(pool: Any, session_id: str) -> None:
 
 def _notice_unreachable(pool: Any, server_name: str) -> None:
     try:
-        pool.worker_unreachable.remote(server_name)  # a notice: nobody waits for its answer
+        pool.server_unreachable.remote(server_name)  # a notice: nobody waits for its answer
     except Exception:  # the pool is gone: nothing to tell
         pass
 
@@ -199,7 +199,7 @@ async def why_lost(pool: Any, server_name: str, detail: str, session_id: str) ->
     whether this session's own call was the one that wedged it."""
     try:
         reason, how, culprit = await asyncio.wait_for(
-            resolve(pool.worker_lost.remote(server_name, detail, session_id)), WHY_LOST_TIMEOUT_S
+            resolve(pool.server_lost.remote(server_name, detail, session_id)), WHY_LOST_TIMEOUT_S
         )
         return reason, how, culprit
     except Exception:  # the pool is gone or busy: Ray's word is all there is, and no verdict on the

@@ -234,12 +234,12 @@ class Supervisor(KernelSupervisor[ServerSlot], ChildKind[ServerSlot]):
 
     def on_retired(self, slot: ServerSlot, reason: str, cause: RetireCause) -> None:
         # A server holding one session (in quarantine, or by chance) was lost by it, if by anyone: what it
-        # names when no probe named the call that wedged it, and what names a death (`EnvPool.worker_lost`).
+        # names when no probe named the call that wedged it, and what names a death (`EnvPool.server_lost`).
         slot.only_session = self.sessions.only_one_on(slot.name)
         if cause == "wedged" and slot.blocking is None:
             slot.blocking = slot.only_session
         # Their calls fail on the dead server; `end_session` finds them gone.
-        self.sessions.drop_worker(slot.name)
+        self.sessions.drop_server(slot.name)
 
     def tick(self, now: float) -> None:
         cfg = self.config
