@@ -35,7 +35,7 @@ from typing import Any
 
 from renderer_actors.key import RendererKey
 from rollout_actors.kernel import Loss
-from rollout_actors.kernel.faults import Cancelled, Fault, PartLost, Unavailable
+from rollout_actors.kernel.faults import Cancelled, DeadlineExceeded, Fault, PartLost, Unavailable
 from rollout_actors.plane.inflight import (
     ANSWERED_LEASES_KEPT,
     AnsweredLeases,
@@ -437,9 +437,7 @@ class Dispatcher:
                 return self._cancelled(record, "worker did not confirm within cancel_grace_s")
             if lost in done or not slot.alive:
                 return _worker_loss(slot)
-            late = Unavailable(
-                f"no answer within timeout_s + answer_grace_s = {wait_s:g} s", type_name="DeadlineExceeded"
-            )
+            late = DeadlineExceeded(f"no answer within timeout_s + answer_grace_s = {wait_s:g} s")
             return self._failed(record, "infrastructure", late.failure)
         finally:
             self._workers.finished(slot)
@@ -472,7 +470,7 @@ class Dispatcher:
         message = f"the request's deadline (timeout_s={record.request.timeout_s:g}) passed {when}"
         if losses:
             message += f": {'; '.join(loss.describe() for loss in losses)}"
-        failure = Unavailable(message, type_name="DeadlineExceeded", losses=losses or ())
+        failure = DeadlineExceeded(message, losses=losses or ())
         return self._failed(record, "infrastructure", failure.failure, attempts=attempts)
 
     def _after_losses(
