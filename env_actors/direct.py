@@ -11,7 +11,7 @@ Ray round trip, not one each. What the pool still has to know travels on the sid
   this loop opens) and hands back its handle, unless this process holds it already (`SERVERS`); the
   session's reset then goes to the server directly.
 - **A death.** Ray fails a dead actor's calls within milliseconds (`ActorDiedError`). The session then
-  asks the pool why the server ended (`worker_lost`): the supervisor may have killed it as wedged, and
+  asks the pool why the server ended (`server_lost`): the supervisor may have killed it as wedged, and
   that reason is what the caller gets; if the supervisor had not noticed yet, it retires the server now.
 - **A session ended by its scored step.** The pool drops it from placement (`forget_many`), one call
   per pool per event-loop tick, not awaited by the rollout: a lost notice only leaves the session to the
@@ -27,9 +27,14 @@ import logging
 from collections.abc import Awaitable
 from typing import Any, Literal
 
-from ray.exceptions import RayError
-
-from env_actors.interface import DEADLINE_FAILURE, EnvCall, EnvResponse, SessionMethod
+from env_actors.failures import (
+    EnvNoAnswer,
+    EnvServerLost,
+    EnvServerUnreachable,
+    PoolUnreachable,
+    UnexplainedEnvFailure,
+)
+from env_actors.interface import EnvCall, EnvResponse, SessionMethod
 from rollout_actors.kernel import Failure, Loss, process_owner
 from rollout_actors.kernel.coalescer import (
     KnownHandles,
@@ -40,7 +45,7 @@ from rollout_actors.kernel.coalescer import (
     count_sent,
     per_loop,
 )
-from rollout_actors.kernel.faults import Fault, exit_detail, ray_loss
+from rollout_actors.kernel.faults import Fault, exit_detail, is_ray_error, ray_lost
 from rollout_actors.kernel.renamed import warn_renamed
 from rollout_actors.kernel.tasks import resolve
 
@@ -62,19 +67,20 @@ FailureKind = Literal["env", "infrastructure", "caller"]
 
 
 class EnvCallFailed(Fault):
-    """An env call failed; `.failure` says how and where (its `fault` and, for a lost env server, its
-    `lost`), `.kind` whose fault it was: `caller`, `env` (environment code) or `infrastructure` (ours)."""
+    """An env call failed; `.failure` (typed where it failed: `env_actors.failures`, or the environment's
+    own exception) says how and where (its `fault` and, for a lost env server, its `lost`), `.kind`
+    whose fault it was: `caller`, `env` (environment code) or `infrastructure` (ours)."""
 
     def __init__(
         self, failure: Failure, kind: FailureKind = "infrastructure", server_exit: str | None = None
     ):
-        super().__init__(f"{failure.type}: {failure.message}", kind=kind)
-        self._failure = failure
+        super().__init__(f"{failure.type}: {failure.message}", kind=kind, carries=failure)
         self.server_exit = server_exit
 
-    @property
-    def failure(self) -> Failure:
-        return self._failure
+    @classmethod
+    def of(cls, fault: Fault, server_exit: str | None = None) -> EnvCallFailed:
+        """`fault`, raised on the rollout's side as its class says (its kind)."""
+        return cls(fault.failure, fault.kind, server_exit)  # type: ignore[arg-type]
 
     @property
     def worker_exit(self) -> str | None:
@@ -86,7 +92,7 @@ class EnvCallFailed(Fault):
 def unwrap(response: EnvResponse, method: str) -> Any:
     """The value of a successful `EnvResponse`; a failed one raised as `EnvCallFailed`."""
     if not response.success:
-        failure = response.error or Failure(type="EnvCallFailed", message=f"{method} failed")
+        failure = response.error or UnexplainedEnvFailure(f"{method} failed").failure
         kind: FailureKind = response.kind if response.kind in ("caller", "env") else "infrastructure"  # type: ignore[assignment]
         raise EnvCallFailed(failure, kind, response.server_exit)
     return response.value
@@ -118,26 +124,32 @@ async def call_server(
         message = (
             f"env server {server_name} gave no answer to {method} within {timeout + DIRECT_CALL_SLACK_S:g} s"
         )
-        raise EnvCallFailed(Failure(type=DEADLINE_FAILURE, message=message, fault="unavailable")) from None
-    except RayError as exc:
-        how = ray_loss(exc)
-        if how is None:  # anything else Ray says of the call: not judged here
-            raise EnvCallFailed(Failure.from_exception(exc)) from None
-        if how == "unreachable":
-            # Its node is unreachable (lost, or not yet declared dead, which takes Ray tens of seconds): the
-            # session cannot go on. Whether the server is dead is the supervisor's call (hang_timeout_s);
-            # for the rollout it is a lost part, and the pool places nothing more on it.
-            _notice_unreachable(pool, server_name)
-            reason, type_name, culprit = exit_detail(exc), "EnvServerUnreachable", None
-        else:
-            # The supervisor may have killed it as wedged: that, not Ray's "killed", is how it was lost.
-            reason, how, culprit = await why_lost(pool, server_name, exit_detail(exc), session_id)
-            type_name = "EnvServerLost"
-        lost = Loss(part="env server", how=how, call=method, step=step, name=server_name, culprit=culprit)
-        message = f"env server {server_name} was lost during {method}: {reason}"
-        failure = Failure(type=type_name, message=message, fault="lost", lost=lost)
-        raise EnvCallFailed(failure, server_exit=reason) from None
+        raise EnvCallFailed.of(EnvNoAnswer(message)) from None
+    except Exception as exc:
+        lost = ray_lost(exc, "env server", server_name, call=method, step=step)
+        if lost is None:
+            if not is_ray_error(exc):
+                raise
+            raise EnvCallFailed(Failure.from_exception(exc)) from None  # anything else Ray says: not judged
+        raise await _server_lost(pool, lost, exit_detail(exc), session_id) from None
     return unwrap(response, method)
+
+
+async def _server_lost(pool: Any, lost: Loss, detail: str, session_id: str) -> EnvCallFailed:
+    """The session's server, which Ray says was lost (`lost`), as the rollout is told of it."""
+    server_name = lost.name or ""
+    if lost.how == "unreachable":
+        # Its node is unreachable (lost, or not yet declared dead, which takes Ray tens of seconds): the
+        # session cannot go on. Whether the server is dead is the supervisor's call (hang_timeout_s);
+        # for the rollout it is a lost part, and the pool places nothing more on it.
+        _notice_unreachable(pool, server_name)
+        reason, cls = detail, EnvServerUnreachable
+    else:
+        # The supervisor may have killed it as wedged: that, not Ray's "killed", is how it was lost.
+        reason, how, culprit = await why_lost(pool, server_name, detail, session_id)
+        lost, cls = lost.model_copy(update={"how": how, "culprit": culprit}), EnvServerLost
+    message = f"env server {server_name} was lost during {lost.call}: {reason}"
+    return EnvCallFailed.of(cls(message, lost=lost), server_exit=reason)
 
 
 async def place(pool: Any, session_id: str, timeout: float, alone: bool = False) -> tuple[str, Any]:
@@ -158,20 +170,15 @@ async def pool_call(answer: Awaitable[EnvResponse], wait_s: float, method: str) 
         response = await asyncio.wait_for(answer, wait_s)
     except TimeoutError:
         message = f"env pool gave no answer to {method} within {wait_s:g} s"
-        raise EnvCallFailed(Failure(type=DEADLINE_FAILURE, message=message)) from None
-    except RayError as exc:  # the pool actor itself died or is unreachable
+        raise EnvCallFailed.of(EnvNoAnswer(message)) from None
+    except Exception as exc:  # the pool actor itself died or is unreachable
+        if not is_ray_error(exc):
+            raise
         failure = Failure.from_exception(exc)
-        how = ray_loss(exc)
-        lost = Loss(part="env pool", how=how, call=method) if how is not None else None
-        fault = "lost" if lost is not None else None
-        unreachable = Failure(
-            type="PoolUnreachable",
-            message=failure.message,
-            traceback=failure.traceback,
-            fault=fault,
-            lost=lost,
-        )
-        raise EnvCallFailed(unreachable) from exc
+        lost = ray_lost(exc, "env pool", call=method)
+        raise EnvCallFailed.of(
+            PoolUnreachable(failure.message, traceback=failure.traceback, lost=lost)
+        ) from exc
     return unwrap(response, method)
 
 
@@ -182,7 +189,7 @@ def forget_later(pool: Any, session_id: str) -> None:
 
 def _notice_unreachable(pool: Any, server_name: str) -> None:
     try:
-        pool.worker_unreachable.remote(server_name)  # a notice: nobody waits for its answer
+        pool.server_unreachable.remote(server_name)  # a notice: nobody waits for its answer
     except Exception:  # the pool is gone: nothing to tell
         pass
 
@@ -192,7 +199,7 @@ async def why_lost(pool: Any, server_name: str, detail: str, session_id: str) ->
     whether this session's own call was the one that wedged it."""
     try:
         reason, how, culprit = await asyncio.wait_for(
-            resolve(pool.worker_lost.remote(server_name, detail, session_id)), WHY_LOST_TIMEOUT_S
+            resolve(pool.server_lost.remote(server_name, detail, session_id)), WHY_LOST_TIMEOUT_S
         )
         return reason, how, culprit
     except Exception:  # the pool is gone or busy: Ray's word is all there is, and no verdict on the

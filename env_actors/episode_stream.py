@@ -22,8 +22,9 @@ import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+from env_actors.failures import EnvSessionClosed, UnexplainedEnvFailure
 from env_actors.interface import EnvResponse
-from rollout_actors.kernel import CallerError, Failure
+from rollout_actors.kernel import CallerError
 
 Frame = tuple[str, Any]
 """`("delta", bytes)`, `("reply", bytes)` or `("failed", Failure dict)`."""
@@ -54,7 +55,7 @@ async def stream_episode(
             if work.cancelled():  # the pool ended the session (a cancel, a lost caller): nobody reads on
                 yield (
                     "failed",
-                    Failure(type="EnvSessionClosed", message=f"{session_id} was ended").model_dump(),
+                    EnvSessionClosed(f"{session_id} was ended").failure.model_dump(),
                 )
                 return
             response = work.result()
@@ -63,7 +64,7 @@ async def stream_episode(
             else:
                 yield (
                     "failed",
-                    (response.error or Failure(type="EnvError", message="no reply")).model_dump(),
+                    (response.error or UnexplainedEnvFailure("no reply").failure).model_dump(),
                 )
             return
     finally:

@@ -51,6 +51,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, FiniteFloat, StrictBool, field_validator
 
 from rollout_actors.kernel import CallerError, Failure, check_json, ref_target
+from rollout_actors.kernel.faults import Fault
 
 Message = dict[str, Any]
 """One chat message in OpenAI format."""
@@ -165,10 +166,6 @@ class StepOut(BaseModel):
 
 EnvCallKind = Literal["ok", "env", "infrastructure", "caller"]
 
-DEADLINE_FAILURE = "EnvDeadline"
-"""`Failure.type` of a call that missed its deadline (raised by the server, the pool or the client): here,
-on the wire's side, so a client reads it without importing the server."""
-
 
 class EnvResponse(BaseModel):
     """The answer to every env call on the pool side: values and failures alike travel as data.
@@ -201,6 +198,11 @@ class EnvResponse(BaseModel):
         server_exit: str | None = None,
     ) -> EnvResponse:
         return cls(success=False, error=failure, kind=kind, server_name=server_name, server_exit=server_exit)
+
+    @classmethod
+    def of(cls, fault: Fault, server_name: str | None = None, server_exit: str | None = None) -> EnvResponse:
+        """The answer that reports `fault` (`env_actors.failures`): its class says its kind."""
+        return cls.failed(fault.failure, fault.kind, server_name=server_name, server_exit=server_exit)  # type: ignore[arg-type]
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         # One per env call crosses Ray: a plain tuple pickles at a fraction of pydantic's default state

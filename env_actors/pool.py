@@ -6,11 +6,11 @@
     await close_env_pool(pool)
 
 The pool is an async actor that only waits (num_cpus=0). It places each new session on the least-busy ready
-worker (`place_many`) and ends sessions (`end_session`), answering each call with an `EnvResponse` within the
-call's deadline, whatever happens to the worker meanwhile. A session's reset, steps and score go straight
-to its worker (`direct.py`): a relay would double every call's Ray round trips. The pool still hears of
-everything it must know: a session that ended with its scored step (`forget_many`), a worker a session
-saw die (`worker_lost`), and, for its idle reaper, which sessions their worker has seen no call from.
+env server (`place_many`) and ends sessions (`end_session`), answering each call with an `EnvResponse` within the
+call's deadline, whatever happens to the env server meanwhile. A session's reset, steps and score go straight
+to its env server (`direct.py`): a relay would double every call's Ray round trips. The pool still hears of
+everything it must know: a session that ended with its scored step (`forget_many`), an env server a session
+saw die (`server_lost`), and, for its idle reaper, which sessions their env server has seen no call from.
 Worker lifecycle (readiness, probes, budget, scaling) is the supervisor's job (`supervisor.py`).
 """
 
@@ -24,7 +24,17 @@ from typing import Any
 import ray
 
 from env_actors.config import EnvPoolConfig, EnvPoolStats
-from env_actors.interface import DEADLINE_FAILURE, EnvResponse
+from env_actors.failures import (
+    DuplicateEnvSession,
+    EnvNoAnswer,
+    EnvPoolClosed,
+    EnvServerLost,
+    EnvStartupError,
+    NoLiveEnvServer,
+    OwnerLost,
+    UnexplainedEnvFailure,
+)
+from env_actors.interface import EnvResponse
 from env_actors.sessions import OpenSessions
 from env_actors.supervisor import ServerSlot, Supervisor
 from rollout_actors.kernel import Failure, Ref
@@ -46,9 +56,9 @@ __all__ = [
 POOL_CALL_SLACK_S = 0.5
 """The server enforces each call's deadline itself; the pool waits this much longer, which only matters
 when the server cannot answer at all (blocked loop, frozen process)."""
-DEAD_WORKER_GRACE_S = 1.0
+DEAD_SERVER_GRACE_S = 1.0
 """Ray fails a dead actor's in-flight calls itself within ~10-60 ms, and its answer is authoritative (a
-value the worker returned before dying is kept), so a call whose worker died waits this long for it."""
+value the env server returned before dying is kept), so a call whose env server died waits this long for it."""
 POOL_MAX_CONCURRENCY = 10_000  # every in-flight env call of every rollout waits inside this actor
 POOL_ACTOR_START_TIMEOUT_S = 60.0  # the pool actor's process start and first answer
 POOL_STARTUP_SLACK_S = 10.0  # the pool's own answer, on top of the environment's readiness deadline
@@ -57,29 +67,20 @@ LOST_OWNER_MEMORY = 1_000  # lost owners remembered, so a placement one sent bef
 SESSION_REAP_EVERY_S = 1.0
 
 
-class EnvStartupError(RuntimeError):
-    """The environment could not be brought up: import or load failure (with its traceback), a worker that
-    died while loading past the restart budget, or the readiness deadline."""
-
-    def __init__(self, message: str, failure: Failure | None = None):
-        super().__init__(message)
-        self.failure = failure
-
-
 class EnvPool:
     """The supervisor actor of one environment. Use it through `start_env_pool` and `EnvSession`."""
 
     def __init__(self, name: str, env: Ref, config: EnvPoolConfig):
         self._name, self._config = name, config
         self._sessions = OpenSessions()
-        """The one pool-side record of open sessions; the supervisor reads its per-worker counts."""
+        """The one pool-side record of open sessions; the supervisor reads its per-server counts."""
         self._lost_owners: Recent[str, None] = Recent(LOST_OWNER_MEMORY)
         self._supervisor = Supervisor(name, env, config, self._sessions)
         self._started = False
         self._closed = False
 
     async def start(self, ready_timeout: float) -> EnvResponse:
-        """Bring up the first worker (readiness handshake) and start supervising. Idempotent."""
+        """Bring up the first env server (readiness handshake) and start supervising. Idempotent."""
         if not self._started and not self._closed:
             failure = await self._supervisor.start_first(ready_timeout)
             if failure is not None:
@@ -94,13 +95,13 @@ class EnvPool:
     # ----------------------------------------------------------------------------- session calls
 
     async def end_session(self, session_id: str, timeout: float) -> EnvResponse:
-        """End the session on its worker (which also stops a call of it still running there). Idempotent;
+        """End the session on its env server (which also stops a call of it still running there). Idempotent;
         a lost or unknown session is already ended."""
         session = self._sessions.get(session_id)
         if session is None:
             return EnvResponse.ok()
         self._forget(session_id)
-        slot = self._supervisor.children.get(session.worker)
+        slot = self._supervisor.children.get(session.server)
         if slot is None or slot.state != "ready":
             return EnvResponse.ok()
         return await self._call(
@@ -114,10 +115,10 @@ class EnvPool:
         wait_s: float = 0.0,
         known: list[str] | None = None,
     ) -> list[EnvResponse]:
-        """Place new sessions on the least-busy ready workers without starting them; each value is
-        `{"server_name": name, "handle": handle}`. The opener then sends `reset` to the worker itself (batched
-        with that worker's other calls, see `direct.py`), and ends the session with `end_session` if the reset
-        fails. A placed session counts toward placement at once. With no ready worker but a replacement
+        """Place new sessions on the least-busy ready env servers without starting them; each value is
+        `{"server_name": name, "handle": handle}`. The opener then sends `reset` to the env server itself (batched
+        with that env server's other calls, see `direct.py`), and ends the session with `end_session` if the reset
+        fails. A placed session counts toward placement at once. With no ready env server but a replacement
         starting, placement waits for it up to `wait_s`; with none coming it fails at once. `owner`: the
         opening actor (see `close_owned`); one already lost gets nothing. `known`: servers whose handles the
         opener holds; a placement on one of them comes with `"handle": None`."""
@@ -129,7 +130,7 @@ class EnvPool:
                 continue
             slot = await self._supervisor.wait_for(self._supervisor.least_busy, wait_s)
             if slot is None:
-                answers.append(self._no_live_worker())
+                answers.append(self._no_live_server())
                 continue
             self._sessions.add(session_id, slot.name, time.monotonic(), owner)
             handle = None if slot.name in held else slot.handle
@@ -146,11 +147,11 @@ class EnvPool:
             return refused
         slot = self._supervisor.spawn_alone(session_id)
         if slot is None:
-            return self._no_live_worker()
+            return self._no_live_server()
         await asyncio.wait({slot.up}, timeout=wait_s)
         if (refused := self._refused(session_id, owner)) is not None or slot.state != "ready":
             slot.alone_for = None  # it serves like any other server, once it is ready
-            return refused or self._no_live_worker()
+            return refused or self._no_live_server()
         self._sessions.add(session_id, slot.name, time.monotonic(), owner)
         return EnvResponse.ok({"server_name": slot.name, "handle": slot.handle}, slot.name)
 
@@ -159,15 +160,14 @@ class EnvPool:
         if self._closed:
             return self._closed_response()
         if owner is not None and owner in self._lost_owners:
-            lost = Failure(type="OwnerLost", message=f"the opener {owner} was lost; nothing is placed")
-            return EnvResponse.failed(lost)
+            return EnvResponse.of(OwnerLost(f"the opener {owner} was lost; nothing is placed"))
         if session_id in self._sessions:
-            return _caller_failure("DuplicateEnvSession", f"session id {session_id!r} is in use")
+            return EnvResponse.of(DuplicateEnvSession(f"session id {session_id!r} is in use"))
         return None
 
     async def close_owned(self, owner: str) -> int:
         """The actor `owner` was lost (a rollout worker killed or dead): end every session it opened, on
-        its worker (the environment's `close` runs), now rather than at the idle timeout. A placement it
+        its env server (the environment's `close` runs), now rather than at the idle timeout. A placement it
         sent before dying and that arrives later is refused. Returns how many sessions were ended."""
         self._lost_owners[owner] = None
         owned = self._sessions.owned_by(owner)
@@ -175,21 +175,21 @@ class EnvPool:
         return len(owned)
 
     async def forget_many(self, session_ids: list[str]) -> int:
-        """Sessions that ended on their worker with a scored step: drop them from placement."""
+        """Sessions that ended on their env server with a scored step: drop them from placement."""
         known = [sid for sid in session_ids if sid in self._sessions]
         for session_id in known:
             self._forget(session_id)
         return len(known)
 
-    async def worker_lost(self, worker: str, detail: str, session_id: str | None = None) -> tuple:
-        """A session's direct call found `worker` dead: retire it now if the supervisor has not yet (its
-        replacement starts at once), and say why and how it ended: (why, `wedged` where the supervisor
+    async def server_lost(self, server_name: str, detail: str, session_id: str | None = None) -> tuple:
+        """A session's direct call found env server `server_name` dead: retire it now if the supervisor has
+        not yet (its replacement starts at once), and say why and how it ended: (why, `wedged` where the supervisor
         judged it so and killed it, else `died`, whether `session_id`'s own call wedged it: None when the
-        worker named no call)."""
-        slot = self._supervisor.children.get(worker)
+        server named no call)."""
+        slot = self._supervisor.children.get(server_name)
         if slot is not None:
             self._supervisor.retire(slot, f"died: {detail}", "died")
-        retired = self._supervisor.retired.get(worker)
+        retired = self._supervisor.retired.get(server_name)
         reason, cause = retired.gone.result() if retired else (f"died: {detail}", "died")
         how = "wedged" if cause == "wedged" else "died"
         named = None  # the call that wedged it, else the one session it held (alone, it lost it)
@@ -198,17 +198,17 @@ class EnvPool:
         culprit = None if named is None or session_id is None else named == session_id
         return reason, how, culprit
 
-    async def worker_unreachable(self, worker: str) -> None:
-        """A session's direct call could not reach `worker` (its node lost or cut off): place nothing more
-        on it until it answers a probe again; the supervisor judges it wedged if it never does."""
-        slot = self._supervisor.children.get(worker)
+    async def server_unreachable(self, server_name: str) -> None:
+        """A session's direct call could not reach env server `server_name` (its node lost or cut off): place
+        nothing more on it until it answers a probe again; the supervisor judges it wedged if it never does."""
+        slot = self._supervisor.children.get(server_name)
         if slot is not None:
             slot.unreachable_at = time.monotonic()
 
     async def num_tasks(self) -> EnvResponse:
         """How many tasks the environment has (learned at readiness)."""
         if self._supervisor.num_tasks is None:
-            return self._no_live_worker()
+            return self._no_live_server()
         return EnvResponse.ok(self._supervisor.num_tasks)
 
     async def health(self) -> Health:
@@ -246,28 +246,28 @@ class EnvPool:
 
     # ---------------------------------------------------------------------------------- internals
 
-    async def _call(self, slot: ServerSlot, method: str, args: tuple, deadline: float) -> EnvResponse:
-        """One call on one worker, answered within `deadline` + slack whatever the worker does."""
-        ref = getattr(slot.handle, method).remote(*args, deadline)
+    async def _call(self, slot: ServerSlot, method: str, args: tuple, timeout_s: float) -> EnvResponse:
+        """One call on one env server, answered within `timeout_s` + slack whatever the server does."""
+        ref = getattr(slot.handle, method).remote(*args, timeout_s)
         call = asyncio.ensure_future(resolve(ref))
         slot.inflight += 1
         try:
             await asyncio.wait(
-                {call, slot.gone}, timeout=deadline + POOL_CALL_SLACK_S, return_when=asyncio.FIRST_COMPLETED
+                {call, slot.gone}, timeout=timeout_s + POOL_CALL_SLACK_S, return_when=asyncio.FIRST_COMPLETED
             )
             if not call.done() and slot.gone.done() and slot.gone.result()[1] == "died":
-                await asyncio.wait({call}, timeout=DEAD_WORKER_GRACE_S)
+                await asyncio.wait({call}, timeout=DEAD_SERVER_GRACE_S)
             if call.done():
                 return self._answer(slot, method, call)
             call.cancel()
             if slot.gone.done():
                 reason = slot.gone.result()[0]
                 message = f"env server {slot.name} was retired during {method}: {reason}"
-                return EnvResponse.failed(
-                    Failure(type="EnvServerLost", message=message), server_name=slot.name, server_exit=reason
-                )
-            message = f"{method} got no answer from env server {slot.name} within its {deadline:g} s deadline"
-            return EnvResponse.failed(Failure(type=DEADLINE_FAILURE, message=message), server_name=slot.name)
+                return EnvResponse.of(EnvServerLost(message), server_name=slot.name, server_exit=reason)
+            message = (
+                f"{method} got no answer from env server {slot.name} within its {timeout_s:g} s deadline"
+            )
+            return EnvResponse.of(EnvNoAnswer(message), server_name=slot.name)
         finally:
             slot.inflight -= 1
 
@@ -278,15 +278,15 @@ class EnvPool:
         if ray_loss(exc) == "died":
             detail = exit_detail(exc)
             self._supervisor.retire(slot, f"died: {detail}", "died")
-            failure = Failure(
-                type=type(exc).__name__, message=f"env server {slot.name} died during {method}: {detail}"
+            died = EnvServerLost(
+                f"env server {slot.name} died during {method}: {detail}", type_name=type(exc).__name__
             )
-            return EnvResponse.failed(failure, server_name=slot.name, server_exit=detail)
+            return EnvResponse.of(died, server_name=slot.name, server_exit=detail)
         return EnvResponse.failed(Failure.from_exception(exc), server_name=slot.name)
 
     def _forget(self, session_id: str) -> None:
         session = self._sessions.pop(session_id)
-        slot = self._supervisor.children.get(session.worker) if session else None
+        slot = self._supervisor.children.get(session.server) if session else None
         if slot is not None and slot.alone_for == session_id:
             slot.alone_for = None  # its quarantine is over: it serves like any other server
         if slot is not None and not self._sessions.on(slot.name):
@@ -294,16 +294,16 @@ class EnvPool:
 
     async def _reap_idle_sessions(self) -> None:
         """Close sessions untouched for `session_idle_timeout_s`: their owner is gone without closing. Steps
-        bypass the pool, so a session idle here is only a candidate: its worker says whether it is."""
+        bypass the pool, so a session idle here is only a candidate: its env server says whether it is."""
         idle_s = self._config.session_idle_timeout_s
         while not self._closed:
             await asyncio.sleep(SESSION_REAP_EVERY_S)
             cutoff = time.monotonic() - idle_s
             candidates: dict[str, list[str]] = {}
             for session_id, session in self._sessions.quiet_since(cutoff):
-                candidates.setdefault(session.worker, []).append(session_id)
-            for worker, session_ids in candidates.items():
-                slot = self._supervisor.children.get(worker)
+                candidates.setdefault(session.server, []).append(session_id)
+            for server_name, session_ids in candidates.items():
+                slot = self._supervisor.children.get(server_name)
                 if slot is None or slot.state != "ready":
                     continue
                 try:
@@ -311,7 +311,9 @@ class EnvPool:
                         resolve(slot.handle.idle_sessions.remote(session_ids, idle_s)),
                         self._config.probe_timeout_s,
                     )
-                except Exception:  # dead or wedged: the supervisor deals with the worker, and its sessions
+                except (
+                    Exception
+                ):  # dead or wedged: the supervisor deals with the env server, and its sessions
                     continue
                 now = time.monotonic()
                 for session_id in session_ids:
@@ -322,9 +324,9 @@ class EnvPool:
                     else:
                         self._sessions.touch(
                             session_id, now
-                        )  # busy on its worker: asked again a timeout later
+                        )  # busy on its env server: asked again a timeout later
 
-    def _no_live_worker(self) -> EnvResponse:
+    def _no_live_server(self) -> EnvResponse:
         sup = self._supervisor
         detail = f"{len(sup.starting())} starting, {sup.budget.remaining()} restarts left"
         if sup.stopped:
@@ -332,16 +334,10 @@ class EnvPool:
         message = (
             f"no live env server in pool {self._name!r} ({detail}); failing at once rather than queueing"
         )
-        return EnvResponse.failed(Failure(type="NoLiveEnvServer", message=message))
+        return EnvResponse.of(NoLiveEnvServer(message))
 
     def _closed_response(self) -> EnvResponse:
-        return EnvResponse.failed(
-            Failure(type="EnvPoolClosed", message=f"env pool {self._name!r} is shut down")
-        )
-
-
-def _caller_failure(type_: str, message: str) -> EnvResponse:
-    return EnvResponse.failed(Failure(type=type_, message=message), kind="caller")
+        return EnvResponse.of(EnvPoolClosed(f"env pool {self._name!r} is shut down"))
 
 
 _EnvPoolActor = ray.remote(max_restarts=0, max_task_retries=0)(EnvPool)
@@ -354,7 +350,7 @@ async def start_env_pool(
     ready_timeout: float = 300.0,
     scheduling_strategy: Any = None,
 ) -> Any:
-    """Create the named EnvPool actor and wait until its first worker is ready; return its handle.
+    """Create the named EnvPool actor and wait until its first env server is ready; return its handle.
     `scheduling_strategy`: where the pool actor itself goes (Ray's default when None).
 
     Raises `EnvStartupError` (the environment's own traceback in the message) on an import or load
@@ -387,7 +383,7 @@ async def start_env_pool(
         raise EnvStartupError(message, Failure.from_exception(exc)) from exc
     if not response.success:
         kill_actor(handle)
-        failure = response.error or Failure(type="EnvStartupError", message="unknown")
+        failure = response.error or UnexplainedEnvFailure("the pool did not say why").failure
         message = f"env pool {name!r} could not start {env.target}: {failure.type}: {failure.message}"
         if failure.traceback:
             message += f"\n--- environment traceback ---\n{failure.traceback}"

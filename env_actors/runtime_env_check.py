@@ -37,6 +37,7 @@ from collections.abc import Awaitable
 from typing import Any, TypeVar
 
 from env_actors.config import EnvRuntimeEnv
+from rollout_actors.kernel.faults import runtime_env_setup_error
 
 T = TypeVar("T")
 
@@ -68,9 +69,7 @@ async def started_unless_pip_fails(start: Awaitable[T], runtime_env: EnvRuntimeE
     try:
         await asyncio.wait({starting, checking}, return_when=asyncio.FIRST_COMPLETED)
         if not starting.done() and checking.result() is not None:
-            from ray.exceptions import RuntimeEnvSetupError  # Ray's own type: the one the supervisor reads
-
-            raise RuntimeEnvSetupError(checking.result())
+            raise runtime_env_setup_error(checking.result())
         return await starting
     finally:
         for task in (starting, checking):

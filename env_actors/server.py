@@ -17,12 +17,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import math
 import os
-import sys
-import threading
 import time
-from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
@@ -33,8 +29,9 @@ from env_actors.config import EnvCallLimits, EnvServerHealth
 from env_actors.env_calls import CALL, CallTag, stuck_call
 from env_actors.env_loop import EnvLoop, run_env_code
 from env_actors.episode_stream import Frame, serving_env, stream_episode
+from env_actors.failures import EnvDeadline, EnvSessionClosed
+from env_actors.held_sessions import HeldSessions
 from env_actors.interface import (
-    DEADLINE_FAILURE,
     EnvAnswer,
     EnvCall,
     EnvResponse,
@@ -44,7 +41,7 @@ from env_actors.interface import (
     check_index,
 )
 from env_actors.shared_deadline import SharedDeadline
-from rollout_actors.kernel import DEFAULT_ALLOWED_PREFIXES, CallerError, Failure, Ref, RefResolver
+from rollout_actors.kernel import DEFAULT_ALLOWED_PREFIXES, CallerError, Ref, RefResolver
 from rollout_actors.kernel.collector import settle_actor
 from rollout_actors.kernel.loop_watch import HEARTBEAT_S, LoopWatch
 
@@ -52,7 +49,6 @@ PROBE_GROUP = "probe"
 BATCH_LINGER_S = 0.02
 """Once one call of a batch has answered, how long the others may take to join its reply. Slower ones are
 answered by a later `collect`, so a slow step never holds a fast one back by more than this."""
-ENDED_MEMORY = 10_000  # ids of sessions closed before they started, oldest forgotten first
 BLOCKING_AFTER_S = 0.5  # a stall this long is worth naming the call that holds the loop
 UNCOLLECTED_TTL_S = 60.0  # an answer nobody collected (its caller gave up) is dropped after this
 
@@ -85,24 +81,19 @@ class EnvServer:
         self._env_packages = tuple(env_packages)
         """Module prefixes an adapter may import as the user's environment package (`allow_packages`);
         like the Ref allowlist, the pool's configuration: nothing a request carries reaches it."""
-        self._ended: OrderedDict[str, None] = OrderedDict()
-        """Sessions closed before their reset arrived (a cancelled open): their late reset is refused, so
-        it cannot start a session nobody will close."""
-        self._last_used: dict[str, float] = {}
-        self._busy: dict[str, int] = {}
-        """Calls in flight per session: a session in the middle of a call is never idle."""
+        self._sessions = HeldSessions(name)
+        """One record per session: its state, its calls in flight, when it was last used."""
         self._tickets = itertools.count()
-        self._batched: dict[int, tuple[str, asyncio.Task[EnvResponse]]] = {}
-        """Ticket -> (session, call) of batched calls not yet collected (`call_many` / `collect`)."""
+        self._batched: dict[int, asyncio.Task[EnvResponse]] = {}
+        """Ticket -> call of batched calls not yet collected (`call_many` / `collect`)."""
         self._env: Any = None
         self._phase = "created"
         """created -> constructing -> loading -> ready | failed; shown in readiness diagnostics."""
-        self._sessions: dict[str, Any] = {}
         self._watch = LoopWatch()
         """How long the env loop has gone without progress (the `LoopWatch` rule: load is no stall)."""
         self._sampler: asyncio.Task | None = None
-        self._loop_thread: int | None = None
-        """The env loop's thread: where a probe looks for the env call that blocks it."""
+        self._loop: asyncio.AbstractEventLoop | None = None
+        """The env loop, once loading: a probe asks it which task it is running when it stalls."""
         self._env_loop = EnvLoop()
 
     async def start(self) -> EnvResponse:
@@ -116,7 +107,7 @@ class EnvServer:
         return response
 
     async def _load(self) -> EnvResponse:
-        self._loop_thread = threading.get_ident()
+        self._loop = asyncio.get_running_loop()
         self._watch.bind()
         try:
             self._phase = "constructing"
@@ -150,9 +141,9 @@ class EnvServer:
     async def health(self) -> EnvServerHealth:
         """Liveness, answered from the probe loop even while env code blocks the default loop. `calls`: env
         calls running now (an operator, or a test, sees a call start without guessing)."""
-        if self._sampler is None and self._loop_thread is not None:
+        if self._sampler is None and self._loop is not None:
             self._sampler = asyncio.create_task(self._sample())  # on this, the probe group's loop
-        stall = self._watch.stall_s() if self._loop_thread is not None else 0.0
+        stall = self._watch.stall_s() if self._loop is not None else 0.0
         blocking = self._blocking_session() if stall > BLOCKING_AFTER_S else None
         if (stuck := stuck_call()) is not None and stuck[1] > stall:
             # Env code stuck in a thread past its call's deadline: that thread is lost for good (and with
@@ -162,8 +153,8 @@ class EnvServer:
             phase=self._phase,
             loop_stall_s=stall,
             blocking=blocking,
-            sessions=len(self._sessions),
-            calls=sum(self._busy.values()),
+            sessions=self._sessions.open_count(),
+            calls=self._sessions.calls_in_flight(),
             pid=os.getpid(),
         )
 
@@ -173,15 +164,10 @@ class EnvServer:
             await asyncio.sleep(HEARTBEAT_S)
 
     def _blocking_session(self) -> str | None:
-        """The session whose env call holds the default loop now: its reset, step or score frame is on that
-        thread's stack. The supervisor keeps it when it retires the server as wedged, so the one request
-        that wedged it is told apart from the sessions that only shared its server (`Loss.culprit`)."""
-        frame = sys._current_frames().get(self._loop_thread) if self._loop_thread is not None else None
-        while frame is not None:
-            if frame.f_code in _ENV_CALL_CODES:
-                return frame.f_locals.get("session_id")
-            frame = frame.f_back
-        return None
+        """The session whose call holds the env loop now: the task the loop is running is one of its calls
+        (its record says so). The supervisor keeps it when it retires the server as wedged, so the one
+        request that wedged it is told apart from the sessions that only shared its server (`Loss.culprit`)."""
+        return self._sessions.holding(asyncio.current_task(self._loop) if self._loop is not None else None)
 
     # ------------------------------------------------------------------------------ session calls
 
@@ -219,14 +205,10 @@ class EnvServer:
         return await self._env_loop.run(self._episode(session_id, payload, send, timeout))
 
     async def _episode(self, session_id: str, payload: bytes, send: Any, timeout: float) -> EnvResponse:
-        ticket = next(self._tickets)
         task = asyncio.current_task()
         assert task is not None
-        self._batched[ticket] = (session_id, task)  # the session's call: `end_session` stops it like a step
-        try:
-            return await self._guard("run", timeout, self._serve(session_id, payload, send), session_id)
-        finally:
-            self._batched.pop(ticket, None)
+        self._sessions.stop_with_session(session_id, task)  # the session's call: `end_session` stops it
+        return await self._guard("run", timeout, self._serve(session_id, payload, send), session_id)
 
     async def _serve(self, session_id: str, payload: bytes, send: Any) -> bytes:
         return await serving_env(self._loaded())(payload, send)
@@ -250,10 +232,11 @@ class EnvServer:
                 deadline.join()
                 work = self._run(call, deadline)
             else:
-                failure = Failure(type="CallerError", message=f"{call.method!r} cannot be batched")
-                work = _answer(EnvResponse.failed(failure, "caller", self._name))
+                refused = CallerError(f"{call.method!r} cannot be batched")
+                work = _answer(EnvResponse.of(refused, self._name))
             ticket = next(self._tickets)
-            self._batched[ticket] = (call.session_id, loop.create_task(work))
+            self._batched[ticket] = task = loop.create_task(work)
+            self._sessions.stop_with_session(call.session_id, task)
             tickets.append(ticket)
         # One timer per batch, not one per call: most answers are collected at once and it finds nothing.
         loop.call_later(UNCOLLECTED_TTL_S, self._drop_uncollected, tickets, ())
@@ -267,9 +250,9 @@ class EnvServer:
             self._batched.pop(ticket, None)
         running, done = [], []
         for ticket in tickets:
-            entry = self._batched.get(ticket)
-            if entry is not None:
-                (done if entry[1].done() else running).append(ticket)
+            task = self._batched.get(ticket)
+            if task is not None:
+                (done if task.done() else running).append(ticket)
         if running or done:
             asyncio.get_running_loop().call_later(
                 UNCOLLECTED_TTL_S, self._drop_uncollected, running, tuple(done)
@@ -303,44 +286,35 @@ class EnvServer:
     async def _collect(self, tickets: list[int]) -> list[EnvAnswer]:
         """Answers of batched calls: each one finished within `BATCH_LINGER_S` of the first to finish;
         None for those still running (ask again). A ticket nobody holds any more answers a failure."""
-        calls = [entry[1] for t in tickets if (entry := self._batched.get(t)) is not None]
+        calls = [call for t in tickets if (call := self._batched.get(t)) is not None]
         if calls and not any(call.done() for call in calls):
             await asyncio.wait(calls, return_when=asyncio.FIRST_COMPLETED)
         if pending := [call for call in calls if not call.done()]:
             await asyncio.wait(pending, timeout=BATCH_LINGER_S)
         answers: list[EnvAnswer] = []
         for ticket in tickets:
-            entry = self._batched.get(ticket)
-            if entry is not None and not entry[1].done():
+            call = self._batched.get(ticket)
+            if call is not None and not call.done():
                 answers.append(EnvAnswer(ticket, None))
                 continue
             self._batched.pop(ticket, None)
-            if entry is None or entry[1].cancelled():
+            if call is None or call.cancelled():
                 message = f"batched call {ticket} was ended before it answered (its session closed)"
-                answers.append(
-                    EnvAnswer(ticket, EnvResponse.failed(Failure(type="EnvSessionClosed", message=message)))
-                )
+                answers.append(EnvAnswer(ticket, EnvResponse.of(EnvSessionClosed(message))))
             else:
-                answers.append(EnvAnswer(ticket, entry[1].result()))
+                answers.append(EnvAnswer(ticket, call.result()))
         return answers
 
     async def idle_sessions(self, session_ids: list[str], idle_s: float) -> list[str]:
         """Which of these sessions have had no call for `idle_s` and none in flight (the pool's reaper
         asks: steps come here directly, so only this server knows). Unknown ids count as idle."""
-        cutoff = time.monotonic() - idle_s
-        return [
-            sid
-            for sid in session_ids
-            if sid not in self._busy and self._last_used.get(sid, -math.inf) < cutoff
-        ]
+        return self._sessions.idle(session_ids, time.monotonic() - idle_s)
 
     async def end_session(self, session_id: str, timeout: float) -> EnvResponse:
         return await self._env_loop.run(self._end_session(session_id, timeout))
 
     async def _end_session(self, session_id: str, timeout: float) -> EnvResponse:
-        for owner, task in list(self._batched.values()):  # its step or score still running stops here
-            if owner == session_id:
-                task.cancel()
+        self._sessions.stop_calls(session_id)  # its step or score still running stops here
         return await self._guard("close", timeout, self._close(session_id))
 
     async def _guard(
@@ -354,9 +328,9 @@ class EnvServer:
         """Run one call under its deadline (`timeout` from now, or the shared `deadline`) and answer it as
         an `EnvResponse`. A session's call counts as busy while it runs (the reaper never takes it for
         idle) and marks the session used when it ends."""
-        tagged = None
-        if session_id is not None:
-            self._busy[session_id] = self._busy.get(session_id, 0) + 1
+        tagged, task = None, asyncio.current_task()
+        if session_id is not None and task is not None:
+            self._sessions.call_started(session_id, task)
             tagged = CALL.set(CallTag(session_id, time.monotonic() + timeout))  # this call's task only
         # A scope, not `wait_for`: no second task per call.
         scope = asyncio.timeout(timeout if deadline is None else None)
@@ -370,44 +344,24 @@ class EnvServer:
             if not scope.expired():  # the environment's own TimeoutError, not our deadline
                 return EnvResponse.from_exception(exc, self._name)
             message = f"{method} exceeded its {timeout:g} s deadline on env server {self._name}"
-            missed = Failure(type=DEADLINE_FAILURE, message=message, fault="env")  # the environment's
-            return EnvResponse.failed(missed, "env", server_name=self._name)
+            return EnvResponse.of(EnvDeadline(message), server_name=self._name)  # the environment's
         except Exception as exc:
             return EnvResponse.from_exception(exc, self._name)
         finally:
             if deadline is not None:
                 deadline.leave(scope)
-            if session_id is not None:
-                self._release(session_id)
             if tagged is not None:
                 CALL.reset(tagged)
-
-    def _release(self, session_id: str) -> None:
-        if busy := self._busy[session_id] - 1:
-            self._busy[session_id] = busy
-        else:
-            del self._busy[session_id]
-        if session_id in self._sessions:
-            self._last_used[session_id] = time.monotonic()
+                self._sessions.call_ended(session_id, task, time.monotonic())  # type: ignore[arg-type]
 
     def _loaded(self) -> Any:
         if self._env is None:
             raise RuntimeError(f"env server {self._name} is not loaded (phase {self._phase})")
         return self._env
 
-    def _state(self, session_id: str) -> Any:
-        if session_id not in self._sessions:
-            raise CallerError(
-                f"no session {session_id!r} on env server {self._name} (closed or never started)"
-            )
-        return self._sessions[session_id]
-
     async def _reset(self, session_id: str, task_index: int | None, task: dict[str, Any] | None) -> dict:
         env = self._loaded()
-        if session_id in self._sessions:
-            raise CallerError(f"session {session_id!r} already exists")
-        if session_id in self._ended:
-            raise CallerError(f"session {session_id!r} was closed before it started")
+        self._sessions.refuse_reset(session_id)
         if (task_index is None) == (task is None):
             raise CallerError("give exactly one of task_index and task")
         if task is None:
@@ -418,12 +372,11 @@ class EnvServer:
         out = ResetOut(
             session_id=session_id, messages=start.messages, tools=start.tools, server_name=self._name
         )
-        self._sessions[session_id] = start.state
-        self._last_used[session_id] = time.monotonic()
+        self._sessions.open(session_id, start.state, time.monotonic())
         return out.model_dump()
 
     async def _step(self, session_id: str, message: dict[str, Any], score_if_done: bool = False) -> dict:
-        state = self._state(session_id)
+        state = self._sessions.state(session_id)
         if not isinstance(message, dict) or message.get("role") != "assistant":
             raise CallerError("step takes an assistant message: a dict with role 'assistant'")
         out = StepOut.model_validate(await run_env_code(self._loaded().step, state, message))
@@ -439,23 +392,18 @@ class EnvServer:
         return answer
 
     async def _agent(self, session_id: str, endpoint: dict[str, Any], timeout: float) -> dict:
-        state = self._state(session_id)
+        state = self._sessions.state(session_id)
         return await run_agent_session(self._loaded(), state, AgentEndpoint.from_wire(endpoint), timeout)
 
     async def _score(self, session_id: str) -> dict:
-        state = self._state(session_id)
+        state = self._sessions.state(session_id)
         return ScoreOut.model_validate(await run_env_code(self._loaded().score, state)).model_dump()
 
     async def _close(self, session_id: str) -> None:
-        # Idempotent: closing an unknown session is a no-op, so a retried or late close is harmless. It is
-        # remembered, so a reset still on its way (the opener was cancelled) does not start it afterwards.
-        if session_id not in self._sessions:
-            self._ended[session_id] = None
-            while len(self._ended) > ENDED_MEMORY:
-                self._ended.popitem(last=False)
+        # Idempotent (`HeldSessions.close`): a retried or late close is harmless.
+        was_open, state = self._sessions.close(session_id)
+        if not was_open:
             return None
-        state = self._sessions.pop(session_id)
-        self._last_used.pop(session_id, None)
         if hasattr(self._env, "close"):
             await run_env_code(self._env.close, state)
         return None
@@ -470,14 +418,6 @@ class EnvServer:
             logger.warning(
                 "env server %s: close of scored session %s raised", self._name, session_id, exc_info=True
             )
-
-
-_ENV_CALL_CODES = {
-    EnvServer._reset.__code__,
-    EnvServer._step.__code__,
-    EnvServer._score.__code__,
-    EnvServer._serve.__code__,
-}
 
 
 async def _answer(response: EnvResponse) -> EnvResponse:

@@ -35,6 +35,7 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ValidationError
 
 from env_actors.direct import EnvCallFailed, call_server, forget_later, place, pool_call
+from env_actors.failures import EnvSessionClosed
 from env_actors.interface import EnvResponse, ResetOut, ScoreOut, SessionMethod, StepOut
 from rollout_actors.kernel import Failure, new_id
 from rollout_actors.kernel.renamed import warn_renamed
@@ -181,10 +182,7 @@ class EnvSession:
 
     def _check_open(self, method: str) -> None:
         if self.closed:
-            failure = Failure(
-                type="EnvSessionClosed", message=f"{method} on closed env session {self.session_id}"
-            )
-            raise EnvCallFailed(failure, "caller")
+            raise EnvCallFailed.of(EnvSessionClosed(f"{method} on closed env session {self.session_id}"))
 
 
 async def _call(submit: Any, timeout: float, method: str) -> Any:

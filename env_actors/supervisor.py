@@ -26,6 +26,7 @@ import uuid
 from dataclasses import dataclass
 
 from env_actors.config import EnvPoolConfig, EnvServerHealth, EnvServerInfo
+from env_actors.failures import EnvReadinessTimeout, EnvServerDied, LoadError, UnexplainedEnvFailure
 from env_actors.runtime_env_check import interpreter_problem, started_unless_pip_fails
 from env_actors.sessions import OpenSessions
 from env_actors.spawn import create_env_server
@@ -60,14 +61,6 @@ def _read_blocker(slot: ServerSlot, sent: int, answer: asyncio.Future[EnvServerH
         return
     if slot.state == "ready":  # a retired server's blocker was read at its retirement
         slot.answered, slot.blocking = sent, answer.result().blocking
-
-
-class LoadError(Exception):
-    """A server could not load the environment: `failure` says why, with the environment's traceback."""
-
-    def __init__(self, failure: Failure) -> None:
-        super().__init__(f"{failure.type}: {failure.message}")
-        self.failure = failure
 
 
 @dataclass(eq=False)
@@ -173,14 +166,14 @@ class Supervisor(KernelSupervisor[ServerSlot], ChildKind[ServerSlot]):
         except LoadError as exc:
             return exc.failure
         except TimeoutError as exc:
-            return Failure(type="EnvReadinessTimeout", message=str(exc))
+            return EnvReadinessTimeout(str(exc)).failure
         except Exception as exc:
             if not isinstance(exc, RestartBudgetSpent) and ray_loss(exc) != "died":
                 return Failure.from_exception(exc)  # e.g. nothing could be created (malformed resources)
             deadline = f"readiness deadline ({ready_timeout:g} s) passed; last loss: {self.last_loss}"
             why = exc if isinstance(exc, RestartBudgetSpent) else deadline
             message = f"env server died while loading {self.spawn_failures} time(s); {why}"
-            return Failure(type="EnvServerDied", message=message)
+            return EnvServerDied(message).failure
 
     # ------------------------------------------------------------------------- the kind's hooks
 
@@ -201,7 +194,7 @@ class Supervisor(KernelSupervisor[ServerSlot], ChildKind[ServerSlot]):
                 ) from exc
             raise
         if not response.success:
-            raise LoadError(response.error or Failure(type="EnvLoadError", message="start failed"))
+            raise LoadError(response.error or UnexplainedEnvFailure("start failed").failure)
         await resolve(slot.handle.health.remote())
         info = response.value or {}
         slot.pid, slot.node_id = info.get("pid"), info.get("node_id")
@@ -241,12 +234,12 @@ class Supervisor(KernelSupervisor[ServerSlot], ChildKind[ServerSlot]):
 
     def on_retired(self, slot: ServerSlot, reason: str, cause: RetireCause) -> None:
         # A server holding one session (in quarantine, or by chance) was lost by it, if by anyone: what it
-        # names when no probe named the call that wedged it, and what names a death (`EnvPool.worker_lost`).
+        # names when no probe named the call that wedged it, and what names a death (`EnvPool.server_lost`).
         slot.only_session = self.sessions.only_one_on(slot.name)
         if cause == "wedged" and slot.blocking is None:
             slot.blocking = slot.only_session
         # Their calls fail on the dead server; `end_session` finds them gone.
-        self.sessions.drop_worker(slot.name)
+        self.sessions.drop_server(slot.name)
 
     def tick(self, now: float) -> None:
         cfg = self.config

@@ -34,7 +34,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import ray
-from ray.exceptions import RayTaskError
 
 from renderer_actors.batching import RenderCallFailed, batched_calls
 from renderer_actors.calls import (
@@ -49,15 +48,7 @@ from renderer_actors.config import RendererConfig
 from renderer_actors.key import RendererKey
 from renderer_actors.parse import ParsedCompletion
 from rollout_actors.kernel import CallerError, Loss, Part
-from rollout_actors.kernel.faults import (
-    Fault,
-    LoadFailed,
-    PartLost,
-    Unavailable,
-    exit_detail,
-    ray_loss,
-    remote_cause,
-)
+from rollout_actors.kernel.faults import Fault, LoadFailed, PartLost, Unavailable, far_cause, ray_part_lost
 
 CLOSE_TIMEOUT_S = 5.0  # returning a slot must not hold a finished rollout hostage
 MAX_CACHED_KEYS = 256  # (model, renderer config) pairs one process resolves; a run uses a handful
@@ -289,6 +280,7 @@ class RendererSession:
             deadline,
             "renderer",
             "ready",
+            loads=True,
         )
 
     async def _call(self, method: str, timeout: float | int, *args: Any) -> Any:
@@ -301,15 +293,16 @@ class RendererSession:
         call = batched_calls().call(self.renderer_id, self._renderer, method, args, left)
         return await self._remote(call, deadline, "renderer", method)
 
-    async def _remote(self, call: Any, deadline: float, part: Part, method: str) -> Any:
+    async def _remote(self, call: Any, deadline: float, part: Part, method: str, loads: bool = False) -> Any:
         """Await one remote call (an ObjectRef, or a batched call's coroutine, which was given the same
-        deadline and keeps it) within the deadline, every failure a kernel fault."""
+        deadline and keeps it) within the deadline, every failure a kernel fault. `loads`: the call is the
+        key's load (`ready`), which carries nothing of this request."""
         name = self.renderer_id if part == "renderer" else None
         what = f"{part} {name} {method}" if name else f"{part} {method}"
-        # `ready` (the key's load) carries nothing of this request: whatever becomes of the renderer during
-        # it is no evidence against the request (`culprit` False): re-dispatched within its own bound,
-        # never poison. A load that hangs or fails is the pool's to end (`ready_timeout_s`).
-        culprit = False if method == "ready" else None
+        # Whatever becomes of the renderer during a load is no evidence against the request (`culprit`
+        # False): re-dispatched within its own bound, never poison. A load that hangs or fails is the
+        # pool's to end (`ready_timeout_s`).
+        culprit = False if loads else None
         left = deadline - time.monotonic()
         try:
             if left <= 0:
@@ -321,7 +314,7 @@ class RendererSession:
         except TimeoutError:
             _cancel(call)
             lost = Loss(part=part, how="wedged", call=method, step=self.step, name=name, culprit=culprit)
-            if method == "ready":
+            if loads:
                 raise PartLost(f"{what}: still loading when the call's time ran out", lost=lost) from None
             raise PartLost(f"{what} did not answer within its deadline", lost=lost) from None
         except RenderCallFailed as exc:
@@ -332,15 +325,14 @@ class RendererSession:
                 f"{what} failed: {failure.type}: {failure.message}", traceback=failure.traceback
             ) from None
         except Exception as exc:
-            how = ray_loss(exc)
-            if how is not None:  # the renderer (or the pool) died or cannot be reached
-                lost = Loss(part=part, how=how, call=method, step=self.step, name=name, culprit=culprit)
-                if part == "renderer" and how == "died" and name is not None:
+            lost = ray_part_lost(exc, part, name, call=method, step=self.step, culprit=culprit, what=what)
+            if lost is not None:  # the renderer (or the pool) died or cannot be reached
+                if part == "renderer" and lost.lost.how == "died" and name is not None:
                     _notice_dead(self._pool, name)
-                raise PartLost(f"{what}: {lost.describe()}: {exit_detail(exc)}", lost=lost) from None
-            if not isinstance(exc, RayTaskError):
+                raise lost from None
+            if far_cause(exc) is None:  # not raised on the far side: not a fault of the call's
                 raise
-            raise _far_fault(exc, what, method) from None
+            raise _far_fault(exc, what, part, loads) from None
 
 
 _KEYS: dict[tuple[str, str], tuple[RendererKey, str]] = {}
@@ -364,32 +356,34 @@ def _key_of(model: str, config: RendererConfig) -> tuple[RendererKey, str]:
     return known
 
 
-def _far_fault(exc: RayTaskError, what: str, method: str) -> Fault:
-    """The fault a call raised on the renderer's (or the pool's) side, typed as it was raised there: a
-    load's failure (or the pool's hold of one) a `RendererLoadFailed`, `caller` where the load refused
-    what the key names; the pool's refusal a `RendererUnavailable`."""
-    cause = remote_cause(exc)
-    if method == "ready" or (isinstance(cause, Fault) and cause.fault == "load"):
+def _far_fault(exc: BaseException, what: str, part: Part, loads: bool) -> Fault:
+    """The fault a call raised on the renderer's (or the pool's) side (`exc`: Ray's word on it, the cause
+    within), typed as it was raised there: a load's failure (or the pool's hold of one) a
+    `RendererLoadFailed`, `caller` where the load refused what the key names; the pool's refusal a
+    `RendererUnavailable`."""
+    cause = far_cause(exc) or exc
+    far_traceback = str(exc)
+    if loads or (isinstance(cause, Fault) and cause.fault == "load"):
         caller = isinstance(cause, CallerError) or (isinstance(cause, Fault) and cause.kind == "caller")
         return RendererLoadFailed(
             f"{what}: {cause}"
             if isinstance(cause, Fault)
             else f"{what} failed: {type(cause).__name__}: {cause}",
             type_name=cause.type_name if isinstance(cause, Fault) else None,
-            traceback=str(exc),
+            traceback=far_traceback,
             kind="caller" if caller else "infrastructure",
         )
     if isinstance(cause, Fault):
         by_class = {"unavailable": RendererUnavailable, "caller": RendererCallerError}.get(cause.fault)
         if by_class is not None:
-            return by_class(str(cause), type_name=cause.type_name, traceback=str(exc))
+            return by_class(str(cause), type_name=cause.type_name, traceback=far_traceback)
         fault = Fault.from_failure(cause.failure, kind=cause.kind)
-        fault.traceback = fault.traceback or str(exc)
+        fault.traceback = fault.traceback or far_traceback
         return fault
     message = f"{what} failed: {type(cause).__name__}: {cause}"
-    if method != "acquire" and isinstance(cause, ValueError):
-        return RendererCallerError(message, traceback=str(exc))
-    return RendererUnavailable(message, traceback=str(exc))
+    if part == "renderer" and isinstance(cause, ValueError):  # a renderer refusing what the request sent
+        return RendererCallerError(message, traceback=far_traceback)
+    return RendererUnavailable(message, traceback=far_traceback)
 
 
 def _notice_dead(pool: Any, renderer_id: str) -> None:

@@ -465,7 +465,9 @@ class Result(BaseModel):
             group_id=group_id or valid_id(fields.get("group_id")),
             lane=valid_id(fields.get("lane")) or "train",
             kind="caller",
-            error=Failure(type=type(exc).__name__, message=f"invalid request: {describe_invalid(exc)}"),
+            error=CallerError(
+                f"invalid request: {describe_invalid(exc)}", type_name=type(exc).__name__
+            ).failure,
             started_at=now,
             finished_at=now,
         )

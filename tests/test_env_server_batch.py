@@ -11,8 +11,9 @@ import pytest
 from waiting import runner
 
 import env_actors.server as server_module
+from env_actors.failures import EnvDeadline
 from env_actors.faults.envs import SleepsOnRequestEnv
-from env_actors.interface import DEADLINE_FAILURE, EnvAnswer, EnvCall, EnvResponse
+from env_actors.interface import EnvAnswer, EnvCall, EnvResponse
 from env_actors.server import EnvServer
 from env_actors.shared_deadline import SharedDeadline
 from rollout_actors.kernel import Failure, Ref
@@ -73,10 +74,10 @@ def test_calls_of_one_batch_keep_their_own_deadlines_and_the_environments_timeou
         got = await answers_of(server, replies)
         fast, missed, slow, own = (got[reply.ticket] for reply in replies)
         assert fast.success and slow.success
-        assert not missed.success and missed.kind == "env" and missed.error.type == DEADLINE_FAILURE
+        assert not missed.success and missed.kind == "env" and missed.error.type == EnvDeadline.__name__
         assert "0.3 s deadline" in missed.error.message
         assert not own.success and own.error.type == "TimeoutError" and own.kind == "env"
-        assert server._busy == {}  # nothing counts as in flight once answered
+        assert server._sessions.calls_in_flight() == 0  # nothing counts as in flight once answered
 
     run(body())
 
@@ -87,7 +88,7 @@ def test_the_pools_limit_caps_a_batched_calls_deadline():
         (sid,) = await open_sessions(server, 1)
         (reply,) = await server.call_many([EnvCall("step", sid, (says("sleep:5"),), 30.0)])
         missed = (await answers_of(server, [reply]))[reply.ticket]
-        assert missed.error.type == DEADLINE_FAILURE and "0.2 s deadline" in missed.error.message
+        assert missed.error.type == EnvDeadline.__name__ and "0.2 s deadline" in missed.error.message
 
     run(body())
 

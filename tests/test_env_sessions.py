@@ -17,7 +17,7 @@ def test_the_quiet_sessions_are_those_not_heard_of_since_the_cutoff_oldest_first
     record = sessions_at(("s1", "env0", 1.0), ("s2", "env1", 2.0), ("s3", "env0", 3.0))
     assert [sid for sid, _ in record.quiet_since(2.5)] == ["s1", "s2"]
     assert record.quiet_since(1.0) == []
-    assert [session.worker for _, session in record.quiet_since(9.0)] == ["env0", "env1", "env0"]
+    assert [session.server for _, session in record.quiet_since(9.0)] == ["env0", "env1", "env0"]
 
 
 def test_a_session_heard_of_again_leaves_the_quiet_ones_and_keeps_its_place_on_its_worker():
@@ -30,8 +30,8 @@ def test_a_session_heard_of_again_leaves_the_quiet_ones_and_keeps_its_place_on_i
 
 def test_ended_sessions_leave_the_order_and_the_index_together():
     record = sessions_at(("s1", "env0", 1.0), ("s2", "env1", 2.0), ("s3", "env0", 3.0))
-    assert record.pop("s1").worker == "env0"
-    assert record.drop_worker("env1") == ["s2"]
+    assert record.pop("s1").server == "env0"
+    assert record.drop_server("env1") == ["s2"]
     assert [sid for sid, _ in record.quiet_since(9.0)] == ["s3"]
     assert record.on("env0") == 1 and record.only_one_on("env0") == "s3" and len(record) == 1
     assert record.owned_by("worker-a") == ["s3"] and "s1" not in record

@@ -165,7 +165,9 @@ def test_a_fault_raised_on_the_renderer_side_reaches_the_rollout_typed_as_it_was
     ]
     for cause, method, expected, kind in cases:
         cause = pickle.loads(pickle.dumps(cause))  # as Ray ships it
-        fault = _far_fault(RayTaskError("f", "traceback text", cause), f"renderer {method}", method)
+        part = "renderer pool" if method == "acquire" else "renderer"
+        raised = RayTaskError("f", "traceback text", cause)
+        fault = _far_fault(raised, f"{part} {method}", part, loads=method == "ready")
         assert isinstance(fault, expected) and fault.kind == kind, (cause, fault)
         assert fault.failure.lost is None and fault.failure.traceback
 
@@ -192,7 +194,9 @@ def test_a_renderer_session_blames_no_request_for_what_happens_to_its_renderer_d
         session = RendererSession(pool, key=None, multiplex=1, key_json="{}")
         session.renderer_id = "renderer-1"
         with pytest.raises(PartLost) as lost:
-            await session._remote(call(), time.monotonic() + 0.05, "renderer", method)
+            await session._remote(
+                call(), time.monotonic() + 0.05, "renderer", method, loads=method == "ready"
+            )
         return lost.value.lost
 
     async def body() -> None:

@@ -62,7 +62,7 @@ class FakePool:
         self.alone: set[str] = set()
         self.place_many = _Remote(self._place_many)
         self.place_alone = _Remote(self._place_alone)
-        self.worker_lost = _Remote(
+        self.server_lost = _Remote(
             lambda name, detail, sid: _value(
                 (f"died: {detail}", "died", True if name in self.alone else None)
             )

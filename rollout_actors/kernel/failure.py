@@ -49,7 +49,7 @@ Part = Literal["worker", "env server", "renderer", "env pool", "renderer pool"]
 How = Literal["died", "wedged", "unreachable"]
 """How a part was lost: Ray says it died, it was judged wedged (alive, no progress past its hang
 timeout), or its node cannot be reached."""
-FaultName = Literal["caller", "model", "env", "lost", "load", "poison", "unavailable"]
+FaultName = Literal["caller", "model", "env", "lost", "load", "poison", "unavailable", "cancelled"]
 """Which class of the kernel's hierarchy (`kernel.faults`) a failure is: what decisions read."""
 
 

@@ -8,15 +8,22 @@
     LoadFailed        caller | infra     a part could not load what the request names (tokenizer, env)
     PoisonRequest     env | infra        the request lost a part the same way at the same point twice
     Unavailable       infrastructure     nothing live to serve it, a budget spent, a deadline passed
+    Cancelled         cancelled          the caller or the plane cancelled it
+
+Each failure a side reports is one subclass of these, named for it and constructed where it happens
+(`NoLiveEnvServer("...")`), so its class, and with it its fault and result kind, is fixed in one place;
+a `Failure` is built only here (`Fault.failure`), never typed by hand.
 
 A fault is classified where it happens and crosses Ray as data: `fault.failure` is a `Failure` whose
 `fault`, `lost` and `losses` fields say which class and which part; `Fault.from_failure` rebuilds the
 exception on the far side. The plane decides re-dispatch and poison from those fields
 (`rollout_actors.plane.redispatch`), never from `type` or `message`.
 
-Ray's own exceptions are read here and nowhere else (`ray_loss`, `ray_errors`), as httpx maps its
-transport's errors in one place: an actor Ray says is dead is `died`, one it cannot reach is
-`unreachable`; anything else Ray raises is not a loss and propagates.
+Ray's own exceptions are read here and nowhere else, as httpx maps its transport's errors in one place:
+an actor Ray says is dead is `died`, one it cannot reach is `unreachable` (`ray_loss`); at a boundary a
+Ray call crosses, that becomes the `Loss` of the part it went to (`ray_lost`, `ray_part_lost`, or the
+`ray_errors` scope); an error raised on the far side is read back as the exception it was there
+(`far_cause`); anything else Ray raises is not a loss and propagates (`is_ray_error` tells it apart).
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ from __future__ import annotations
 import traceback as traceback_module
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from rollout_actors.kernel.failure import CarriesFailure, Failure, FaultName, How, Loss, Part
 
@@ -37,6 +44,8 @@ class Fault(CarriesFailure):
     fault: ClassVar[FaultName]
     kind: str = "infrastructure"
     """The result kind (`ok` never): a class default, set per instance where the class allows two."""
+    carried: Failure | None = None
+    """The far side's failure this fault stands for, when it carries one (`carries`)."""
 
     def __init__(
         self,
@@ -48,13 +57,17 @@ class Fault(CarriesFailure):
         lost: Loss | None = None,
         losses: Sequence[Loss] = (),
         kind: str | None = None,
+        carries: Failure | None = None,
     ) -> None:
+        """`carries`: the failure this fault stands for, typed where it happened (a far side's answer):
+        its data, unchanged, is this fault's `failure`."""
         super().__init__(message)
         self.type_name = type_name or type(self).__name__
         self.traceback = traceback
         self.status_code = status_code
         self.lost = lost
         self.losses = list(losses)
+        self.carried = carries
         if kind is not None:
             self.kind = kind
 
@@ -63,7 +76,10 @@ class Fault(CarriesFailure):
 
     @property
     def failure(self) -> Failure:
-        """This fault as data. The traceback is the one it was given (the far side's), else its own."""
+        """This fault as data: the failure it carries, else its own, whose traceback is the one it was
+        given (the far side's), else its own."""
+        if self.carried is not None:
+            return self.carried
         traceback = self.traceback
         if traceback is None and self.__traceback__ is not None:
             traceback = "".join(traceback_module.format_exception(type(self), self, self.__traceback__))
@@ -155,9 +171,30 @@ class Unavailable(Fault):
     fault = "unavailable"
 
 
+class Cancelled(Fault):
+    """The caller, or the plane on its behalf (a group, a stale policy, an overload), cancelled the
+    request before its result stood: `cancelled`."""
+
+    fault = "cancelled"
+    kind = "cancelled"
+
+
+class DeadlineExceeded(Unavailable):
+    """The request's own `timeout_s` passed before its result stood."""
+
+
 _BY_NAME: dict[str, type[Fault]] = {
     cls.fault: cls
-    for cls in (CallerError, ModelError, EnvError, PartLost, LoadFailed, PoisonRequest, Unavailable)
+    for cls in (
+        CallerError,
+        ModelError,
+        EnvError,
+        PartLost,
+        LoadFailed,
+        PoisonRequest,
+        Unavailable,
+        Cancelled,
+    )
 }
 
 
@@ -182,6 +219,14 @@ def runtime_env_failed(exc: BaseException) -> bool:
     from ray.exceptions import RuntimeEnvSetupError
 
     return isinstance(exc, RuntimeEnvSetupError)
+
+
+def runtime_env_setup_error(message: str) -> Exception:
+    """Ray's own `RuntimeEnvSetupError`, for a build seen failing before Ray says so (pip's verdict):
+    what `runtime_env_failed` reads, whoever saw it first."""
+    from ray.exceptions import RuntimeEnvSetupError
+
+    return RuntimeEnvSetupError(message)
 
 
 def exit_detail(exc: BaseException) -> str:
@@ -209,9 +254,56 @@ def remote_cause(exc: BaseException) -> BaseException:
     return cause if isinstance(cause, BaseException) else exc
 
 
+def is_ray_error(exc: BaseException) -> bool:
+    """Whether Ray raised it (of a call, an actor, a task), rather than the code awaiting the call."""
+    from ray.exceptions import RayError
+
+    return isinstance(exc, RayError)
+
+
+def far_cause(exc: BaseException) -> BaseException | None:
+    """The exception the far side of a Ray call raised (what `RayTaskError` carries as its cause), or
+    None when `exc` is not one raised over there."""
+    from ray.exceptions import RayTaskError
+
+    return remote_cause(exc) if isinstance(exc, RayTaskError) else None
+
+
+def ray_lost(
+    exc: BaseException,
+    part: Part,
+    name: str | None = None,
+    *,
+    call: str | None = None,
+    step: int | None = None,
+    culprit: bool | None = None,
+) -> Loss | None:
+    """The part a Ray call went to, lost as Ray's `exc` says (`ray_loss`), or None when it is no loss."""
+    how = ray_loss(exc)
+    if how is None:
+        return None
+    return Loss(part=part, how=how, call=call, step=step, name=name, culprit=culprit)
+
+
+def ray_part_lost(
+    exc: BaseException, part: Part, name: str | None = None, *, what: str = "", **where: Any
+) -> PartLost | None:
+    """`ray_lost` (`where`: its call, step, culprit) as the `PartLost` to raise, or None; `what`: the
+    call, for the message."""
+    lost = ray_lost(exc, part, name, **where)
+    if lost is None:
+        return None
+    prefix = f"{what}: " if what else ""
+    return PartLost(f"{prefix}{lost.describe()}: {exit_detail(exc)}", lost=lost, type_name=type(exc).__name__)
+
+
 @contextmanager
 def ray_errors(
-    part: Part, name: str | None = None, call: str | None = None, step: int | None = None
+    part: Part,
+    name: str | None = None,
+    call: str | None = None,
+    step: int | None = None,
+    culprit: bool | None = None,
 ) -> Iterator[None]:
     """Map Ray's word on the actor a call went to into `PartLost`, here and only here:
 
@@ -221,10 +313,7 @@ def ray_errors(
     try:
         yield
     except Exception as exc:
-        how = ray_loss(exc)
-        if how is None:
+        lost = ray_part_lost(exc, part, name, call=call, step=step, culprit=culprit)
+        if lost is None:
             raise
-        lost = Loss(part=part, how=how, call=call, step=step, name=name)
-        raise PartLost(
-            f"{lost.describe()}: {exit_detail(exc)}", lost=lost, type_name=type(exc).__name__
-        ) from exc
+        raise lost from exc

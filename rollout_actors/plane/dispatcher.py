@@ -35,7 +35,7 @@ from typing import Any
 
 from renderer_actors.key import RendererKey
 from rollout_actors.kernel import Loss
-from rollout_actors.kernel.faults import Fault, PartLost, Unavailable
+from rollout_actors.kernel.faults import Cancelled, DeadlineExceeded, Fault, PartLost, Unavailable
 from rollout_actors.plane.inflight import (
     ANSWERED_LEASES_KEPT,
     AnsweredLeases,
@@ -189,7 +189,7 @@ class Dispatcher:
             result.policy_version_end = self._host.policy_version
         if record.cancel_reason is not None and result.kind == "cancelled":
             failure_type, why = record.cancel_reason
-            result.error = Failure(type=failure_type, message=f"rollout was cancelled ({why})")
+            result.error = Cancelled(f"rollout was cancelled ({why})", type_name=failure_type).failure
             self.counters[f"cancelled.{failure_type}"] += 1
             self.guard.cancelled += failure_type == STALE
         self.guard.finished(result.versions_behind)
@@ -440,9 +440,7 @@ class Dispatcher:
                 return self._cancelled(record, "worker did not confirm within cancel_grace_s")
             if lost.done() or not slot.alive:
                 return _worker_loss(slot)
-            late = Unavailable(
-                f"no answer within timeout_s + answer_grace_s = {wait_s:g} s", type_name="DeadlineExceeded"
-            )
+            late = DeadlineExceeded(f"no answer within timeout_s + answer_grace_s = {wait_s:g} s")
             return self._failed(record, "infrastructure", late.failure)
         finally:
             self._workers.finished(slot)
@@ -474,7 +472,7 @@ class Dispatcher:
         message = f"the request's deadline (timeout_s={record.request.timeout_s:g}) passed {when}"
         if losses:
             message += f": {'; '.join(loss.describe() for loss in losses)}"
-        failure = Unavailable(message, type_name="DeadlineExceeded", losses=losses or ())
+        failure = DeadlineExceeded(message, losses=losses or ())
         return self._failed(record, "infrastructure", failure.failure, attempts=attempts)
 
     def _after_losses(
@@ -488,7 +486,7 @@ class Dispatcher:
 
 
 def cancelled_failure(why: str) -> Failure:
-    return Failure(type="Cancelled", message=f"rollout was cancelled ({why})")
+    return Cancelled(f"rollout was cancelled ({why})").failure
 
 
 def _kind(kind: str) -> ResultKind:

@@ -11,8 +11,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from rollout_actors.kernel import How, Loss
-from rollout_actors.kernel.faults import PartLost, ray_loss
+from rollout_actors.kernel import How
+from rollout_actors.kernel.faults import ray_part_lost
 from rollout_actors.timings import RolloutTimings, clock
 from rollout_actors.wire import Ref, Result, RolloutRequest
 
@@ -115,11 +115,7 @@ def _settle(answer: asyncio.Future[str], reply: asyncio.Future[Any], worker: str
     if exc is None:
         answer.set_result(reply.result())
         return
-    how = ray_loss(exc)
-    if how is not None:
-        lost = Loss(part="worker", how=how, call="run", name=worker)
-        exc = PartLost(lost.describe(), lost=lost, type_name=type(exc).__name__)
-    answer.set_exception(exc)
+    answer.set_exception(ray_part_lost(exc, "worker", worker, call="run") or exc)
 
 
 # ------------------------------------------------------------------------------------------ records

@@ -31,7 +31,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel
 
-from rollout_actors.kernel import Failure
+from rollout_actors.kernel.faults import Unavailable
 from rollout_actors.kernel.supervision import Supervision
 from rollout_actors.kernel.supervisor import Child, ChildKind, RetireCause, Supervisor
 from rollout_actors.plane.config import PoolSupervision
@@ -45,13 +45,9 @@ START_TIMEOUT_S = 3600.0  # a backstop only: `start` applies the pool's own read
 PoolState = Literal["starting", "serving", "restarting", "failed", "closed"]
 
 
-class PoolUnavailable(Exception):
+class PoolUnavailable(Unavailable):
     """A pool a request needs is not serving: its restart budget is spent, its restart failed, or no
     incarnation was back within the time the request could wait. `infrastructure`."""
-
-    def __init__(self, failure: Failure) -> None:
-        super().__init__(failure.message)
-        self.failure = failure
 
 
 class PoolStatus(BaseModel):
@@ -214,7 +210,7 @@ class SupervisedPool(Supervisor[_Incarnation], ChildKind[_Incarnation]):
             message = str(self.budget_spent(self.what))
         else:
             message = f"{self.what} was not serving within {timeout:g} s ({self.state}; last loss: {self.last_loss})"
-        return PoolUnavailable(Failure(type="PoolUnavailable", message=message))
+        return PoolUnavailable(message)
 
     async def _verify(self, child: _Incarnation) -> None:
         """Until `child` answers (alive) or is lost: dead now, or judged by the probe (a pool in doubt,

@@ -34,7 +34,7 @@ from rollout_actors.plane.config import PlaneConfig
 from rollout_actors.plane.naming import PoolNames, env_key
 from rollout_actors.plane.pool_supervisor import PoolStatus, PoolUnavailable, SupervisedPool
 from rollout_actors.rollout.pool_lookup import PoolRoute
-from rollout_actors.wire import Failure, Ref, RolloutRequest
+from rollout_actors.wire import Ref, RolloutRequest
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ class SharedPools:
         try:
             await asyncio.shield(entry[1])
         except (EnvStartupError, PoolUnavailable) as exc:  # typed: whose fault it was, from its failure
-            failure = exc.failure or Failure.from_exception(exc)
+            failure = exc.failure
             kind = "caller" if failure.fault == "caller" else "infrastructure"
             raise Fault.from_failure(failure, kind=kind) from exc
 

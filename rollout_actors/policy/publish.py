@@ -27,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Literal, NamedTuple
 
+from rollout_actors.kernel.faults import ModelError, Unavailable
 from rollout_actors.policy.lora import (
     AdapterCapture,
     AdapterLimits,
@@ -66,6 +67,14 @@ class ActivePolicy(NamedTuple):
 
     name: str
     version: int
+
+
+class NoServers(Unavailable):
+    """No live inference server to load the adapter on."""
+
+
+class LoadRefused(ModelError):
+    """An inference server refused the adapter (its status code and body say why)."""
 
 
 class PublishFailure(Exception):
@@ -267,7 +276,7 @@ class PolicyPublisher:
         async with self._order:  # one publication at a time: servers see versions in order
             servers = self.endpoints()
             if not servers:
-                failure = Failure(type="NoServers", message="no live inference server to load the adapter")
+                failure = NoServers("no live inference server to load the adapter").failure
                 raise PublishFailure(version, name, "servers", {}, failure=failure)
             directory = f"{name}-{uuid.uuid4().hex[:8]}"  # never reuse a path a server may have cached
             loop = asyncio.get_running_loop()
@@ -314,7 +323,7 @@ class PolicyPublisher:
             text = response.text[:2000]
             if (attempt or accept_loaded) and response.status_code == 400 and ALREADY_LOADED in text:
                 return None  # an earlier attempt that timed out on our side did land
-            failure = Failure(type="LoadRefused", message=text, status_code=response.status_code)
+            failure = LoadRefused(text, status_code=response.status_code).failure
             if response.status_code not in RETRIED_STATUSES:
                 return failure  # a refusal (4xx, or the loader's 500): asking again gets the same answer
         return failure

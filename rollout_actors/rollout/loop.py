@@ -15,12 +15,13 @@ from typing import Any, Protocol
 from env_actors.interface import RAW_TEXT_KEY, ScoreOut
 from env_actors.session import EnvSession
 from rollout_actors.kernel.coalescer import DEFAULT_BATCH_WINDOW_S
+from rollout_actors.kernel.faults import Cancelled, DeadlineExceeded
 from rollout_actors.rollout.agent.episode import run_agent_episode
 from rollout_actors.rollout.client import build_client
 from rollout_actors.rollout.failures import classify
 from rollout_actors.rollout.turns import TokenTurns, TurnStrategy, strategy_for
 from rollout_actors.timings import RolloutTimings, clock, since
-from rollout_actors.wire import CallerError, Failure, Result, RolloutRequest, Turn
+from rollout_actors.wire import CallerError, Result, RolloutRequest, Turn
 
 CLEANUP_TIMEOUT_S = (
     5.0  # releasing a renderer slot or ending a session must not hold a finished rollout hostage
@@ -119,14 +120,12 @@ async def run_rollout(
     except TimeoutError as exc:
         if scope.expired():
             kind = "infrastructure"
-            error = Failure(
-                type="DeadlineExceeded", message=f"rollout exceeded its timeout_s of {request.timeout_s:g} s"
-            )
+            error = DeadlineExceeded(f"rollout exceeded its timeout_s of {request.timeout_s:g} s").failure
         else:  # a call's own deadline, not the rollout's
             kind, error = classify(exc)
     except asyncio.CancelledError:
         # Cleanup already ran (shielded, in `_run`'s finally); what was sampled is still reported.
-        kind, error = "cancelled", Failure(type="Cancelled", message="rollout was cancelled")
+        kind, error = "cancelled", Cancelled("rollout was cancelled").failure
     except Exception as exc:  # every failure becomes data here, classified on this side
         kind, error = classify(exc)
     return Result.of(

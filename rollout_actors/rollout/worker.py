@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict
 
 from rollout_actors.kernel.coalescer import batch_counts, batch_window, set_batch_window
 from rollout_actors.kernel.collector import collector_stats, settle_actor
+from rollout_actors.kernel.faults import Cancelled
 from rollout_actors.kernel.loop_watch import HEARTBEAT_S, LoopWatch
 from rollout_actors.rollout.agent.endpoint import endpoint_stats
 from rollout_actors.rollout.client import open_client_count
@@ -101,9 +102,7 @@ class RolloutWorker:
         except PoolLookupFailed as exc:  # lost after the plane named it: a lost part, re-dispatched
             result = Result.failed(request, exc.kind, exc.failure)
         except asyncio.CancelledError:
-            result = Result.failed(
-                request, "cancelled", Failure(type="Cancelled", message="rollout was cancelled")
-            )
+            result = Result.failed(request, "cancelled", Cancelled("rollout was cancelled").failure)
         except Exception as exc:  # run_rollout classifies everything; this is the last line of defence
             result = Result.failed(request, "infrastructure", Failure.from_exception(exc))
         finally:

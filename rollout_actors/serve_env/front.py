@@ -31,7 +31,8 @@ import msgpack
 from pydantic import BaseModel, ConfigDict, Field
 
 from env_actors.config import EnvPoolConfig
-from env_actors.pool import EnvStartupError, close_env_pool, start_env_pool
+from env_actors.failures import EnvLoadTimeout, EnvStartupError
+from env_actors.pool import close_env_pool, start_env_pool
 from rollout_actors.kernel import Failure, Ref, new_id
 from rollout_actors.kernel.faults import LoadFailed
 from rollout_actors.kernel.tasks import TaskOwner
@@ -132,7 +133,7 @@ class ServeEnvFront:
                         f"{name}-{self.loads}", env, self.config.pool, self.config.pool.ready_timeout_s
                     )
                 except EnvStartupError as exc:
-                    failure = exc.failure or Failure(type="EnvStartupError", message=str(exc))
+                    failure = exc.failure
                     logger.warning(
                         "serve-env: load %d failed: %s: %s", self.loads, failure.type, failure.message
                     )
@@ -152,7 +153,7 @@ class ServeEnvFront:
         try:
             await asyncio.wait_for(self._loaded.wait(), self._load_wait_s())
         except TimeoutError:
-            return Failure(type="EnvLoadTimeout", message="the environment's load outlived its deadline")
+            return EnvLoadTimeout("the environment's load outlived its deadline").failure
         return None if self.pool is not None else self.load_failure
 
     # ------------------------------------------------------------------------------------ serving

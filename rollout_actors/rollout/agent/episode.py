@@ -19,7 +19,7 @@ from typing import Any
 
 from env_actors.direct import EnvCallFailed
 from env_actors.session import EnvSession
-from rollout_actors.kernel import Failure
+from rollout_actors.kernel.faults import EnvError
 from rollout_actors.rollout.agent.calls import AgentCalls
 from rollout_actors.rollout.agent.endpoint import endpoint_for_loop
 from rollout_actors.rollout.turns import TokenTurns
@@ -29,6 +29,10 @@ AGENT_MARGIN_S = 3.0
 """The agent call's deadline ends this long before the rollout's (at most half of what is left), so a
 hung agent comes back as the environment's failure with its output tail, not as the rollout's bare
 deadline (the agent itself stops 1 s before its call's deadline: `env_actors.agent.AGENT_GUARD_SLACK_S`)."""
+
+
+class AgentMadeNoCalls(EnvError):
+    """The agent program finished without calling the model once: the environment's fault (`env`)."""
 
 
 async def run_agent_episode(
@@ -59,12 +63,9 @@ async def run_agent_episode(
             tail = run.result()  # an agent that failed raises here (`EnvCallFailed`, with its output tail)
             if not recorded and not calls.turns_spent:
                 message = "the agent finished without calling the model"
-                failure = Failure(
-                    type="AgentMadeNoCalls",
-                    message=f"{message}; output tail:\n{tail}" if tail else message,
-                    fault="env",
+                raise EnvCallFailed.of(
+                    AgentMadeNoCalls(f"{message}; output tail:\n{tail}" if tail else message)
                 )
-                raise EnvCallFailed(failure, "env")
     finally:
         stop.cancel()
         if run is not None and not run.done():
