@@ -96,6 +96,7 @@ class ChildKind(Generic[C]):
         """A child was created (before its handshake): set what its placement reads."""
 
     async def handshake(self, child: C) -> None:
+        """Its readiness: loaded what it serves and answering (the supervisor bounds the wait); raise if not."""
         spec = self.supervisor.spec
         answer = await getattr(child.handle, spec.ready).remote()
         if spec.read_ready is not None:
