@@ -93,13 +93,7 @@ class EnvPoolConfig(BaseModel):
     @property
     def supervision(self) -> Supervision:
         """The supervision setting of this pool's servers, as the kernel's supervisor reads it."""
-        return Supervision(
-            restart=self.restart,
-            ready_timeout_s=self.ready_timeout_s,
-            probe_interval_s=self.probe_interval_s,
-            probe_timeout_s=self.probe_timeout_s,
-            hang_timeout_s=self.hang_timeout_s,
-        )
+        return Supervision.read(self)
 
     _renamed = model_validator(mode="before")(
         renamed_fields(

@@ -36,7 +36,7 @@ from env_actors.failures import (
 )
 from env_actors.interface import EnvResponse
 from env_actors.sessions import OpenSessions
-from env_actors.supervisor import ServerSlot, Supervisor
+from env_actors.supervisor import EnvServers, ServerSlot
 from rollout_actors.kernel import Failure, Ref
 from rollout_actors.kernel.faults import exit_detail, ray_loss
 from rollout_actors.kernel.renamed import warn_renamed
@@ -75,14 +75,15 @@ class EnvPool:
         self._sessions = OpenSessions()
         """The one pool-side record of open sessions; the supervisor reads its per-server counts."""
         self._lost_owners: Recent[str, None] = Recent(LOST_OWNER_MEMORY)
-        self._supervisor = Supervisor(name, env, config, self._sessions)
+        self._servers = EnvServers(name, env, config, self._sessions)
+        self._supervisor = self._servers.supervisor
         self._started = False
         self._closed = False
 
     async def start(self, ready_timeout: float) -> EnvResponse:
         """Bring up the first env server (readiness handshake) and start supervising. Idempotent."""
         if not self._started and not self._closed:
-            failure = await self._supervisor.start_first(ready_timeout)
+            failure = await self._servers.start_first(ready_timeout)
             if failure is not None:
                 self._closed = True
                 return EnvResponse.failed(failure)
@@ -90,7 +91,7 @@ class EnvPool:
             self._supervisor.tasks.keep(self._reap_idle_sessions, "reap idle sessions")
         if self._closed:
             return self._closed_response()
-        return EnvResponse.ok({"num_tasks": self._supervisor.num_tasks})
+        return EnvResponse.ok({"num_tasks": self._servers.num_tasks})
 
     # ----------------------------------------------------------------------------- session calls
 
@@ -128,7 +129,7 @@ class EnvPool:
             if (refused := self._refused(session_id, owner)) is not None:
                 answers.append(refused)
                 continue
-            slot = await self._supervisor.wait_for(self._supervisor.least_busy, wait_s)
+            slot = await self._supervisor.wait_for(self._servers.least_busy, wait_s)
             if slot is None:
                 answers.append(self._no_live_server())
                 continue
@@ -145,7 +146,7 @@ class EnvPool:
         `wait_s`; the value is as `place_many`'s, with the handle."""
         if (refused := self._refused(session_id, owner)) is not None:
             return refused
-        slot = self._supervisor.spawn_alone(session_id)
+        slot = self._servers.spawn_alone(session_id)
         if slot is None:
             return self._no_live_server()
         await asyncio.wait({slot.up}, timeout=wait_s)
@@ -207,9 +208,9 @@ class EnvPool:
 
     async def num_tasks(self) -> EnvResponse:
         """How many tasks the environment has (learned at readiness)."""
-        if self._supervisor.num_tasks is None:
+        if self._servers.num_tasks is None:
             return self._no_live_server()
-        return EnvResponse.ok(self._supervisor.num_tasks)
+        return EnvResponse.ok(self._servers.num_tasks)
 
     async def health(self) -> Health:
         """Liveness for the plane's supervisor: answered on the loop that serves every placement, so an
@@ -224,7 +225,7 @@ class EnvPool:
             ready=len(sup.ready()),
             starting=len(sup.starting()),
             sessions=len(self._sessions),
-            num_tasks=sup.num_tasks,
+            num_tasks=self._servers.num_tasks,
             spawns=sup.spawns,
             spawn_failures=sup.spawn_failures,
             deaths=sup.deaths,

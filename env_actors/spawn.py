@@ -19,22 +19,33 @@ MIN_SERVER_CONCURRENCY = 64
 
 def create_env_server(name: str, env: Ref, config: EnvPoolConfig) -> ray.actor.ActorHandle:
     """Create (not await) one EnvServer actor for a pool; the caller runs the readiness handshake."""
-    prefixes = config.allowed_ref_prefixes or DEFAULT_ALLOWED_PREFIXES
+    return ENV_SERVER_ACTOR.options(**env_server_options(name, config)).remote(
+        *env_server_args(name, env, config)
+    )
+
+
+def env_server_options(name: str, config: EnvPoolConfig) -> dict[str, Any]:
+    """One EnvServer's Ray options, its pool's `runtime_env` uploaded (refused as the configuration's fault
+    when its interpreter is not an executable here)."""
     runtime_env = uploaded_runtime_env(config.runtime_env) if config.runtime_env is not None else None
     python = runtime_env and runtime_env.get("py_executable")
     if python and not os.access(python, os.X_OK):
         # Ray retries a process whose interpreter is missing for ever: refused here, on the pool's node
         # (interpreters are at the same path on every node), as the configuration's fault.
         raise CallerError(f"the env pool's runtime_env.py_executable {python!r} is not an executable here")
-    actor = _EnvServerActor.options(
-        name=name,
-        num_cpus=config.num_cpus,
-        resources=dict(config.resources) or None,
-        max_concurrency=max(MIN_SERVER_CONCURRENCY, 2 * config.multiplex),
-        scheduling_strategy="SPREAD",  # one node's loss takes a fraction of the pool, not all of it
-        runtime_env=runtime_env,
-    )
-    return actor.remote(env, name, tuple(prefixes), EnvCallLimits.of(config), tuple(config.env_packages))
+    return {
+        "name": name,
+        "num_cpus": config.num_cpus,
+        "resources": dict(config.resources) or None,
+        "max_concurrency": max(MIN_SERVER_CONCURRENCY, 2 * config.multiplex),
+        "scheduling_strategy": "SPREAD",  # one node's loss takes a fraction of the pool, not all of it
+        "runtime_env": runtime_env,
+    }
+
+
+def env_server_args(name: str, env: Ref, config: EnvPoolConfig) -> tuple[Any, ...]:
+    prefixes = config.allowed_ref_prefixes or DEFAULT_ALLOWED_PREFIXES
+    return (env, name, tuple(prefixes), EnvCallLimits.of(config), tuple(config.env_packages))
 
 
 _UPLOADED: dict[str, dict[str, Any]] = {}
@@ -65,6 +76,6 @@ def uploaded_runtime_env(runtime_env: EnvRuntimeEnv) -> dict[str, Any]:
 # Concurrency groups can only be declared here, not in `.options()`. No Ray-level restarts: the
 # supervisor replaces servers under its restart budget; Ray restarting them behind its back would hide
 # deaths and spend no budget.
-_EnvServerActor = ray.remote(
+ENV_SERVER_ACTOR = ray.remote(
     concurrency_groups={PROBE_GROUP: PROBE_GROUP_SIZE}, max_restarts=0, max_task_retries=0
 )(EnvServer)

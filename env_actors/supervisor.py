@@ -1,13 +1,16 @@
-"""The env servers of one `EnvPool` as a kind of child of the kernel's `Supervisor`: placement and growth.
+"""The env servers of one `EnvPool`: a child spec for the kernel's `Supervisor`, placement, growth and blame.
 
-The kernel decides what a death means (probes, wedges, retirement, replacement on the restart budget;
-`rollout_actors.kernel.supervisor`). What is the environment's own:
+The kernel decides what a death means (probes, wedges, retirement, replacement on the restart budget,
+reconciling toward the wanted count; `rollout_actors.kernel.supervisor`). The spec declares the actor
+(`spawn.py`: its options, its pool's runtime_env) and that a crash loop stops spawning. What is the
+environment's own:
 
 - readiness: `start()` loaded the environment, then one `health()` answer; a load error fails the pool's
   start at once with the environment's traceback, a runtime_env that did not build is the caller's;
 - placement: the ready server with the fewest sessions, preferring those that showed life lately;
-- growth: one server more when open sessions reach `grow_fraction` of capacity, one less when idle for
-  `idle_timeout_s` above `min_servers`; a server lost below `min_servers` is replaced. Every spawn after
+- growth: the wanted count is one server more when open sessions reach `grow_fraction` of capacity, one
+  less when one was idle for `idle_timeout_s` above `min_servers`; a server lost below `min_servers` is
+  replaced. Every spawn after
   the initial `min_servers` (replacement or growth) spends one restart from the budget, but one:
 - blame: a server judged wedged while one session's call blocked its loop (`ServerSlot.blocking`, named
   by its probe answers; asked once more before retirement when they named nobody) is replaced outside
@@ -26,15 +29,18 @@ import uuid
 from dataclasses import dataclass
 
 from env_actors.config import EnvPoolConfig, EnvServerHealth, EnvServerInfo
-from env_actors.failures import EnvReadinessTimeout, EnvServerDied, LoadError, UnexplainedEnvFailure
-from env_actors.runtime_env_check import interpreter_problem, started_unless_pip_fails
+from env_actors.readiness import diagnose, handshake, start_first
 from env_actors.sessions import OpenSessions
-from env_actors.spawn import create_env_server
+from env_actors.spawn import ENV_SERVER_ACTOR, env_server_args, env_server_options
 from rollout_actors.kernel import Failure, Ref
-from rollout_actors.kernel.faults import CallerError, ray_loss, runtime_env_failed
 from rollout_actors.kernel.metric import Metric
-from rollout_actors.kernel.supervisor import Child, ChildKind, RestartBudgetSpent, RetireCause
-from rollout_actors.kernel.supervisor import Supervisor as KernelSupervisor
+from rollout_actors.kernel.supervisor import (
+    Child,
+    ChildKind,
+    ChildSpec,
+    RetireCause,
+    Supervisor,
+)
 from rollout_actors.kernel.tasks import resolve
 
 logger = logging.getLogger(__name__)
@@ -51,9 +57,7 @@ ENV_RESTARTS_USED = Metric(
     tag_keys=_POOL_TAGS,
 )
 
-DIAGNOSE_TIMEOUT_S = 0.5  # one probe to say why a server missed its readiness deadline
-
-__all__ = ["ServerSlot", "Supervisor", "resolve"]
+__all__ = ["EnvServers", "ServerSlot", "resolve"]
 
 
 def _read_blocker(slot: ServerSlot, sent: int, answer: asyncio.Future[EnvServerHealth]) -> None:
@@ -61,6 +65,11 @@ def _read_blocker(slot: ServerSlot, sent: int, answer: asyncio.Future[EnvServerH
         return
     if slot.state == "ready":  # a retired server's blocker was read at its retirement
         slot.answered, slot.blocking = sent, answer.result().blocking
+
+
+def _unreachable(slot: ServerSlot) -> bool:
+    """A session found it unreachable, and it showed no life since."""
+    return slot.unreachable_at is not None and slot.life.last_alive <= slot.unreachable_at
 
 
 @dataclass(eq=False)
@@ -97,10 +106,8 @@ class ServerSlot(Child):
         )
 
 
-class Supervisor(KernelSupervisor[ServerSlot], ChildKind[ServerSlot]):
+class EnvServers(ChildKind[ServerSlot]):
     """The server set of one pool: the kernel's supervisor with the environment's policy plugged in."""
-
-    crash_loop_stops = True  # an environment that fails every load fails loudly, for good
 
     def __init__(
         self,
@@ -113,9 +120,18 @@ class Supervisor(KernelSupervisor[ServerSlot], ChildKind[ServerSlot]):
         self.sessions = sessions
         """The pool's record of open sessions, read here (placement, scaling), written by the pool."""
         self.num_tasks: int | None = None
-        self._incarnation = uuid.uuid4().hex[:6]  # server names stay unique across pools of one name
-        super().__init__(name, self, config.supervision)
-        self.floor = config.min_servers
+        incarnation = uuid.uuid4().hex[:6]  # server names stay unique across pools of one name
+        spec = ChildSpec(
+            kind="env server",
+            actor=ENV_SERVER_ACTOR,
+            options=lambda server: env_server_options(server, config),
+            args=lambda server: env_server_args(server, env, config),
+            name=lambda n: f"{name}.env{n}-{incarnation}",
+            record=ServerSlot,
+            crash_loop_stops=True,  # an environment that fails every load fails loudly, for good
+        )
+        self.supervisor = Supervisor(name, spec, config.supervision, self)
+        self.supervisor.floor = config.min_servers
 
     # ---------------------------------------------------------------------------------- placement
 
@@ -124,92 +140,37 @@ class Supervisor(KernelSupervisor[ServerSlot], ChildKind[ServerSlot]):
         probes went unanswered, or that a session found unreachable, gets no new session (it would fail
         at once, so its count would drop and draw every re-dispatched session onto it) until it answers
         again or is judged wedged."""
-        ready = [w for w in self.ready() if w.alone_for is None]
+        ready = [w for w in self.supervisor.ready() if w.alone_for is None]
         if not ready:
             return None
-        now = time.monotonic()
-        trusted = [w for w in ready if not self._suspect(w, now)] or ready
+        cfg = self.config
+        quiet_s = max(3 * cfg.probe_interval_s, cfg.probe_timeout_s + cfg.probe_interval_s)
+        trusted = self.supervisor.heard_lately(ready, quiet_s, _unreachable)
         return min(trusted, key=lambda w: (self.sessions.on(w.name), w.inflight))
 
     def spawn_alone(self, session_id: str) -> ServerSlot | None:
         """A server started for `session_id` alone (quarantine), outside the restart budget: a request is
         quarantined only after losing env servers at one point twice, and its dispatches bound it."""
-        slot = self.spawn("quarantine")
+        slot = self.supervisor.spawn("quarantine")
         if slot is not None:
             slot.alone_for = session_id
         return slot
 
-    def _suspect(self, slot: ServerSlot, now: float) -> bool:
-        quiet_s = max(
-            3 * self.config.probe_interval_s, self.config.probe_timeout_s + self.config.probe_interval_s
-        )
-        if slot.unreachable_at is not None and slot.life.last_alive <= slot.unreachable_at:
-            return True
-        return slot.life.silent_s(now) > quiet_s
-
     # ------------------------------------------------------------------------------------ startup
 
     async def start_first(self, ready_timeout: float) -> Failure | None:
-        """Spawn `min_servers` and wait for the first to be ready (the kernel's `start`: a server that died
-        while loading is replaced on the budget within the deadline). On failure everything is retired and
-        the failure returned: a load error at once (with the environment's traceback), servers that died
-        while loading past the restart budget, or the readiness deadline; an interpreter (`py_executable`)
-        that cannot start a Ray worker before anything is spawned (`runtime_env_check`)."""
-        runtime_env = self.config.runtime_env
-        if runtime_env is not None and runtime_env.py_executable:  # before a server is spawned with it
-            problem = await interpreter_problem(runtime_env.py_executable, runtime_env.env_vars)
-            if problem is not None:
-                return CallerError(problem).failure
-        try:
-            await self.start(ready_timeout_s=ready_timeout, need=1)
-            return None
-        except LoadError as exc:
-            return exc.failure
-        except TimeoutError as exc:
-            return EnvReadinessTimeout(str(exc)).failure
-        except Exception as exc:
-            if not isinstance(exc, RestartBudgetSpent) and ray_loss(exc) != "died":
-                return Failure.from_exception(exc)  # e.g. nothing could be created (malformed resources)
-            deadline = f"readiness deadline ({ready_timeout:g} s) passed; last loss: {self.last_loss}"
-            why = exc if isinstance(exc, RestartBudgetSpent) else deadline
-            message = f"env server died while loading {self.spawn_failures} time(s); {why}"
-            return EnvServerDied(message).failure
-
-    # ------------------------------------------------------------------------- the kind's hooks
-
-    def create(self, name: str) -> ServerSlot:
-        name = f"{self.name}.env{self.spawns - 1}-{self._incarnation}"
-        return ServerSlot(name, create_env_server(name, self.env, self.config))  # idle from when it is ready
+        """Spawn `min_servers` and wait for the first to be ready (`readiness.start_first`)."""
+        return await start_first(self.supervisor, self.config, ready_timeout)
 
     async def handshake(self, slot: ServerSlot) -> None:
-        try:
-            # pip's verdict on the pool's own packages, beside Ray's slower build of them
-            response = await started_unless_pip_fails(
-                resolve(slot.handle.start.remote()), self.config.runtime_env
-            )
-        except Exception as exc:
-            if runtime_env_failed(exc):  # the pool's own packages did not build: its configuration
-                raise LoadError(
-                    CallerError(f"its runtime_env failed to build: {exc}"[-4000:]).failure
-                ) from exc
-            raise
-        if not response.success:
-            raise LoadError(response.error or UnexplainedEnvFailure("start failed").failure)
-        await resolve(slot.handle.health.remote())
-        info = response.value or {}
+        info = await handshake(slot, self.config)
         slot.pid, slot.node_id = info.get("pid"), info.get("node_id")
         self.num_tasks = info.get("num_tasks", self.num_tasks)
 
     async def diagnose(self, slot: ServerSlot) -> str:
-        try:
-            health = await asyncio.wait_for(resolve(slot.handle.health.remote()), DIAGNOSE_TIMEOUT_S)
-        except Exception:
-            wants = {"CPU": self.config.num_cpus, **self.config.resources}
-            return f"it never answered a probe: resources {wants} never granted, or its process is frozen"
-        return (
-            f"stuck in phase {health.phase!r} with its event loop stalled {health.loop_stall_s:.1f} s "
-            "(a hanging constructor or load()?)"
-        )
+        return await diagnose(slot, self.config)
+
+    # ------------------------------------------------------------------------------------ blame
 
     async def probe(self, slot: ServerSlot) -> EnvServerHealth:
         # The supervisor stops waiting at `probe_timeout_s`; the answer is still read when it comes (on a
@@ -241,34 +202,36 @@ class Supervisor(KernelSupervisor[ServerSlot], ChildKind[ServerSlot]):
         # Their calls fail on the dead server; `end_session` finds them gone.
         self.sessions.drop_server(slot.name)
 
-    def tick(self, now: float) -> None:
-        cfg = self.config
-        ready, starting = self.ready(), self.starting()
+    def wanted(self, now: float) -> int:
+        cfg, sup = self.config, self.supervisor
+        ready, starting = sup.ready(), sup.starting()
         live = len(ready) + len(starting)
         sessions = sum(self.sessions.on(w.name) for w in ready)
-        if live < self.floor:
-            return  # the kernel spawns one more, on the budget
         if (
             not starting
             and live < cfg.max_servers
             and sessions >= cfg.grow_fraction * len(ready) * cfg.multiplex
         ):
-            self.spawn("grow")
-        elif len(ready) > cfg.min_servers and sessions < cfg.grow_fraction * (len(ready) - 1) * cfg.multiplex:
-            idle = [
-                w
-                for w in ready
-                if not self.sessions.on(w.name)
-                and not w.inflight
-                and now - w.idle_since >= cfg.idle_timeout_s
-            ]
-            if idle:
-                self.retire(min(idle, key=lambda w: w.idle_since), "idle: shrinking the pool", "shrunk")
+            return live + 1
+        if len(ready) > cfg.min_servers and sessions < cfg.grow_fraction * (len(ready) - 1) * cfg.multiplex:
+            return live - 1  # one less, if one is idle
+        return live
+
+    def idle(self, now: float) -> list[ServerSlot]:
+        timeout_s = self.config.idle_timeout_s
+        ready = self.supervisor.ready()
+        idle = [
+            w
+            for w in ready
+            if not self.sessions.on(w.name) and not w.inflight and now - w.idle_since >= timeout_s
+        ]
+        return sorted(idle, key=lambda w: w.idle_since)
 
     def record(self) -> None:
-        tags = {"pool": self.name, "env": self.env.target}
-        ready = self.ready()
+        sup = self.supervisor
+        tags = {"pool": sup.name, "env": self.env.target}
+        ready = sup.ready()
         ENV_WORKERS.record(len(ready), {**tags, "state": "ready"})
-        ENV_WORKERS.record(len(self.starting()), {**tags, "state": "starting"})
+        ENV_WORKERS.record(len(sup.starting()), {**tags, "state": "starting"})
         ENV_SESSIONS.record(sum(self.sessions.on(w.name) for w in ready), tags)
-        ENV_RESTARTS_USED.record(self.budget.used(), tags)
+        ENV_RESTARTS_USED.record(sup.budget.used(), tags)

@@ -109,13 +109,7 @@ class RendererPoolConfig(BaseModel):
     @property
     def supervision(self) -> Supervision:
         """The supervision setting of each key's renderers, as the kernel's supervisor reads it."""
-        return Supervision(
-            restart=self.restart,
-            ready_timeout_s=self.ready_timeout_s,
-            probe_interval_s=self.probe_interval_s,
-            probe_timeout_s=self.hang_timeout_s,
-            hang_timeout_s=self.hang_timeout_s,
-        )
+        return Supervision.read(self)
 
 
 class RendererStats(BaseModel):

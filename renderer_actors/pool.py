@@ -150,11 +150,11 @@ class RendererPool:
         return RendererPoolStats(
             keys={key_json: pool.stats(now) for key_json, pool in self._keys.items()},
             slots=len(self._slots),
-            spawned=sum(p.spawns for p in pools),
-            replaced=sum(p.spawned_for["restart"] for p in pools),
+            spawned=sum(p.supervisor.spawns for p in pools),
+            replaced=sum(p.supervisor.spawned_for["restart"] for p in pools),
             startup_failures=sum(p.startup_failures for p in pools),
-            budget_denials=sum(p.budget_denials for p in pools),
-            retired=sum(p.shrunk for p in pools),
+            budget_denials=sum(p.supervisor.budget_denials for p in pools),
+            retired=sum(p.supervisor.shrunk for p in pools),
             expired_slots=self._expired_slots,
         )
 
@@ -164,7 +164,7 @@ class RendererPool:
         if self._tasks is not None:
             await self._tasks.close()
         for pool in self._keys.values():
-            await pool.close()
+            await pool.supervisor.close()
         self._slots.clear()
 
     # -------------------------------------------------------------------------------- placement
@@ -196,8 +196,8 @@ class RendererPool:
 
     def _lost(self, renderer_id: str) -> None:
         for pool in self._keys.values():
-            if (renderer := pool.children.get(renderer_id)) is not None:
-                pool.retire(renderer, "reported dead by a session", "died")
+            if (renderer := pool.supervisor.children.get(renderer_id)) is not None:
+                pool.supervisor.retire(renderer, "reported dead by a session", "died")
 
     def _orphan(self, renderer: RendererChild) -> None:
         """Its slots are orphaned: releasing them is a no-op."""
@@ -210,7 +210,7 @@ class RendererPool:
         if slot is None:
             return False
         pool = self._keys.get(slot.key_json)
-        renderer = pool.children.get(slot.renderer_id) if pool else None
+        renderer = pool.supervisor.children.get(slot.renderer_id) if pool else None
         if renderer is not None:
             renderer.slots.discard(slot_id)
             if not renderer.slots:

@@ -425,7 +425,7 @@ def report(
         f"(budget {RESTARTS.max_restarts} in {RESTARTS.window_s:g} s, growth included)"
     )
     print(
-        f"  inference servers      {servers.restarts} restarted (budget {servers.budget.intensity.max_restarts} in {servers.budget.intensity.window_s:g} s)"
+        f"  inference servers      {servers.restarts} restarted (budget {servers.supervisor.budget.intensity.max_restarts} in {servers.supervisor.budget.intensity.window_s:g} s)"
     )
     print("\nlatency, submission to answer (s)      p50      p99      max     wall")
     rows = ([("without kills", base)] if base is not None else []) + [("with kills", chaos)]

@@ -108,7 +108,13 @@ def test_a_renderer_client_does_not_load_the_renderer_library(module):
 
 
 ENV_CLIENT_MODULES = ("rollout_actors.rollout.worker", "env_actors.session", "env_actors.direct")
-ENV_SERVER_ONLY = ("env_actors.server", "env_actors.supervisor", "env_actors.pool", "env_actors.spawn")
+ENV_SERVER_ONLY = (
+    "env_actors.server",
+    "env_actors.supervisor",
+    "env_actors.readiness",
+    "env_actors.pool",
+    "env_actors.spawn",
+)
 """What only an env server or its pool loads: the actor, its supervision and how it is spawned."""
 
 

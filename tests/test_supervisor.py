@@ -14,7 +14,14 @@ from waiting import runner
 
 from rollout_actors.kernel.faults import Unavailable
 from rollout_actors.kernel.supervision import Health, RestartIntensity, Supervision
-from rollout_actors.kernel.supervisor import Child, ChildKind, RestartBudgetSpent, Supervisor, TaskOwner
+from rollout_actors.kernel.supervisor import (
+    Child,
+    ChildKind,
+    ChildSpec,
+    RestartBudgetSpent,
+    Supervisor,
+    TaskOwner,
+)
 
 DEADLINE_S = 20.0
 run = runner(DEADLINE_S)
@@ -39,16 +46,22 @@ class FakeMethod:
 
 
 class FakeActor:
-    """Answers `health()` while `mode` is `alive`; `dead`: raises Ray's death; `frozen`: never answers."""
+    """Answers `health()` while `mode` is `alive`; `dead`: raises Ray's death; `frozen`: never answers.
+    `close()` stops it gracefully (after a moment, and before any kill); `hang()` never returns."""
 
-    def __init__(self) -> None:
+    def __init__(self, stopped: list[str], name: str) -> None:
         self.mode = "alive"
         self.killed = False
         self.health = FakeMethod(self._health)
         self.close = FakeMethod(self._close)
+        self.hang = FakeMethod(lambda: asyncio.sleep(3600))
+        self._stopped, self._name = stopped, name
 
     async def _close(self) -> None:
+        await asyncio.sleep(0.05)
+        assert not self.killed  # stopped first, killed after
         self.mode = "closed"
+        self._stopped.append(self._name)
 
     async def _health(self) -> Health:
         if self.mode == "dead":
@@ -58,15 +71,29 @@ class FakeActor:
         return Health(pid=1)
 
 
+class FakeActorClass:
+    """Ray's actor-class surface (`options(...).remote(...)`), starting `FakeActor`s its kind can see."""
+
+    def __init__(self, kind: Fakes) -> None:
+        self.kind = kind
+
+    def options(self, **options) -> FakeActorClass:
+        return self
+
+    def remote(self, name: str) -> FakeActor:
+        self.kind.actors.append(actor := FakeActor(self.kind.stopped, name))
+        return actor
+
+
 class Fakes(ChildKind[Child]):
     def __init__(self, fail_ready: bool = False) -> None:
         self.actors: list[FakeActor] = []
         self.fail_ready = fail_ready
         self.lost: list[tuple[str, str]] = []
+        self.stopped: list[str] = []
 
-    def create(self, name: str) -> Child:
-        self.actors.append(actor := FakeActor())
-        return Child(name, actor)
+    def spec(self, **declared) -> ChildSpec[Child]:
+        return ChildSpec(kind="fake", actor=FakeActorClass(self), args=lambda name: (name,), **declared)
 
     async def handshake(self, child: Child) -> None:
         if self.fail_ready:
@@ -80,6 +107,11 @@ class Fakes(ChildKind[Child]):
         child.handle.killed = True
 
 
+def supervise(kind: Fakes, settings: Supervision, **declared) -> Supervisor[Child]:
+    """The kernel's supervisor composed of a fake kind and its spec (`declared`: the spec's other fields)."""
+    return Supervisor("fakes", kind.spec(**declared), settings, kind)
+
+
 async def until(predicate, timeout_s: float = 5.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():
@@ -90,7 +122,7 @@ async def until(predicate, timeout_s: float = 5.0) -> None:
 def test_a_child_that_dies_is_retired_killed_and_replaced_within_the_budget():
     async def body():
         kind = Fakes()
-        sup = Supervisor("fakes", kind, settings(max_restarts=2))
+        sup = supervise(kind, settings(max_restarts=2))
         first = sup.spawn("initial")
         await first.up
         first.handle.mode = "dead"
@@ -105,7 +137,7 @@ def test_a_child_that_dies_is_retired_killed_and_replaced_within_the_budget():
 
 def test_a_silent_child_is_judged_wedged_and_replaced():
     async def body():
-        sup = Supervisor("fakes", Fakes(), settings(hang_timeout_s=0.3))
+        sup = supervise(Fakes(), settings(hang_timeout_s=0.3))
         first = sup.spawn("initial")
         await first.up
         first.handle.mode = "frozen"
@@ -119,7 +151,7 @@ def test_a_silent_child_is_judged_wedged_and_replaced():
 
 def test_growth_spends_the_same_budget_as_restarts():
     async def body():
-        sup = Supervisor("fakes", Fakes(), settings(max_restarts=2))
+        sup = supervise(Fakes(), settings(max_restarts=2))
         await sup.spawn("initial").up
         await sup.spawn("grow").up
         assert sup.budget.remaining() == 1
@@ -135,7 +167,7 @@ def test_growth_spends_the_same_budget_as_restarts():
 
 def test_a_spent_budget_refuses_the_replacement_with_a_typed_failure():
     async def body():
-        sup = Supervisor("fakes", Fakes(), settings(max_restarts=0))
+        sup = supervise(Fakes(), settings(max_restarts=0))
         child = sup.spawn("initial")
         await child.up
         child.handle.mode = "dead"
@@ -153,8 +185,7 @@ def test_a_spent_budget_refuses_the_replacement_with_a_typed_failure():
 def test_spawns_failing_in_a_row_past_the_budget_stop_spawning():
     async def body():
         kind = Fakes(fail_ready=True)
-        kind.crash_loop_stops = True
-        sup = Supervisor("fakes", kind, settings(max_restarts=5))
+        sup = supervise(kind, settings(max_restarts=5), crash_loop_stops=True)
         for _ in range(sup.settings.restart.max_restarts + 1):
             child = sup.spawn("initial")
             with pytest.raises(RuntimeError, match="load failed"):
@@ -167,7 +198,7 @@ def test_spawns_failing_in_a_row_past_the_budget_stop_spawning():
 
 def test_the_supervisors_own_stall_is_not_held_against_its_children():
     async def body():
-        sup = Supervisor("fakes", Fakes(), settings(hang_timeout_s=0.5))
+        sup = supervise(Fakes(), settings(hang_timeout_s=0.5))
         child = sup.spawn("initial")
         await child.up
         time.sleep(1.5)  # the supervisor's loop blocked: no answer could be read, none was missed
@@ -181,7 +212,7 @@ def test_the_supervisors_own_stall_is_not_held_against_its_children():
 def test_close_retires_every_child_and_answers_their_waiters():
     async def body():
         kind = Fakes()
-        sup = Supervisor("fakes", kind, settings())
+        sup = supervise(kind, settings())
         ready = sup.spawn("initial")
         await ready.up
         await sup.close()
@@ -237,7 +268,7 @@ def test_a_pool_is_restarted_as_a_new_incarnation_then_past_its_budget_answers_a
 
         async def start(actor_name: str) -> FakeActor:
             started.append(actor_name)
-            return FakeActor()
+            return FakeActor([], actor_name)
 
         settings = PoolSupervision(
             restart={"max_restarts": 1, "window_s": 60}, hang_timeout_s=0.5, probe_interval_s=0.05
@@ -260,12 +291,11 @@ def test_a_pool_is_restarted_as_a_new_incarnation_then_past_its_budget_answers_a
 
 def test_a_kinds_growth_policy_waits_for_the_owners_first_spawn():
     class KeepsOne(Fakes):
-        def tick(self, now: float) -> None:
-            if not self.supervisor.children:
-                self.supervisor.spawn("restart")
+        def wanted(self, now: float) -> int:
+            return 1
 
     async def body():
-        sup = Supervisor("fakes", KeepsOne(), settings())
+        sup = supervise(KeepsOne(), settings())
         await asyncio.sleep(0.3)  # the owner is still starting: nothing is spawned behind its back
         assert not sup.children and sup.budget.remaining() == 2
         await sup.spawn("initial").up
@@ -284,7 +314,7 @@ class BlamesWedges(Fakes):
 
 def test_a_loss_the_kind_blames_is_replaced_outside_the_budget_and_a_death_still_spends_it():
     async def body():
-        sup = Supervisor("fakes", BlamesWedges(), settings(max_restarts=2, hang_timeout_s=0.3))
+        sup = supervise(BlamesWedges(), settings(max_restarts=2, hang_timeout_s=0.3))
         first = sup.spawn("initial")
         await first.up
         first.handle.mode = "frozen"
@@ -334,7 +364,7 @@ class AsksLast(Fakes):
 
 async def silent_child(last_stall_s: float | None) -> tuple[AsksLast, Supervisor, Child]:
     kind = AsksLast(last_stall_s)
-    sup = Supervisor("fakes", kind, settings(hang_timeout_s=0.3))
+    sup = supervise(kind, settings(hang_timeout_s=0.3))
     child = sup.spawn("initial")
     await child.up
     return kind, sup, child
@@ -375,7 +405,7 @@ def test_a_child_that_does_not_answer_its_last_probe_is_retired_as_wedged():
 
 def test_start_brings_up_the_floor_and_keeps_it_on_the_budget():
     async def body():
-        sup = Supervisor("fakes", Fakes(), settings(max_restarts=1))
+        sup = supervise(Fakes(), settings(max_restarts=1))
         sup.floor = 2
         first, second = await sup.start()
         assert sup.budget.remaining() == 1  # the initial set is free
@@ -396,7 +426,7 @@ def test_start_brings_up_the_floor_and_keeps_it_on_the_budget():
 def test_a_start_that_fails_leaves_nothing_running():
     async def body():
         kind = Fakes(fail_ready=True)
-        sup = Supervisor("fakes", kind, settings())
+        sup = supervise(kind, settings())
         sup.floor = 2
         with pytest.raises(RuntimeError, match="load failed"):
             await sup.start()
@@ -409,7 +439,7 @@ def test_a_start_that_fails_leaves_nothing_running():
 
 def test_wait_for_waits_for_a_starting_child_and_with_none_coming_answers_at_once():
     async def body():
-        sup = Supervisor("fakes", Fakes(), settings(max_restarts=1))
+        sup = supervise(Fakes(), settings(max_restarts=1))
         sup.floor = 1
         (first,) = await sup.start()
         first.handle.mode = "dead"
@@ -426,29 +456,10 @@ def test_wait_for_waits_for_a_starting_child_and_with_none_coming_answers_at_onc
     run(body())
 
 
-class StopsGracefully(Fakes):
-    """Stopped gracefully at shutdown (like the plane's pools); a lost child is killed at once."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.stopped: list[str] = []
-
-    def stop(self, child: Child):
-        if not self.supervisor.closed:
-            return None
-
-        async def graceful() -> None:
-            await asyncio.sleep(0.05)
-            assert not child.handle.killed  # stopped first, killed after
-            self.stopped.append(child.name)
-
-        return graceful()
-
-
 def test_close_waits_for_each_childs_graceful_stop_and_a_lost_child_is_killed_at_once():
     async def body():
-        kind = StopsGracefully()
-        sup = Supervisor("fakes", kind, settings())
+        kind = Fakes()  # stopped gracefully at shutdown (like the plane's pools); a lost one killed at once
+        sup = supervise(kind, settings(), stop="close", stop_only_at_close=True)
         sup.floor = 2
         first, second = await sup.start()
         first.handle.mode = "dead"
@@ -497,7 +508,7 @@ class DiesWhileStarting(Fakes):
 
 def test_a_start_that_needs_one_child_replaces_deaths_while_starting_on_the_budget():
     async def body():
-        sup = Supervisor("fakes", DiesWhileStarting(deaths=2), settings(max_restarts=2))
+        sup = supervise(DiesWhileStarting(deaths=2), settings(max_restarts=2))
         sup.floor = 1
         (child,) = await sup.start(need=1)
         assert child.state == "ready" and sup.spawn_failures == 2 and sup.budget.remaining() == 0
@@ -509,7 +520,7 @@ def test_a_start_that_needs_one_child_replaces_deaths_while_starting_on_the_budg
 def test_a_start_whose_deaths_while_starting_spend_the_budget_raises_it_and_leaves_nothing_running():
     async def body():
         kind = DiesWhileStarting(deaths=10)
-        sup = Supervisor("fakes", kind, settings(max_restarts=2))
+        sup = supervise(kind, settings(max_restarts=2))
         sup.floor = 1
         with pytest.raises(RestartBudgetSpent, match="restart budget spent"):
             await sup.start(need=1)
@@ -520,7 +531,7 @@ def test_a_start_whose_deaths_while_starting_spend_the_budget_raises_it_and_leav
 
 def test_a_start_that_needs_every_child_fails_on_a_death_while_starting():
     async def body():
-        sup = Supervisor("fakes", DiesWhileStarting(deaths=1), settings(max_restarts=2))
+        sup = supervise(DiesWhileStarting(deaths=1), settings(max_restarts=2))
         sup.floor = 1
         with pytest.raises(ActorDiedError):
             await sup.start()
@@ -530,15 +541,9 @@ def test_a_start_that_needs_every_child_fails_on_a_death_while_starting():
 
 
 def test_a_graceful_stop_that_hangs_is_cut_at_the_kinds_stop_timeout_and_the_child_killed():
-    class HangsOnStop(Fakes):
-        stop_timeout_s = 0.2
-
-        def stop(self, child: Child):
-            return asyncio.sleep(3600)
-
     async def body():
-        kind = HangsOnStop()
-        sup = Supervisor("fakes", kind, settings())
+        kind = Fakes()
+        sup = supervise(kind, settings(), stop="hang", stop_timeout_s=0.2)
         sup.floor = 1
         (child,) = await sup.start()
         await sup.close()  # the test's own deadline fails it if close waits for the hung stop

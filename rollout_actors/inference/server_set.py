@@ -17,11 +17,9 @@ rather than flapping.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
-
-import ray
+from dataclasses import dataclass, field
+from typing import Any
 
 from rollout_actors.inference.server_actor import (
     InferenceServer,
@@ -33,11 +31,10 @@ from rollout_actors.inference.server_actor import (
 )
 from rollout_actors.kernel.renamed import warn_renamed
 from rollout_actors.kernel.supervision import Health, RestartIntensity, Supervision
-from rollout_actors.kernel.supervisor import Child, ChildKind, RetireCause, Supervisor
-
-logger = logging.getLogger(__name__)
+from rollout_actors.kernel.supervisor import Child, ChildExited, ChildKind, ChildSpec, RetireCause, Supervisor
 
 WATCH_GRACE = 30.0  # beyond the probe interval: an actor that cannot answer this late is itself wedged
+STOP_TIMEOUT_S = 30.0  # `close` grants the server STOP_GRACE (10 s) twice; then the actor is killed anyway
 
 
 SERVER_RESTARTS = RestartIntensity(max_restarts=3, window_s=600.0)
@@ -48,14 +45,20 @@ minutes, because a model server's load alone takes minutes."""
 @dataclass(eq=False)
 class _Server(Child):
     index: int = 0
-    """Its slot: `status()[index]` is its status."""
+    """Its slot: `status()[index]` is its status while it holds the slot."""
+    status: ServerStatus = field(default_factory=lambda: ServerStatus(state="starting"))
 
 
-class InferenceServerSet(Supervisor[_Server], ChildKind[_Server]):
+def _read_watch(server: _Server, status: ServerStatus) -> Health:
+    """`watch` returns at once when the server exits, or was killed as wedged: then it is dead."""
+    if status.state != "ready":
+        server.status = status
+        raise ChildExited(status.reason)
+    return Health(pid=status.pid)
+
+
+class InferenceServerSet(ChildKind[_Server]):
     """`replicas` servers started from one `ServerSpec`: the kernel's supervisor, slots kept full."""
-
-    stop_timeout_s = 30.0
-    """`close` grants the server STOP_GRACE (10 s) twice; then the actor is killed anyway."""
 
     def __init__(
         self,
@@ -74,21 +77,32 @@ class InferenceServerSet(Supervisor[_Server], ChildKind[_Server]):
         self.probe_interval_s = probe_interval_s
         self.before_routing = before_routing
         """Awaited with a replacement's URL before it takes traffic; raising rejects the replacement."""
-        self._status = [ServerStatus(state="created") for _ in range(replicas)]
-        settings = Supervision(
+        settings = Supervision.read(
             restart=restart,
             ready_timeout_s=spec.ready_timeout_s + 2 * WATCH_GRACE,
             probe_interval_s=probe_interval_s,
-            probe_timeout_s=probe_interval_s + WATCH_GRACE,
             hang_timeout_s=probe_interval_s + WATCH_GRACE,
         )
-        super().__init__("inference servers", self, settings)
-        self.floor = replicas
+        child_spec = ChildSpec(
+            kind="inference server",
+            actor=InferenceServer,
+            options=lambda name: server_actor_options(spec),
+            args=lambda name: (spec,),
+            name=lambda n: f"inference-server.{n + 1}",
+            record=_Server,
+            probe="watch",  # one long call per interval: it returns at once if the server exits
+            probe_args=lambda settings: (settings.probe_interval_s,),
+            read_probe=_read_watch,
+            stop="close",  # lost or not: `close` takes vLLM's worker processes (its process group) down
+            stop_timeout_s=STOP_TIMEOUT_S,
+        )
+        self.supervisor = Supervisor("inference servers", child_spec, settings, self)
+        self.supervisor.floor = replicas
 
-    async def start(self) -> list[str]:  # type: ignore[override]
+    async def start(self) -> list[str]:
         """Start every replica; raises `ServerStartupError` (and stops the others) if one fails."""
         try:
-            await super().start()
+            await self.supervisor.start()
         except ServerStartupError:
             raise
         except Exception as exc:
@@ -97,36 +111,38 @@ class InferenceServerSet(Supervisor[_Server], ChildKind[_Server]):
 
     def endpoints(self) -> list[str]:
         """OpenAI base URLs of the servers that are ready now (a dead one drops out at once)."""
-        status = [self._status[s.index] for s in sorted(self.ready(), key=lambda s: s.index)]
-        return [s.url for s in status if s.state == "ready" and s.url]
+        ready = sorted(self.supervisor.ready(), key=lambda s: s.index)
+        return [s.status.url for s in ready if s.status.state == "ready" and s.status.url]
 
     def status(self) -> list[ServerStatus]:
-        return list(self._status)
+        """Per slot: its server's status, or the last one's that held it (`created`: none yet)."""
+        held: dict[int, ServerStatus] = {}
+        for server in [*self.supervisor.retired.values(), *self.supervisor.children.values()]:
+            held[server.index] = server.status  # oldest first: the newest holder of a slot wins
+        return [held.get(i, ServerStatus(state="created")) for i in range(self.supervisor.floor)]
 
     @property
     def restarts(self) -> int:
         """Replacements started over the set's life."""
-        return self.budget.spent_total
+        return self.supervisor.budget.spent_total
 
     @property
     def exhausted(self) -> bool:
         """True when some slot is empty because its restart budget ran out."""
-        return self.refused is not None and len(self.children) < self.floor
+        return self.supervisor.starved
 
-    def actors(self) -> list[ray.actor.ActorHandle]:
-        return [s.handle for s in self.children.values()]
+    def actors(self) -> list[Any]:
+        return [s.handle for s in self.supervisor.children.values()]
 
     async def aclose(self) -> None:
         """Stop supervising, then stop every server."""
-        await self.close()
+        await self.supervisor.close()
 
     # ------------------------------------------------------------------------- the kind's hooks
 
-    def create(self, name: str) -> _Server:
-        index = min(set(range(self.floor)) - {s.index for s in self.children.values()})
-        actor = InferenceServer.options(**server_actor_options(self.spec)).remote(self.spec)
-        self._status[index] = ServerStatus(state="starting")
-        return _Server(f"inference-server-{index}.{self.spawns}", actor, index=index)
+    def on_created(self, server: _Server) -> None:
+        taken = {s.index for s in self.supervisor.children.values()}
+        server.index = min(set(range(self.supervisor.floor)) - taken)
 
     async def handshake(self, server: _Server) -> None:
         try:
@@ -138,23 +154,10 @@ class InferenceServerSet(Supervisor[_Server], ChildKind[_Server]):
                 await self.before_routing(status.url)
             except Exception as exc:
                 status = status.model_copy(update={"state": "dead", "reason": f"before_routing: {exc!r}"})
-        self._status[server.index] = status  # only a ready server enters endpoints()
+        server.status = status  # only a ready server enters endpoints()
         raise_for_startup(status)
 
-    async def probe(self, server: _Server) -> Health:
-        status = await server.handle.watch.remote(self.probe_interval_s)  # returns at once if it exits
-        if status.state != "ready":  # it exited, or was killed as wedged
-            self._status[server.index] = status
-            self.retire(server, f"died: {status.reason}", "died")
-        return Health(pid=status.pid)
-
     def on_retired(self, server: _Server, reason: str, cause: RetireCause) -> None:
-        status = self._status[server.index]
+        status = server.status
         if status.state in ("ready", "starting"):
-            self._status[server.index] = status.model_copy(update={"state": "dead", "reason": reason})
-        if cause in ("died", "wedged"):
-            logger.warning("inference server %s retired: %s", status.url, reason)
-
-    def stop(self, server: _Server) -> Awaitable[ServerStatus]:
-        # Lost or not: `close` takes vLLM's worker processes (its process group) down with the server.
-        return server.handle.close.remote()
+            server.status = status.model_copy(update={"state": "dead", "reason": reason})

@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -126,6 +126,21 @@ class Supervision(BaseModel):
     """How long one probe may go unanswered before it counts as silence (then it is asked again)."""
     hang_timeout_s: float = Field(gt=0)
     """Silence (no answer, or answers reporting a stalled loop) past this is a wedge: retired, replaced."""
+
+    @classmethod
+    def read(cls, config: Any = None, **given: Any) -> Supervision:
+        """The setting read off a config that declares these fields flat (an env pool's, a renderer
+        pool's), `given` supplying or overriding fields; a probe may take up to `hang_timeout_s` unless
+        `probe_timeout_s` is declared.
+
+        >>> Supervision.read(restart=RestartIntensity(max_restarts=1, window_s=60), ready_timeout_s=9,
+        ...                  probe_interval_s=1, hang_timeout_s=5).probe_timeout_s
+        5.0
+        """
+        fields = {name: given.get(name, getattr(config, name, None)) for name in cls.model_fields}
+        if fields["probe_timeout_s"] is None:
+            fields["probe_timeout_s"] = fields["hang_timeout_s"]
+        return cls(**fields)
 
 
 class Health(BaseModel):

@@ -9,10 +9,11 @@
 
 The plane is the root of the supervision tree; each pool actor (the renderer pool, one env pool per
 environment) is the root of a subtree: the renderers or env servers it started are owned by it, so Ray
-ends them with it. A `SupervisedPool` is the kernel's `Supervisor` with one child at a time, on the
-driver's loop. When Ray says the pool actor died, or nothing showed it alive for `hang_timeout_s`, what is
-left of it is killed and a new incarnation, a named actor of its own (`<name>@<n>`, so a replacement never
-waits for Ray to free the old name), is started within the pool's restart budget. A start that fails
+ends them with it. A `SupervisedPool` is a kind composed into the kernel's `Supervisor` (a child spec:
+one incarnation at a time, closed gracefully only at shutdown), on the driver's loop. When Ray says the
+pool actor died, or nothing showed it alive for `hang_timeout_s`, what is left of it is killed and a new
+incarnation, a named actor of its own (`<name>@<n>`, so a replacement never waits for Ray to free the
+old name), is started within the pool's restart budget. A start that fails
 spends a restart too; with the budget spent the pool is `failed` and every request that needs it is
 answered at once, until the window has room again (then one is started: the kernel keeps a floor of one).
 
@@ -33,7 +34,7 @@ from pydantic import BaseModel
 
 from rollout_actors.kernel.faults import Unavailable
 from rollout_actors.kernel.supervision import Supervision
-from rollout_actors.kernel.supervisor import Child, ChildKind, RetireCause, Supervisor
+from rollout_actors.kernel.supervisor import Child, ChildKind, ChildSpec, RetireCause, Supervisor
 from rollout_actors.plane.config import PoolSupervision
 from rollout_actors.rollout.pool_lookup import PoolName
 
@@ -70,7 +71,7 @@ class _Incarnation(Child):
     number: int = 0
 
 
-class SupervisedPool(Supervisor[_Incarnation], ChildKind[_Incarnation]):
+class SupervisedPool(ChildKind[_Incarnation]):
     """Supervisor of one pool actor: the kernel's, with one child at a time, restarted by incarnation."""
 
     def __init__(
@@ -84,7 +85,6 @@ class SupervisedPool(Supervisor[_Incarnation], ChildKind[_Incarnation]):
         its handle (or raises); at shutdown the serving one is asked to `close` (then killed)."""
         self.what, self.pool = what, name
         self._start = start
-        self.incarnation = 0
         self._serving: _Incarnation | None = None
         self._start_failure: BaseException | None = None
         self._verifying: asyncio.Task[None] | None = None
@@ -92,15 +92,19 @@ class SupervisedPool(Supervisor[_Incarnation], ChildKind[_Incarnation]):
         self.recovered_in_s: float | None = None
         self.serving_since: float | None = None
         """`time.monotonic()` when the serving incarnation began serving."""
-        supervision = Supervision(
-            restart=settings.restart,
-            ready_timeout_s=START_TIMEOUT_S,
-            probe_interval_s=settings.probe_interval_s,
-            probe_timeout_s=settings.hang_timeout_s,
-            hang_timeout_s=settings.hang_timeout_s,
+        supervision = Supervision.read(settings, ready_timeout_s=START_TIMEOUT_S)
+        # Dead or wedged, what is left of an incarnation is killed at once: its renderers / env servers are
+        # owned by it and Ray ends them with it, so nothing of the lost subtree keeps serving (or holding
+        # CPUs). At close, the serving one is closed gracefully first (its `close` stops its children).
+        spec = ChildSpec(
+            kind="pool",
+            name=lambda n: PoolName(name, n + 1).actor_name,
+            record=_Incarnation,
+            stop="close",
+            stop_only_at_close=True,
         )
-        super().__init__(what, self, supervision)
-        self.floor = 1  # a lost incarnation is replaced at once; one whose start failed, on the next tick
+        self.supervisor = Supervisor(what, spec, supervision, self)
+        self.supervisor.floor = 1  # a lost incarnation is replaced at once; a failed start, on the next tick
 
     # ------------------------------------------------------------------------------------- public
 
@@ -108,7 +112,7 @@ class SupervisedPool(Supervisor[_Incarnation], ChildKind[_Incarnation]):
         """Start the first incarnation. A failure here is the environment's or the config's, not a loss:
         it is raised as it is (with its traceback) and nothing is restarted."""
         try:
-            (child,) = await super().start()
+            (child,) = await self.supervisor.start()
         except BaseException as exc:  # the kernel closed the supervisor: nothing is left running
             self._start_failure = exc
             raise
@@ -120,19 +124,22 @@ class SupervisedPool(Supervisor[_Incarnation], ChildKind[_Incarnation]):
         its loss is decided and a replacement serves, so a re-dispatch never goes to a pool that is
         already gone (one check shared by every caller)."""
         deadline = time.monotonic() + timeout
-        if not self.children:  # a restart failed, or the budget refused it: try now, not at the next tick
-            self.spawn("restart")
+        if not self.supervisor.children:  # a restart failed or was refused: try now, not at the tick
+            self.supervisor.spawn("restart")
         serving = self._serving
         if verify and serving is not None:
             if self._verifying is None or self._verifying.done():
-                self._verifying = self.tasks.own(self._verify(serving), "verify")
+                # A pool in doubt (unreachable or slow) holds re-dispatches back rather than have them
+                # spent on it, until it answers or its loss is decided.
+                confirm = self.supervisor.confirm(serving, VERIFY_TIMEOUT_S)
+                self._verifying = self.supervisor.tasks.own(confirm, "verify")
             try:
                 await asyncio.wait_for(asyncio.shield(self._verifying), timeout)
             except TimeoutError:
                 raise self._unavailable(timeout) from None
             serving = self._serving
         if serving is None:  # the common case never waits: no task, no timer per dispatch
-            serving = await self.wait_for(lambda: self._serving, deadline - time.monotonic())
+            serving = await self.supervisor.wait_for(lambda: self._serving, deadline - time.monotonic())
         if serving is None:
             raise self._unavailable(timeout)
         return PoolName(self.pool, serving.number)
@@ -143,11 +150,18 @@ class SupervisedPool(Supervisor[_Incarnation], ChildKind[_Incarnation]):
             return "failed"
         if self.closed:
             return "closed"
-        if not self.children and self.refused:
+        if self.supervisor.starved:
             return "failed"  # its restart budget is spent: requests that need it are answered at once
         if self._serving is not None:
             return "serving"
         return "restarting" if self._lost_at else "starting"
+
+    @property
+    def closed(self) -> bool:
+        return self.supervisor.closed
+
+    async def close(self) -> None:
+        await self.supervisor.close()
 
     def current(self) -> Any:
         """The serving incarnation's handle, or None while there is none."""
@@ -158,17 +172,21 @@ class SupervisedPool(Supervisor[_Incarnation], ChildKind[_Incarnation]):
             pool=self.what,
             state=self.state,
             incarnation=self.incarnation,
-            restarts=self.budget.spent_total,
-            restarts_left=self.budget.remaining(),
-            last_loss=self.last_loss,
+            restarts=self.supervisor.budget.spent_total,
+            restarts_left=self.supervisor.budget.remaining(),
+            last_loss=self.supervisor.last_loss,
             recovered_in_s=self.recovered_in_s,
         )
 
     # ------------------------------------------------------------------------- the kind's hooks
 
-    def create(self, name: str) -> _Incarnation:
-        self.incarnation += 1
-        return _Incarnation(PoolName(self.pool, self.incarnation).actor_name, None, number=self.incarnation)
+    @property
+    def incarnation(self) -> int:
+        """The number of the newest incarnation (0 before the first)."""
+        return self.supervisor.spawns
+
+    def on_created(self, child: _Incarnation) -> None:
+        child.number = self.supervisor.spawns
 
     async def handshake(self, child: _Incarnation) -> None:
         child.handle = await self._start(child.name)
@@ -192,14 +210,8 @@ class SupervisedPool(Supervisor[_Incarnation], ChildKind[_Incarnation]):
                 self._lost_at = time.monotonic()
                 log.error("%s (incarnation %d) lost: %s", self.what, child.number, reason)
         elif self._lost_at and cause != "shutdown":
-            self.last_loss = f"restart {child.number} failed: {reason}"
-            log.error("%s: %s", self.what, self.last_loss)
-
-    def stop(self, child: _Incarnation) -> Awaitable[Any] | None:
-        # Dead or wedged, what is left of it is killed at once: its renderers / env servers are owned by
-        # it and Ray ends them with it, so nothing of the lost subtree keeps serving (or holding CPUs).
-        # At close, the serving one is closed gracefully first (its `close` stops its children).
-        return child.handle.close.remote() if self.closed and child.handle is not None else None
+            self.supervisor.last_loss = f"restart {child.number} failed: {reason}"
+            log.error("%s: %s", self.what, self.supervisor.last_loss)
 
     def _unavailable(self, timeout: float) -> BaseException:
         if self._start_failure is not None:  # its first start failed: that failure, as it was raised
@@ -207,17 +219,8 @@ class SupervisedPool(Supervisor[_Incarnation], ChildKind[_Incarnation]):
         if self.closed:
             message = f"{self.what} is shut down (the plane closed)"
         elif self.state == "failed":
-            message = str(self.budget_spent(self.what))
+            message = str(self.supervisor.budget_spent(self.what))
         else:
-            message = f"{self.what} was not serving within {timeout:g} s ({self.state}; last loss: {self.last_loss})"
+            last = self.supervisor.last_loss
+            message = f"{self.what} was not serving within {timeout:g} s ({self.state}; last loss: {last})"
         return PoolUnavailable(message)
-
-    async def _verify(self, child: _Incarnation) -> None:
-        """Until `child` answers (alive) or is lost: dead now, or judged by the probe (a pool in doubt,
-        unreachable or slow, holds re-dispatches back rather than have them spent on it)."""
-        while child is self._serving:
-            sent = time.monotonic()
-            if await self.check(child, VERIFY_TIMEOUT_S) or child is not self._serving:
-                return
-            # Unreachable or slow: not dead yet; ask again while the probe judges.
-            await asyncio.sleep(max(0.0, self.settings.probe_interval_s - (time.monotonic() - sent)))

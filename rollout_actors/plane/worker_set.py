@@ -1,26 +1,26 @@
-"""The plane's `RolloutWorker` actors as a kind of child of the kernel's `Supervisor`: pick the least loaded.
+"""The plane's `RolloutWorker` actors: a child spec for the kernel's `Supervisor`, and their placement.
 
 The kernel decides what a loss means (Ray says it died, or nothing showed it alive for `hang_timeout_s`)
-and replaces it on the budget. What is the workers' own: readiness is `ping` (which starts the rollout
-loop's `LoopWatch`); signs of life come over one long-lived streaming call (`heartbeats`, see
-`worker.py`), so they are not queued behind the rollouts a loaded worker is still receiving; the set is
-kept at its size; its `gone` tells every rollout waiting on a lost worker at once, so the plane can
-re-dispatch without waiting for Ray to notice, and `on_lost` lets the owners of what its rollouts held
-(env sessions, renderer slots) release it.
+and replaces it on the budget. The spec declares the rest as data: readiness is `ping` (which starts the
+rollout loop's `LoopWatch`; its answer names the worker's actor id); signs of life come over one
+long-lived streaming call (`heartbeats`, see `worker.py`), so they are not queued behind the rollouts a
+loaded worker is still receiving; the set is kept at its size (`floor`). What is the workers' own: the
+least-loaded pick, and `on_lost`, which lets the owners of what a lost worker's rollouts held (env
+sessions, renderer slots) release it; its `gone` tells every rollout waiting on it at once, so the plane
+can re-dispatch without waiting for Ray to notice.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from rollout_actors.kernel import How
-from rollout_actors.kernel.supervision import Health, RestartIntensity, Supervision
-from rollout_actors.kernel.supervisor import Child, ChildKind, RetireCause, Supervisor
+from rollout_actors.kernel.supervision import RestartIntensity, Supervision
+from rollout_actors.kernel.supervisor import Child, ChildKind, ChildSpec, RetireCause, Supervisor
 from rollout_actors.plane.config import WORKER_RESTARTS
 from rollout_actors.plane.naming import PoolNames
 from rollout_actors.rollout.loop import LoopLimits
@@ -50,7 +50,7 @@ class WorkerSlot(Child):
         return "wedged" if self.gone.done() and self.gone.result()[1] == "wedged" else "died"
 
 
-class WorkerSet(Supervisor[WorkerSlot], ChildKind[WorkerSlot]):
+class WorkerSet(ChildKind[WorkerSlot]):
     """Owns the workers, their heartbeats and their replacements; the plane only picks and declares.
 
     workers = WorkerSet(names, size=4, num_cpus=1, hang_timeout_s=30, probe_interval_s=2,
@@ -73,29 +73,55 @@ class WorkerSet(Supervisor[WorkerSlot], ChildKind[WorkerSlot]):
         capacity: int | None = None,
         on_lost: Callable[[WorkerSlot], None] | None = None,
     ) -> None:
-        self._names = names
-        self._cls = remote_worker_class(num_cpus)
         self.num_cpus = num_cpus
         """Each worker's CPU request, from the next spawn on (the plane fits it to the cluster at start)."""
-        self._limits = limits
         self._capacity = capacity
         """Rollouts one worker is sized for. Beyond it, a dispatch waits for a replacement being started
         rather than pile a dead worker's rollouts onto one survivor; with none coming, it overfills."""
         self._on_lost = on_lost
-        settings = Supervision(
+        settings = Supervision.read(
             restart=restarts,
             ready_timeout_s=WORKER_READY_TIMEOUT_S,
             probe_interval_s=probe_interval_s,
-            probe_timeout_s=hang_timeout_s,
             hang_timeout_s=hang_timeout_s,
         )
-        super().__init__("rollout workers", self, settings)
-        self.floor = size
+        spec = ChildSpec(
+            kind="rollout worker",
+            actor=remote_worker_class(num_cpus),
+            options=lambda name: {"name": name, "num_cpus": self.num_cpus},
+            args=lambda name: (limits, name),
+            name=lambda n: f"{names.prefix}/worker-{n + 1}",
+            record=WorkerSlot,
+            ready="ping",
+            read_ready=_read_owner,
+            liveness="stream",
+            probe="heartbeats",
+            probe_args=lambda settings: (settings.probe_interval_s,),
+        )
+        self.supervisor = Supervisor("rollout workers", spec, settings, self)
+        self.supervisor.floor = size
+
+    # ------------------------------------------------------------------------------------ its life
+
+    @property
+    def floor(self) -> int:
+        """How many workers it keeps."""
+        return self.supervisor.floor
+
+    @property
+    def deaths(self) -> int:
+        return self.supervisor.deaths
+
+    async def start(self) -> list[WorkerSlot]:
+        return await self.supervisor.start()
+
+    async def close(self) -> None:
+        await self.supervisor.close()
 
     # ------------------------------------------------------------------------------------ dispatch
 
     def live(self) -> list[WorkerSlot]:
-        return self.ready()
+        return self.supervisor.ready()
 
     async def broadcast(self, method: str, *args: Any, timeout_s: float = 30.0) -> None:
         """Call `method` on every live worker, each under `timeout_s`. A worker that does not answer is
@@ -110,8 +136,8 @@ class WorkerSet(Supervisor[WorkerSlot], ChildKind[WorkerSlot]):
         live = self.live()
         if within_capacity and self._capacity is not None:
             live = [s for s in live if s.in_flight < self._capacity]
-        quiet_after = time.monotonic() - SUSPECT_AFTER_BEATS * self.settings.probe_interval_s
-        heard = [s for s in live if s.life.last_alive >= quiet_after] or live
+        quiet_s = SUSPECT_AFTER_BEATS * self.supervisor.settings.probe_interval_s
+        heard = self.supervisor.heard_lately(live, quiet_s)
         return min(heard, key=lambda s: s.in_flight) if heard else None
 
     async def pick_or_wait(self, timeout: float = WORKER_READY_TIMEOUT_S) -> WorkerSlot | None:
@@ -119,7 +145,7 @@ class WorkerSet(Supervisor[WorkerSlot], ChildKind[WorkerSlot]):
         and a replacement is being started, wait for it or for room, up to `timeout`; with none coming,
         the least-loaded live worker regardless, or `None` at once rather than queue."""
         wait_s = min(timeout, WORKER_READY_TIMEOUT_S)
-        return await self.wait_for(lambda: self.pick(within_capacity=True), wait_s) or self.pick()
+        return await self.supervisor.wait_for(lambda: self.pick(within_capacity=True), wait_s) or self.pick()
 
     def dispatched(self, slot: WorkerSlot) -> None:
         slot.in_flight += 1
@@ -128,26 +154,13 @@ class WorkerSet(Supervisor[WorkerSlot], ChildKind[WorkerSlot]):
     def finished(self, slot: WorkerSlot) -> None:
         slot.in_flight -= 1
         if self._capacity is not None and slot.in_flight == self._capacity - 1:
-            self._pulse()  # room again below capacity: a dispatch waiting for it may go
+            self.supervisor.wake()  # room again below capacity: a dispatch waiting for it may go
 
     def declare_lost(self, slot: WorkerSlot, cause: str, how: How = "died") -> None:
         """Retire a worker from dispatch at once (a call to it said it is lost): the kernel's `retire`."""
-        self.retire(slot, cause, "wedged" if how == "wedged" else "died")
+        self.supervisor.retire(slot, cause, "wedged" if how == "wedged" else "died")
 
     # ------------------------------------------------------------------------- the kind's hooks
-
-    def create(self, name: str) -> WorkerSlot:
-        name = f"{self._names.prefix}/worker-{self.spawns}"
-        return WorkerSlot(
-            name, self._cls.options(name=name, num_cpus=self.num_cpus).remote(self._limits, name)
-        )
-
-    async def handshake(self, slot: WorkerSlot) -> None:
-        slot.owner = (await slot.handle.ping.remote()).actor_id
-
-    async def signs(self, slot: WorkerSlot) -> AsyncIterator[Health]:
-        async for beat in slot.handle.heartbeats.remote(self.settings.probe_interval_s):
-            yield Health(loop_stall_s=float(await beat))
 
     def on_retired(self, slot: WorkerSlot, reason: str, cause: RetireCause) -> None:
         if self._on_lost is not None and cause in ("died", "wedged"):
@@ -155,3 +168,7 @@ class WorkerSet(Supervisor[WorkerSlot], ChildKind[WorkerSlot]):
                 self._on_lost(slot)
             except Exception:
                 log.exception("releasing what rollout worker %s held", slot.name)
+
+
+def _read_owner(slot: WorkerSlot, info: Any) -> None:
+    slot.owner = info.actor_id
