@@ -166,7 +166,7 @@ class RolloutPlane:
         # Side by side: a worker looks its pools up per dispatch, so neither start waits for the other.
         started = await asyncio.gather(self._pools.start(), self._workers.start(), return_exceptions=True)
         parts = ("shared pools", "rollout workers")
-        failed = [(part, out) for part, out in zip(parts, started) if isinstance(out, BaseException)]
+        failed = [(part, out) for part, out in zip(parts, started, strict=True) if isinstance(out, BaseException)]
         if failed:  # nothing half-started is left behind (the caller's `async with` never reached exit)
             await self._workers.close()
             await self._pools.close()
