@@ -22,7 +22,7 @@ import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-from env_actors.interface import EnvResponse
+from env_actors.interface import Environment, EnvResponse, Message, Reset, ScoreOut, StepOut
 from rollout_actors.kernel import CallerError, Failure
 
 Frame = tuple[str, Any]
@@ -77,3 +77,26 @@ def serving_env(env: Any) -> Any:
     if not callable(serve):
         raise CallerError(f"{type(env).__name__} does not run whole episodes (it has no serve_run)")
     return serve
+
+
+class EpisodeOnlyEnvironment(Environment):
+    """An environment that runs whole episodes only (`serve_run`): the client ships each run's task, and
+    the plane's step-wise calls are refused as the caller's error."""
+
+    def num_tasks(self) -> int:
+        return 0  # the client owns the tasks and ships each with its run
+
+    def task(self, index: int) -> dict[str, Any]:
+        raise CallerError(self._episodes_only())
+
+    async def reset(self, task: dict[str, Any]) -> Reset:
+        raise CallerError(self._episodes_only())
+
+    async def step(self, state: Any, assistant_message: Message) -> StepOut:
+        raise CallerError(self._episodes_only())
+
+    async def score(self, state: Any) -> ScoreOut:
+        raise CallerError(self._episodes_only())
+
+    def _episodes_only(self) -> str:
+        return f"{type(self).__name__} runs whole episodes only (serve_run, for `rollouts serve-env`)"
