@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import replace
 from typing import Any
 
+from env_actors.env_calls import CALL
 from env_actors.interface import Environment, EnvResponse, Message, Reset, ScoreOut, StepOut
 from rollout_actors.kernel import CallerError, Failure
 
@@ -71,12 +73,24 @@ async def stream_episode(
             work.cancel()
 
 
-def serving_env(env: Any) -> Any:
-    """The loaded environment's `serve_run`, or a `CallerError`: this pool serves step-wise environments."""
+def serving_env(env: Any) -> Callable[[bytes, Callable[[bytes], None]], Awaitable[bytes]]:
+    """The loaded environment's `serve_run`, its call tagged as a whole episode (`env_calls`: blocking its
+    framework loop counts from the first second, not past the episode's deadline); or a `CallerError`: this
+    pool serves step-wise environments."""
     serve = getattr(env, "serve_run", None)
     if not callable(serve):
         raise CallerError(f"{type(env).__name__} does not run whole episodes (it has no serve_run)")
-    return serve
+
+    async def episode(payload: bytes, send: Callable[[bytes], None]) -> bytes:
+        tag = CALL.get()  # set by the server's `_guard` for this call, in this task's context
+        token = CALL.set(replace(tag, whole_episode=True)) if tag is not None else None
+        try:
+            return await serve(payload, send)
+        finally:
+            if token is not None:
+                CALL.reset(token)
+
+    return episode
 
 
 class EpisodeOnlyEnvironment(Environment):
