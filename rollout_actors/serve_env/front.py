@@ -134,7 +134,10 @@ class ServeEnvFront:
             await asyncio.wait(list(self._runs.values()), timeout=CLOSE_TIMEOUT_S)
         await self._tasks.close()
         if self.supervised is not None:
-            await asyncio.wait_for(self.supervised.close(), CLOSE_TIMEOUT_S)
+            try:  # it asks the pool to close, then kills it; a pool that does not answer is killed
+                await asyncio.wait_for(self.supervised.close(), CLOSE_TIMEOUT_S)
+            except TimeoutError:
+                logger.warning("serve-env: the env pool did not close within %g s", CLOSE_TIMEOUT_S)
         if self.wire is not None:
             self.wire.close()
         self._closed.set()
@@ -186,10 +189,7 @@ class ServeEnvFront:
         assert self.supervised is not None
         # A restart loads the environment afresh: bounded as one load is, not by the run's whole deadline.
         await self.supervised.serving(min(timeout, self.config.pool.ready_timeout_s + LOAD_SLACK_S), verify)
-        handle = self.supervised.current()
-        if handle is None:  # lost between the two lines: the next call waits for its replacement
-            raise PoolUnavailable(Failure(type="PoolUnavailable", message="the env pool was just lost"))
-        return handle
+        return self.supervised.current()  # `serving` just found it serving, and nothing ran since
 
     async def _ready(self) -> Failure | None:
         """None once loaded; the load's failure when it failed (at once, remembered)."""
