@@ -6,12 +6,19 @@ sees every frame the front sent a run: a run dispatched twice would show frames 
 - an env server SIGKILLed before its run streamed a delta: the run is dispatched again and answered ok,
   once, every frame from one episode;
 - killed after deltas streamed: answered `success=False` naming the env server, never dispatched again;
+- the node running a run's env server lost (a two-node `Cluster`, `serve_env_node_loss.py`): answered
+  within seconds, the front on the head serving on;
 - the front's own actor (its env pool) SIGKILLed with runs in flight: every run answered once, the pool
   restarted, the next 16 runs ok; killed past its restart budget: runs answered at once, none waits.
+
+And our rows of the fault table (`scripts/serve_env_faults.py`), measured as the script measures them
+(`serve_env_fault_rows.py`: verifiers' own `EnvClient`, verifiers' episode code, the verifiers-0.4
+interpreter), each outcome held with a bound generous enough for a loaded 2-core machine.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import time
@@ -24,9 +31,12 @@ import pytest
 import ray
 import zmq
 from env_pools import TEST_REF_PREFIXES
-from test_serve_env import Front
+from node_loss import report_of
+from serve_env_fault_rows import FAULTS, NEXT_RUNS, Setup, front_row
+from test_serve_env import Front, vf04_python
 
 from env_actors.config import EnvPoolConfig
+from renderer_actors.tokenizer import BUNDLED_MODEL
 from rollout_actors.kernel import Ref
 from rollout_actors.kernel.supervision import RestartIntensity
 from rollout_actors.plane.config import PoolSupervision
@@ -220,3 +230,51 @@ def test_an_env_pool_lost_past_its_restart_budget_answers_runs_at_once(front, cl
         [reply] = c.replies(run)
         assert reply["success"] is False and "is not restarted" in reply["error"], reply
     assert took < ANSWERED_WITHIN_S
+
+
+EXPECTED_ROWS = {
+    "sigkill": (("reply: ", "PartLost: env server", "died during the run"), NEXT_RUNS),
+    "import": (("reply: ", "LoadFailed: the environment failed to load 2 time(s)", "framework"), 0),
+    "blocks": (("reply: ", "PartLost: env server", "wedged"), NEXT_RUNS),
+    "router": (("still waiting after",), NEXT_RUNS),
+}
+"""Per fault: how our row's client learned (how its text starts, what it names: verifiers' client raises a
+failed reply's error as a `RuntimeError`), and how many of the next 16
+runs are ok (every one is answered in each row: after the ROUTER's loss, by the front started again)."""
+HANG_TIMEOUT_S = 3.0  # the blocked loop's wedge is judged at this (production: 30 s)
+LEARNED_WITHIN_S = 30.0
+
+
+@pytest.mark.parametrize("fault", list(FAULTS))
+def test_our_row_of_the_fault_table(ray_session, standin, fault):
+    setup = Setup(
+        python=vf04_python(), base_url=standin.base_url, model=BUNDLED_MODEL, wait_s=20.0, next_wait_s=300.0
+    )
+    row = asyncio.run(front_row(setup, fault, hang_timeout_s=HANG_TIMEOUT_S))
+    (how, *named), ok = EXPECTED_ROWS[fault]
+    assert row.learned.startswith(how) and all(n in row.learned for n in named), row
+    if fault == "router":  # its process is gone: the run it held is never answered (docs/prime-rl.md)
+        assert row.seconds is None, row
+    else:
+        assert row.seconds is not None and row.seconds < LEARNED_WITHIN_S, row
+    assert (row.next_answered, row.next_ok) == (NEXT_RUNS, ok), row
+
+
+NODE_LOSS_TIMEOUT_S = 300  # the scenario's own waits are bounded at 120 s each: this catches a hung process
+
+
+@pytest.mark.ray  # a two-node Ray cluster of its own, in a subprocess
+@pytest.mark.timeout(NODE_LOSS_TIMEOUT_S + 30)
+def test_losing_the_node_of_a_runs_env_server_ends_the_run_and_the_front_on_the_head_serves_on():
+    report = report_of("serve_env_node_loss.py", timeout=NODE_LOSS_TIMEOUT_S)
+    assert report["sessions_on_doomed_node"] == [True], report  # both runs' sessions, on the lost node
+    assert report["pool_on_head"] and report["pool_incarnation"] == 1, report  # the front never faltered
+    [streaming] = report["streaming"]  # streamed before the loss: answered, naming its env server
+    assert streaming["success"] is False and "env server" in streaming["error"], report
+    assert "not dispatched again" in streaming["error"] and len(report["streaming_deltas_pids"]) == 1
+    assert report["streaming_s"] < ANSWERED_WITHIN_S, report
+    [held] = report["held"]  # nothing streamed: dispatched again, to a server on the surviving node
+    assert held["success"] is True, report
+    assert [len(replies) for replies in report["after"]] == [1] * 4, report
+    assert all(replies[0]["success"] for replies in report["after"]), report
+    assert "survivor" in report["servers_after_on"], report
