@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import replace
 from typing import Any
 
+from env_actors.env_calls import CALL
 from env_actors.failures import EnvSessionClosed, UnexplainedEnvFailure
-from env_actors.interface import EnvResponse
+from env_actors.interface import Environment, EnvResponse, Message, Reset, ScoreOut, StepOut
 from rollout_actors.kernel import CallerError
 
 Frame = tuple[str, Any]
@@ -72,9 +74,44 @@ async def stream_episode(
             work.cancel()
 
 
-def serving_env(env: Any) -> Any:
-    """The loaded environment's `serve_run`, or a `CallerError`: this pool serves step-wise environments."""
+def serving_env(env: Any) -> Callable[[bytes, Callable[[bytes], None]], Awaitable[bytes]]:
+    """The loaded environment's `serve_run`, its call tagged as a whole episode (`env_calls`: blocking its
+    framework loop counts from the first second, not past the episode's deadline); or a `CallerError`: this
+    pool serves step-wise environments."""
     serve = getattr(env, "serve_run", None)
     if not callable(serve):
         raise CallerError(f"{type(env).__name__} does not run whole episodes (it has no serve_run)")
-    return serve
+
+    async def episode(payload: bytes, send: Callable[[bytes], None]) -> bytes:
+        tag = CALL.get()  # set by the server's `_guard` for this call, in this task's context
+        token = CALL.set(replace(tag, whole_episode=True)) if tag is not None else None
+        try:
+            return await serve(payload, send)
+        finally:
+            if token is not None:
+                CALL.reset(token)
+
+    return episode
+
+
+class EpisodeOnlyEnvironment(Environment):
+    """An environment that runs whole episodes only (`serve_run`): the client ships each run's task, and
+    the plane's step-wise calls are refused as the caller's error."""
+
+    def num_tasks(self) -> int:
+        return 0  # the client owns the tasks and ships each with its run
+
+    def task(self, index: int) -> dict[str, Any]:
+        raise CallerError(self._episodes_only())
+
+    async def reset(self, task: dict[str, Any]) -> Reset:
+        raise CallerError(self._episodes_only())
+
+    async def step(self, state: Any, assistant_message: Message) -> StepOut:
+        raise CallerError(self._episodes_only())
+
+    async def score(self, state: Any) -> ScoreOut:
+        raise CallerError(self._episodes_only())
+
+    def _episodes_only(self) -> str:
+        return f"{type(self).__name__} runs whole episodes only (serve_run, for `rollouts serve-env`)"

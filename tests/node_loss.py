@@ -13,9 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
+import subprocess
 import sys
 import time
 from contextlib import suppress
+from pathlib import Path
 
 import psutil
 import ray
@@ -130,13 +134,13 @@ def schedulable(node_id: str) -> None:
     ray.kill(here)
 
 
-def start_cluster(attempts: int = 2) -> Cluster:
+def start_cluster(attempts: int = 2, head_cpus: int = 2) -> Cluster:
     """The head node, retried once: Ray gives a raylet 30 s to register (not configurable), which a
     machine loaded by other work can miss. What a failed attempt started is killed before the next."""
     for attempt in range(1, attempts + 1):
         cluster = Cluster(initialize_head=False)
         try:
-            cluster.add_node(num_cpus=2, include_dashboard=False, _system_config=FAST_NODE_DEATH)
+            cluster.add_node(num_cpus=head_cpus, include_dashboard=False, _system_config=FAST_NODE_DEATH)
             return cluster
         except Exception as exc:
             print(f"cluster start {attempt} failed: {exc}", file=sys.stderr, flush=True)
@@ -147,6 +151,32 @@ def start_cluster(attempts: int = 2) -> Cluster:
             if attempt == attempts:
                 raise
     raise AssertionError("unreachable")
+
+
+def report_of(script: str, *args: str, timeout: float) -> dict:
+    """Run a cluster scenario (`tests/<script>`, one JSON line out) in a process and process group of its
+    own, and return its report; the calling test fails if it hangs or reports nothing."""
+    import pytest
+
+    root = Path(__file__).resolve().parent.parent
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["PYTHONPATH"] = os.pathsep.join([str(root), str(root / "tests")])
+    proc = subprocess.Popen(
+        [sys.executable, str(root / "tests" / script), *args], cwd=root, env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"{script} hung; its log ends:\n{err[-4000:]}")
+    finally:
+        with suppress(ProcessLookupError):  # whatever of its cluster outlived it (its own process group)
+            os.killpg(proc.pid, signal.SIGKILL)
+    lines = out.strip().splitlines()
+    assert lines, f"{script}: no report (exit {proc.returncode}); log ends:\n{err[-4000:]}"
+    return json.loads(lines[-1])
 
 
 def main() -> int:

@@ -5,9 +5,11 @@
 
 `client`: `{"address", "taskset": TasksetConfig dict, "client": ClientConfig dict, "model", "sampling",
 "runs": [{"index": i, "cancel": bool}]}`. All runs go at once through one `EnvClient` (the client prime-rl's
-orchestrator uses); each prints as `{"episode": WireEpisode dumped | None, "error": str | None, "deltas": n}`.
+orchestrator uses); each prints as `{"episode": WireEpisode dumped | None, "error": str | None, "deltas": n,
+"seconds": from the run's send to its end}`.
 A run marked `cancel` is cancelled by its caller once its first delta arrives (its `cancel_at_delta`-th,
-when it names one), as an orchestrator abandons a rollout; its outcome then also carries the raw `reply` the server sent the run afterwards (a second
+when it names one), as an orchestrator abandons a rollout; its outcome then also carries the raw `reply`
+the server sent the run afterwards (a second
 DEALER listens for nothing: the reply is read off the client's own socket by wrapping its receive).
 
 `server`: `serve_env(max_workers, address, config_data)`: a lone `EnvServer` (`max_workers` 1) or the
@@ -17,6 +19,7 @@ elastic `EnvServerPool`, exactly as `vf-eval`/prime-rl spawn it.
 import asyncio
 import json
 import sys
+import time
 
 import msgpack
 
@@ -42,6 +45,9 @@ async def client(case: dict) -> list[dict]:
     env.socket.recv_multipart = recording_receive
 
     async def one(run: dict) -> dict:
+        return dict(await outcome(run), seconds=round(time.monotonic() - started, 2))
+
+    async def outcome(run: dict) -> dict:
         deltas = 0
         first = asyncio.Event()  # the delta the run is cancelled at has arrived
         cancel_at = run.get("cancel_at_delta", 1)
@@ -77,6 +83,7 @@ async def client(case: dict) -> list[dict]:
             return {"episode": None, "error": f"{type(exc).__name__}: {exc}", "deltas": deltas}
         return {"episode": episode.model_dump(mode="json"), "error": None, "deltas": deltas}
 
+    started = time.monotonic()
     try:
         return list(await asyncio.gather(*(one(run) for run in case["runs"])))
     finally:

@@ -109,3 +109,49 @@ def test_on_a_framework_loop_only_the_coroutine_blocking_it_is_named():
 
     session, _ = asyncio.run(asyncio.wait_for(scenario(), WAIT_S))
     assert session == "blocks"
+
+
+@pytest.mark.parametrize(
+    "whole_episode, in_a_task_of_its_own", [(True, False), (True, True), (False, False), (False, True)]
+)
+def test_a_whole_episode_blocking_its_framework_loop_is_named_long_before_its_deadline(
+    whole_episode, in_a_task_of_its_own
+):
+    """verifiers' own episode code (`serve_run`) runs under the episode's deadline (an hour): blocking its
+    framework loop counts while the loop makes no progress, also from a task the episode started (a reward
+    scored in a task of verifiers' own). A step's call keeps the deadline rule."""
+    loop = FrameworkLoop("test-episode-loop")
+    release, blocked = threading.Event(), threading.Event()
+    tag = CallTag("episode", time.monotonic() + 3600.0, whole_episode=whole_episode)
+
+    async def blocks() -> None:
+        blocked.set()
+        release.wait(WAIT_S)  # a grader's time.sleep
+
+    async def blocking() -> None:
+        if in_a_task_of_its_own:
+            await asyncio.gather(asyncio.sleep(0), asyncio.ensure_future(blocks()))
+        else:
+            await blocks()
+
+    async def caller() -> None:
+        CALL.set(tag)
+        await loop.run(blocking())
+
+    async def scenario() -> tuple[str, float] | None:
+        task = asyncio.ensure_future(caller())
+        try:
+            await asyncio.to_thread(blocked.wait, WAIT_S)
+            stuck_call()  # a probe's sample: the loop thread sits in the blocking frame
+            await asyncio.sleep(0.6)
+            return stuck_call()
+        finally:
+            release.set()
+            await task
+
+    stuck = asyncio.run(scenario())
+    if whole_episode:
+        assert stuck is not None and stuck[0] == "episode" and 0.5 <= stuck[1] < WAIT_S, stuck
+    else:
+        assert stuck is None
+    assert stuck_call() is None  # it ended: nothing is stuck

@@ -4,48 +4,18 @@ process with the suite's session Ray; this test only needs the suite's stand-in 
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
-import sys
-from contextlib import suppress
-from pathlib import Path
-
 import pytest
+from node_loss import report_of
 
 pytestmark = pytest.mark.ray  # a two-node Ray cluster of its own, in a subprocess
 
-ROOT = Path(__file__).resolve().parent.parent
 SCENARIO_TIMEOUT_S = 200  # the scenario's own asyncio deadline is 150 s: this only catches a hung process
 
 
 @pytest.fixture(scope="module")
 def node_loss(standin) -> dict:
     """Run the scenario once; its report is what the tests read."""
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests")])
-    proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "tests" / "node_loss.py"), standin.base_url],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        out, err = proc.communicate(timeout=SCENARIO_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"node-loss scenario hung; its log ends:\n{err[-4000:]}")
-    finally:
-        with suppress(ProcessLookupError):  # whatever of its cluster outlived it (its own process group)
-            os.killpg(proc.pid, signal.SIGKILL)
-    lines = out.strip().splitlines()
-    assert lines, f"no report (exit {proc.returncode}); log ends:\n{err[-4000:]}"
-    return json.loads(lines[-1])
+    return report_of("node_loss.py", standin.base_url, timeout=SCENARIO_TIMEOUT_S)
 
 
 @pytest.mark.slow

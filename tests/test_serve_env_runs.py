@@ -94,7 +94,10 @@ def _run(pool: FakePool) -> tuple[dict[str, Any], list[bytes]]:
     async def send(frame: bytes) -> None:
         sent.append(frame)
 
-    reply = asyncio.run(serve_run(pool, b"payload", send, timeout_s=30.0))
+    async def pools(timeout: float, verify: bool) -> FakePool:
+        return pool
+
+    reply = asyncio.run(serve_run(pools, b"payload", send, timeout_s=30.0))
     return msgpack.unpackb(reply, raw=False), sent
 
 
@@ -149,3 +152,19 @@ def test_an_episode_that_failed_on_its_server_is_answered_with_that_failure():
     reply, _ = _run(pool)
     assert reply == {"success": False, "error": "EnvDeadline: run exceeded its 30 s deadline"}
     assert len(pool.ended) == 1  # the session is ended on its server
+
+
+def test_a_run_whose_env_pool_is_not_restarted_is_answered_at_once():
+    from rollout_actors.plane.pool_supervisor import PoolUnavailable
+
+    async def pools(timeout: float, verify: bool) -> FakePool:
+        raise PoolUnavailable(Failure(type="RestartBudgetSpent", message="env pool is not restarted"))
+
+    async def send(frame: bytes) -> None:
+        raise AssertionError("nothing was dispatched: nothing to stream")
+
+    reply = asyncio.run(serve_run(pools, b"payload", send, timeout_s=30.0))
+    assert msgpack.unpackb(reply, raw=False) == {
+        "success": False,
+        "error": "RestartBudgetSpent: env pool is not restarted",
+    }

@@ -24,7 +24,7 @@ from collections.abc import Coroutine
 from types import ModuleType
 from typing import Any, TypeVar
 
-from env_actors.env_calls import on_loop
+from env_actors.env_calls import on_loop, watch_loop
 from rollout_actors.kernel import CallerError
 
 T = TypeVar("T")
@@ -71,12 +71,14 @@ class FrameworkLoop:
     """An event loop on a thread of its own for a framework's coroutines (verifiers is async, and its
     reward functions may block for seconds on CPU): whatever they do, the server's own loop keeps turning.
     Sessions share it, as they would share the framework's own loop; so a coroutine that blocks it past its
-    call's deadline (a tool's `time.sleep`) wedges the server, its session named (`env_calls.on_loop`)."""
+    call's deadline (a tool's `time.sleep`) wedges the server, its session named (`env_calls.on_loop`); a
+    whole episode that blocks it does so at `hang_timeout_s` (`env_calls.watch_loop`)."""
 
     def __init__(self, name: str) -> None:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name=name, daemon=True)
         self._thread.start()
+        watch_loop(self._loop)
 
     def run_sync(self, coro: Coroutine[Any, Any, T], timeout: float) -> T:
         """Run `coro` on the framework's loop from a thread that is not on it (a synchronous `load`)."""

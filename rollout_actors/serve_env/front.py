@@ -18,7 +18,11 @@ It answers the three methods of `verifiers.v1.serve` to any `EnvClient`:
 
 The env pool is the plane's `EnvPool` (restart budget, readiness, probes, wedge detection), its servers
 running `adapters.verifiers_serve` in the pool's own interpreter (`EnvPoolConfig.runtime_env`): the front
-never imports verifiers, and it relays the frames verifiers packed without opening them.
+never imports verifiers, and it relays the frames verifiers packed without opening them. The pool actor
+is the front's one actor: pinned to the front's own node and supervised as the plane supervises its
+pools (`SupervisedPool`: lost, it is restarted within its restart budget; each dispatch asks for the
+serving incarnation). The ROUTER lives in the front's own process (the CLI's driver), so the front
+survives the loss of any node but its own; losing its own process ends it (docs/prime-rl.md).
 """
 
 from __future__ import annotations
@@ -28,14 +32,18 @@ import logging
 from typing import Any
 
 import msgpack
+import ray
 from pydantic import BaseModel, ConfigDict, Field
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from env_actors.config import EnvPoolConfig
 from env_actors.failures import EnvLoadTimeout, EnvStartupError
-from env_actors.pool import close_env_pool, start_env_pool
+from env_actors.pool import start_env_pool
 from rollout_actors.kernel import Failure, Ref, new_id
 from rollout_actors.kernel.faults import LoadFailed
 from rollout_actors.kernel.tasks import TaskOwner
+from rollout_actors.plane.config import PoolSupervision
+from rollout_actors.plane.pool_supervisor import PoolUnavailable, SupervisedPool
 from rollout_actors.serve_env.runs import failure_reply, pack_reply, serve_run
 from rollout_actors.serve_env.wire import Inbound, RouterWire
 
@@ -55,8 +63,11 @@ class ServeEnvConfig(BaseModel):
 
     address: str = "tcp://127.0.0.1:5000"
     """Where the ROUTER binds (verifiers' default); prime-rl's `serve.address` points here."""
-    env_config: dict[str, Any]
+    env_config: dict[str, Any] = {}
     """verifiers' `EnvConfig` as a dict: `{"taskset": {"id": ..., ...}, "agent": {...}}`."""
+    env: Ref | None = None
+    """Another environment that runs whole episodes (`serve_run`) instead of verifiers' over `env_config`
+    (the fault tests' `env_actors.faults.serve_envs`); it must pass the pool's Ref allowlist."""
     pool: EnvPoolConfig = EnvPoolConfig()
     """The env pool (its `runtime_env` carries verifiers 0.4's interpreter; `env_packages` its gate)."""
     pool_name: str = ""
@@ -65,6 +76,11 @@ class ServeEnvConfig(BaseModel):
     """Each run's whole episode, from its arrival (verifiers' own client waits untimed)."""
     load_attempts: int = Field(default=2, ge=1)
     """Loads of the environment before its failure is the answer of every run (docs/design.md contract 8)."""
+    pool_supervision: PoolSupervision = PoolSupervision()
+    """How the env pool actor is supervised once loaded: restarted within its budget when lost."""
+
+    def env_ref(self) -> Ref:
+        return self.env or Ref(target=ADAPTER, config={"env_config": self.env_config})
 
 
 class ServeEnvFront:
@@ -73,7 +89,8 @@ class ServeEnvFront:
     def __init__(self, config: ServeEnvConfig) -> None:
         self.config = config
         self.wire: RouterWire | None = None
-        self.pool: Any = None
+        self.supervised: SupervisedPool | None = None
+        """The env pool's supervisor, once the environment loaded."""
         self.load_failure: Failure | None = None
         """The environment's load failure, once it failed `load_attempts` times: remembered, not retried."""
         self.loads = 0
@@ -94,10 +111,16 @@ class ServeEnvFront:
         self._tasks.own(self._receive(), "receive")
         logger.info("serve-env: listening at %s; loading %s", self.address, self.config.env_config)
 
+    @property
+    def pool(self) -> Any:
+        """The serving env pool actor's handle; None before the load, after its failure, or while the
+        pool is being restarted."""
+        return self.supervised.current() if self.supervised is not None else None
+
     async def wait_loaded(self, timeout: float) -> bool:
         """Whether the environment is loaded (False: its load failed) within `timeout`."""
         await asyncio.wait_for(self._loaded.wait(), timeout)
-        return self.pool is not None
+        return self.supervised is not None
 
     async def closed(self) -> None:
         await self._closed.wait()
@@ -111,8 +134,11 @@ class ServeEnvFront:
         if self._runs:
             await asyncio.wait(list(self._runs.values()), timeout=CLOSE_TIMEOUT_S)
         await self._tasks.close()
-        if self.pool is not None:
-            await close_env_pool(self.pool, CLOSE_TIMEOUT_S)
+        if self.supervised is not None:
+            try:  # it asks the pool to close, then kills it; a pool that does not answer is killed
+                await asyncio.wait_for(self.supervised.close(), CLOSE_TIMEOUT_S)
+            except TimeoutError:
+                logger.warning("serve-env: the env pool did not close within %g s", CLOSE_TIMEOUT_S)
         if self.wire is not None:
             self.wire.close()
         self._closed.set()
@@ -123,16 +149,24 @@ class ServeEnvFront:
         return self.config.load_attempts * (self.config.pool.ready_timeout_s + LOAD_SLACK_S)
 
     async def _load(self) -> None:
-        env = Ref(target=ADAPTER, config={"env_config": self.config.env_config})
         name = self.config.pool_name or new_id("serve-env")
+        # Pinned to this process's node (the ROUTER's): the front dies with that node anyway, and so
+        # survives the loss of any other. Servers go wherever the pool's config lets Ray put them.
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         try:
-            while self.pool is None and self.loads < self.config.load_attempts:
+            while self.supervised is None and self.loads < self.config.load_attempts:
                 self.loads += 1
+                supervised = SupervisedPool(
+                    f"serve-env env pool ({self.config.env_ref().target})",
+                    f"{name}-{self.loads}",
+                    lambda actor: start_env_pool(
+                        actor, self.config.env_ref(), self.config.pool, self.config.pool.ready_timeout_s, here
+                    ),
+                    self.config.pool_supervision,
+                )
                 try:
-                    self.pool = await start_env_pool(
-                        f"{name}-{self.loads}", env, self.config.pool, self.config.pool.ready_timeout_s
-                    )
-                except EnvStartupError as exc:
+                    await supervised.start()
+                except (EnvStartupError, PoolUnavailable) as exc:
                     failure = exc.failure
                     logger.warning(
                         "serve-env: load %d failed: %s: %s", self.loads, failure.type, failure.message
@@ -143,10 +177,20 @@ class ServeEnvFront:
                         traceback=failure.traceback,
                         kind="caller" if failure.fault == "caller" else "infrastructure",
                     ).failure
-            if self.pool is not None:
+                else:
+                    self.supervised = supervised
+            if self.supervised is not None:
                 self.load_failure = None
         finally:
             self._loaded.set()
+
+    async def _serving_pool(self, timeout: float, verify: bool) -> Any:
+        """The serving env pool's handle, waiting up to `timeout` for one being restarted (`verify`: a run
+        lost a server, so the pool is checked alive first); `PoolUnavailable` when there is none."""
+        assert self.supervised is not None
+        # A restart loads the environment afresh: bounded as one load is, not by the run's whole deadline.
+        await self.supervised.serving(min(timeout, self.config.pool.ready_timeout_s + LOAD_SLACK_S), verify)
+        return self.supervised.current()  # `serving` just found it serving, and nothing ran since
 
     async def _ready(self) -> Failure | None:
         """None once loaded; the load's failure when it failed (at once, remembered)."""
@@ -154,7 +198,7 @@ class ServeEnvFront:
             await asyncio.wait_for(self._loaded.wait(), self._load_wait_s())
         except TimeoutError:
             return EnvLoadTimeout("the environment's load outlived its deadline").failure
-        return None if self.pool is not None else self.load_failure
+        return None if self.supervised is not None else self.load_failure
 
     # ------------------------------------------------------------------------------------ serving
 
@@ -198,7 +242,7 @@ class ServeEnvFront:
                 reply = failure_reply(failure)
             else:
                 reply = await serve_run(
-                    self.pool, request.payload, send_delta, timeout_s=self.config.run_timeout_s
+                    self._serving_pool, request.payload, send_delta, timeout_s=self.config.run_timeout_s
                 )
         except asyncio.CancelledError:  # `cancel`, or the front closing: answered all the same, as verifiers
             await asyncio.shield(

@@ -1,6 +1,9 @@
 """One `run` of the serve protocol: one supervised episode on the env pool, answered by exactly one reply.
 
-    reply = await serve_run(pool, payload, send_delta, timeout_s=3600.0)   # packed RunResponse bytes
+    reply = await serve_run(pools, payload, send_delta, timeout_s=3600.0)   # packed RunResponse bytes
+
+`pools(timeout, verify)` answers the serving env pool's handle for each dispatch (the front's supervised
+pool: one lost is restarted, and a re-dispatch waits for it, `verify` asking that it be checked alive).
 
 Why not `RolloutPlane.submit`: a plane rollout answers one `Result` at its end, from a rollout worker
 that drives the environment step by step; here verifiers' own code drives the episode on the env server
@@ -32,6 +35,7 @@ import msgpack
 from env_actors.direct import EnvCallFailed, forget_later, place, why_lost
 from rollout_actors.kernel import Failure, Loss, new_id
 from rollout_actors.kernel.faults import PartLost, Unavailable, exit_detail, ray_errors
+from rollout_actors.plane.pool_supervisor import PoolUnavailable
 from rollout_actors.plane.redispatch import REDISPATCH, RedispatchRule
 
 logger = logging.getLogger(__name__)
@@ -45,6 +49,8 @@ RUN_CALL = "run"
 """`Loss.call` of a lost run: a run lost before its first delta is lost at step 0."""
 
 SendDelta = Callable[[bytes], Awaitable[None]]
+Pools = Callable[[float, bool], Awaitable[Any]]
+"""(timeout, verify) -> the serving env pool's handle, or `PoolUnavailable`."""
 
 
 def failure_reply(failure: Failure) -> bytes:
@@ -67,7 +73,7 @@ class _Attempt:
 
 
 async def serve_run(
-    pool: Any,
+    pools: Pools,
     payload: bytes,
     send_delta: SendDelta,
     *,
@@ -82,6 +88,10 @@ async def serve_run(
     losses: list[Loss] = []
     alone = False
     while True:
+        try:
+            pool = await pools(max(0.0, deadline - loop.time()), bool(losses))
+        except PoolUnavailable as exc:  # no pool serving (its restart budget spent): answered at once
+            return failure_reply(exc.failure)
         attempt = await _dispatch(pool, payload, send_delta, deadline, alone)
         if attempt.reply is not None:
             return attempt.reply
