@@ -4,12 +4,14 @@ rollouts run                          # embedded defaults: local Ray, stand-in s
 rollouts run --base-url http://vllm:8000/v1 --model Qwen/Qwen3-8B --env env_actors.examples.math_env:MathEnv
 rollouts run --config run.toml [--print-config]     # every option as a TOML file; flags override it
 rollouts report rollouts-20261130-120000.jsonl --png report.png
+rollouts show rollouts-20261130-120000.jsonl -n 1 [--kind env]      # rollouts, turn by turn
+rollouts export rollouts-20261130-120000.jsonl --samples samples.parquet   # trainer samples
 rollouts pool-python ~/.pools/vf04 verifiers==0.4.0  # an env pool's interpreter (runtime_env py_executable)
 rollouts serve-env --address tcp://0.0.0.0:5555 --taskset my-taskset --py-executable /opt/vf04/bin/python
 rollouts serve-standin --port 8000    # the bundled CPU inference server alone, until Ctrl-C
 
 Each subcommand's flags and body live in `rollout_actors/job/` (`run_flags`, `run_batch`, `report`,
-`serve_standin`); this module only wires them.
+`export`, `serve_standin`); this module only wires them.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from pathlib import Path
 
 from rollout_actors.job import serve_standin
 from rollout_actors.job.run_config import to_toml
@@ -57,6 +60,20 @@ def _parser() -> argparse.ArgumentParser:
     report = sub.add_parser("report", help="summarise a finished run's JSON lines (and plot it)")
     report.add_argument("results", help="the JSON-lines file a run wrote")
     report.add_argument("--png", default=None, metavar="FILE", help="write the plots to this PNG file")
+    export = sub.add_parser(
+        "export",
+        help="write a finished run's trainer samples (token ids, loss mask, logprobs, ...) to a file",
+        description="Write one trainer sample per branch of each kept rollout of a run: token ids, loss "
+        "mask, logprobs, the policy version of each token, reward, group and request ids. Only `ok` "
+        "rollouts by default; --use KIND=train|mask|drop decides other kinds.",
+    )
+    export.add_argument("results", help="the JSON-lines file a run wrote")
+    export.add_argument("--samples", required=True, metavar="FILE", help="FILE.jsonl or FILE.parquet")
+    export.add_argument("--use", action="append", metavar="KIND=USE", help="e.g. cancelled=mask (repeatable)")
+    show = sub.add_parser("show", help="print rollouts of a finished run, turn by turn")
+    show.add_argument("results", help="the JSON-lines file a run wrote")
+    show.add_argument("-n", type=int, default=1, metavar="COUNT", help="how many rollouts (default 1)")
+    show.add_argument("--kind", default=None, metavar="KIND", help="only rollouts of this kind (e.g. env)")
     standin = sub.add_parser(
         "serve-standin",
         help="serve the bundled CPU stand-in inference server until Ctrl-C",
@@ -72,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if args.command == "report":
         return report(args.results, args.png)
+    if args.command in ("export", "show"):
+        return export_or_show(args)
     if args.command == "pool-python":
         return pool_python(args.home, args.requirements)
     if args.command == "serve-standin":
@@ -110,6 +129,21 @@ def report(path: str, png: str | None) -> int:
     print(format_summary(summarize(results)))
     if png:
         print(f"plots: {write_png(results, png)}")
+    return 0
+
+
+def export_or_show(args: argparse.Namespace) -> int:
+    from rollout_actors.job.export import ExportError, export_samples, parse_use, show
+
+    try:
+        if args.command == "show":
+            print("\n".join(show(args.results, args.n, args.kind)))
+        else:
+            read, written = export_samples(args.results, args.samples, parse_use(args.use))
+            print(f"samples: {written} from {read} rollouts -> {Path(args.samples).resolve()}")
+    except (ExportError, OSError) as exc:
+        print(f"rollouts {args.command}: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

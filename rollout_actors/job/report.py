@@ -1,9 +1,9 @@
 """`rollouts report RESULTS.jsonl [--png report.png]`: read a finished run back.
 
 Prints the summary: results by kind, reward, latency percentiles (and the same without the waits before
-the first turn), turns, rollouts/s, when the cold start ended and the first result came, the phase table
-(median, p90, p99 and share of the time per phase: where a turn's time goes), and failures grouped by type
-with one example message each. `--png` draws the run (`report_png.py`). It reads the JSON lines as plain
+the first turn), turns, the groups' learning signal (`group_stats.py`), rollouts/s, when the cold start
+ended and the first result came, the phase table (median, p90, p99 and share of the time per phase: where
+a turn's time goes), and failures grouped by type with one example message each. `--png` draws the run (`report_png.py`). It reads the JSON lines as plain
 dicts, so a file written by an older version of the plane (no timings) still reads.
 """
 
@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rollout_actors.job.group_stats import GroupStats, group_lines, group_stats
 from rollout_actors.job.timeline import Timeline, timeline
 from rollout_actors.timings import SERVER_PHASES, WAIT_PHASES, phase_name
 
@@ -39,6 +40,8 @@ class RunSummary:
     active: list[float] = field(default_factory=list)
     """Each rollout's latency less its waits before the first turn (and the plane's)."""
     time: Timeline | None = None
+    groups: GroupStats | None = None
+    """Reward spread inside groups, groups without a learning signal, pass@k, per-task means."""
 
     @property
     def mean_reward(self) -> float | None:
@@ -92,6 +95,7 @@ def summarize(results: list[dict[str, Any]]) -> RunSummary:
         elapsed_s=run.end_s,
         failures=dict(sorted(failures.items(), key=lambda item: -item[1][0])),
         time=run,
+        groups=group_stats(results),
     )
 
 
@@ -150,6 +154,7 @@ def format_summary(summary: RunSummary) -> str:
         f"p90 {secs(percentile(active, 90))}, p99 {secs(percentile(active, 99))}",
         f"turns: mean {sum(turns) / len(turns):.2f}, max {max(turns)}" if turns else "turns: n/a",
     ]
+    lines += group_lines(summary.groups)
     if summary.time is not None:
         lines += format_timings(summary.time)
     lines += failure_lines(summary)
