@@ -158,7 +158,7 @@ def test_a_run_whose_env_pool_is_not_restarted_is_answered_at_once():
     from rollout_actors.plane.pool_supervisor import PoolUnavailable
 
     async def pools(timeout: float, verify: bool) -> FakePool:
-        raise PoolUnavailable(Failure(type="RestartBudgetSpent", message="env pool is not restarted"))
+        raise PoolUnavailable("env pool is not restarted: restart budget spent")
 
     async def send(frame: bytes) -> None:
         raise AssertionError("nothing was dispatched: nothing to stream")
@@ -166,5 +166,5 @@ def test_a_run_whose_env_pool_is_not_restarted_is_answered_at_once():
     reply = asyncio.run(serve_run(pools, b"payload", send, timeout_s=30.0))
     assert msgpack.unpackb(reply, raw=False) == {
         "success": False,
-        "error": "RestartBudgetSpent: env pool is not restarted",
+        "error": "PoolUnavailable: env pool is not restarted: restart budget spent",
     }
