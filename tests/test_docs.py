@@ -6,9 +6,6 @@ rules, `test_readme.py`, and this module's own)."""
 
 from __future__ import annotations
 
-import ast
-import asyncio
-import inspect
 import json
 import os
 import subprocess
@@ -19,7 +16,13 @@ from pathlib import Path
 import pytest
 from readme import block as block_under
 from readme import blocks, commands
-from test_readme import NOT_RUN, PYTHON_BLOCK_DEADLINE_S, RUN_BY_DEV_LOOP_TEST, RUN_HERE, _substitute
+from test_readme import (
+    NOT_RUN,
+    PYTHON_BLOCK_DEADLINE_S,
+    RUN_BY_DEV_LOOP_TEST,
+    RUN_HERE,
+    run_python_block,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -82,21 +85,7 @@ PYTHON_BLOCKS = [(page, b) for page in PAGES for b in blocks("python", page)]
 )
 def test_every_python_block_in_the_docs_runs(page, snippet, ray_session, standin):
     """As `test_readme.py` runs the README's: against the suite's stand-in, on the session Ray."""
-    code = compile(
-        _substitute(snippet.code, standin.base_url),
-        f"{page.name}:{snippet.line}",
-        "exec",
-        flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT,
-    )
-    namespace: dict = {"__name__": "__docs__"}
-
-    async def run_async() -> None:
-        await asyncio.wait_for(eval(code, namespace), PYTHON_BLOCK_DEADLINE_S)
-
-    if code.co_flags & inspect.CO_COROUTINE:  # the block awaits at top level
-        asyncio.run(run_async())
-    else:
-        exec(code, namespace)
+    run_python_block(snippet.code, f"{page.name}:{snippet.line}", standin.base_url, "__docs__")
 
 
 @pytest.mark.slow

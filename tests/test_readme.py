@@ -73,13 +73,14 @@ def _substitute(code: str, base_url: str) -> str:
 @pytest.mark.timeout(PYTHON_BLOCK_DEADLINE_S + 30)
 @pytest.mark.parametrize("snippet", blocks("python"), ids=lambda b: b.name)
 def test_python_block_runs(snippet, ray_session, standin):
-    code = compile(
-        _substitute(snippet.code, standin.base_url),
-        f"README.md:{snippet.line}",
-        "exec",
-        flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT,
-    )
-    namespace: dict = {"__name__": "__readme__"}
+    run_python_block(snippet.code, f"README.md:{snippet.line}", standin.base_url, "__readme__")
+
+
+def run_python_block(text: str, where: str, base_url: str, module: str) -> None:
+    """Run a documented Python block as written, against `base_url` (a block that awaits at top level
+    runs on its own event loop), within `PYTHON_BLOCK_DEADLINE_S`."""
+    code = compile(_substitute(text, base_url), where, "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT)
+    namespace: dict = {"__name__": module}
 
     async def run_async() -> None:
         await asyncio.wait_for(eval(code, namespace), PYTHON_BLOCK_DEADLINE_S)
